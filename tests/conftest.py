@@ -1,0 +1,52 @@
+"""Shared fixtures: the real default model (loaded once per session) and tiny random models."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pjinfer.config import ModelConfig
+
+
+def tiny_config(arch: str = "llama", activation: str = "swiglu", **changes) -> ModelConfig:
+    base = dict(arch=arch, vocab_size=97, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2 if arch == "llama" else 4,
+                head_dim=12, d_ff=72, activation=activation, max_seq_len=128, rope_theta=10000.0,
+                tie_embeddings=arch == "opt", eos_ids=(3,))
+    base.update(changes)
+    return ModelConfig(**base)
+
+
+def random_weights(config: ModelConfig, seed: int = 0) -> dict:
+    """Canonical weights (see pjinfer/model.py) drawn at a scale that keeps activations O(1)."""
+    rng = np.random.default_rng(seed)
+    d, f = config.d_model, config.d_ff
+    q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    w = lambda *shape: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+    near_one = lambda n: (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    small = lambda n: (0.1 * rng.standard_normal(n)).astype(np.float32)
+    out = {"embed": w(config.vocab_size, d), "final_norm.scale": near_one(d)}
+    if not config.tie_embeddings:
+        out["lm_head"] = w(config.vocab_size, d)
+    opt = config.arch == "opt"
+    if opt:
+        out["pos_embed"] = w(config.max_seq_len, d)
+        out["final_norm.bias"] = small(d)
+    for i in range(config.n_layers):
+        p = f"layers.{i}."
+        out.update({p + "attn_norm.scale": near_one(d), p + "ffn_norm.scale": near_one(d),
+                    p + "wq": w(q, d), p + "wk": w(kv, d), p + "wv": w(kv, d), p + "wo": w(d, q),
+                    p + "w_up": w(f, d), p + "w_down_t": w(f, d) * np.sqrt(d / f)})
+        if config.gated:
+            out[p + "w_gate"] = w(f, d)
+        if opt:
+            out.update({p + "attn_norm.bias": small(d), p + "ffn_norm.bias": small(d), p + "bq": small(q),
+                        p + "bk": small(kv), p + "bv": small(kv), p + "bo": small(d), p + "b_up": small(f),
+                        p + "b_down": small(d)})
+    return out
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """The real SmolLM2-135M from its wheel: loaded once, shared by every test that needs it."""
+    from pjinfer.engine import Engine
+
+    return Engine.load()

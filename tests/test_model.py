@@ -1,0 +1,127 @@
+"""The model and the jitted generate on tiny random models of every architecture and activation."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pjinfer.config import ConfigError
+from pjinfer.engine import Engine
+from pjinfer.model import KVCache, Transformer
+from pjinfer.runtime import CompileStats
+from pjinfer.sampling import Sampling
+from tests.conftest import random_weights, tiny_config
+
+FAMILIES = [("llama", "swiglu"), ("llama", "geglu"), ("llama", "reglu"), ("llama", "drelu"), ("opt", "relu")]
+
+
+def full_logits(model, ids):
+    hidden, _ = model(jnp.asarray(ids)[None], 0, KVCache.create(model.config, 1, len(ids)))
+    return np.asarray(model.logits(hidden[0]))
+
+
+@pytest.mark.parametrize("arch,activation", FAMILIES)
+def test_cached_decode_matches_full_forward(arch, activation):
+    # Prefill 5 tokens, then feed 6 more one at a time through the cache: each step's logits must
+    # equal those of one causal forward over the whole sequence.
+    config = tiny_config(arch, activation)
+    model = Transformer(config, random_weights(config, seed=1))
+    ids = np.random.default_rng(2).integers(0, config.vocab_size, 11)
+    expected = full_logits(model, ids)
+    cache = KVCache.create(config, 1, 32)
+    hidden, cache = model(jnp.asarray(ids[:5])[None], 0, cache)
+    got = [np.asarray(model.logits(hidden[0]))]
+    for pos in range(5, 11):
+        hidden, cache = model(jnp.asarray(ids[pos:pos + 1])[None], pos, cache)
+        got.append(np.asarray(model.logits(hidden[0])))
+    np.testing.assert_allclose(np.concatenate(got), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_untied_head_differs_from_tied():
+    config = tiny_config(tie_embeddings=False)
+    weights = random_weights(config)
+    ids = np.arange(7)
+    untied = full_logits(Transformer(config, weights), ids)
+    tied = full_logits(Transformer(config.replace(tie_embeddings=True), weights), ids)
+    assert not np.allclose(untied, tied)
+
+
+def test_activations_match_their_definitions():
+    from pjinfer.model import activate
+
+    g, u = jnp.array([-2.0, -0.5, 0.0, 0.7, 3.0]), jnp.array([1.5, -1.0, 2.0, -0.3, 0.5])
+    silu = lambda x: x / (1 + np.exp(-x))
+    np.testing.assert_allclose(activate("swiglu", g, u), silu(np.asarray(g)) * np.asarray(u), rtol=1e-6)
+    np.testing.assert_allclose(activate("reglu", g, u), np.maximum(g, 0) * u)
+    np.testing.assert_allclose(activate("drelu", g, u), np.maximum(g, 0) * np.maximum(u, 0))
+    np.testing.assert_allclose(activate("relu", None, u), np.maximum(u, 0))
+
+
+def test_config_rejects_unknown_architecture_and_activation():
+    with pytest.raises(ConfigError, match="architecture"):
+        tiny_config("gpt_neox")
+    with pytest.raises(ConfigError, match="activation"):
+        tiny_config("llama", "relu")
+    with pytest.raises(ConfigError, match="missing weight"):
+        config = tiny_config()
+        weights = random_weights(config)
+        del weights["layers.1.w_up"]
+        Transformer(config, weights)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    config = tiny_config()
+    return Engine(config, random_weights(config, seed=3), tokenizer=None)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.9, top_k=20, top_p=0.9, seed=7)])
+def test_generate_equals_stream(tiny_engine, sampling):
+    # The while_loop generate and the step-by-step stream share the decode step and the key schedule.
+    prompt = [5, 17, 42, 8, 1, 60, 9]
+    whole = tiny_engine.generate(prompt, max_new_tokens=20, sampling=sampling, stop_ids=[])
+    streamed = list(tiny_engine.stream(prompt, max_new_tokens=20, sampling=sampling, stop_ids=[]))
+    assert len(whole) == 20
+    assert whole == streamed
+
+
+def test_generate_stops_at_stop_id(tiny_engine):
+    prompt = [5, 17, 42]
+    free = tiny_engine.generate(prompt, max_new_tokens=12, stop_ids=[])
+    stop = free[4]
+    first = free.index(stop)
+    assert tiny_engine.generate(prompt, max_new_tokens=12, stop_ids=[stop]) == free[:first]
+    assert list(tiny_engine.stream(prompt, max_new_tokens=12, stop_ids=[stop])) == free[:first]
+
+
+def test_sampling_seed_is_reproducible(tiny_engine):
+    prompt = [5, 17, 42, 8]
+    run = lambda seed: tiny_engine.generate(prompt, max_new_tokens=16, sampling=Sampling(1.0, seed=seed),
+                                            stop_ids=[])
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_no_recompilation_within_buckets(tiny_engine):
+    # Warm the buckets once, then vary prompt length, token budget and sampling values inside them:
+    # nothing may compile again.
+    greedy, hot = Sampling(), Sampling(temperature=0.7, top_k=5, top_p=0.8)
+    for s in (greedy, hot):
+        tiny_engine.generate([1, 2, 3], max_new_tokens=4, sampling=s, stop_ids=[])
+        list(tiny_engine.stream([1, 2, 3], max_new_tokens=4, sampling=s, stop_ids=[]))
+    with CompileStats() as stats:
+        for n in (1, 5, 9, 16):
+            for s in (greedy, hot, Sampling(temperature=1.3, top_k=0, top_p=1.0, seed=n)):
+                tiny_engine.generate(list(range(1, n + 1)), max_new_tokens=3 * n, sampling=s, stop_ids=[])
+                list(tiny_engine.stream(list(range(1, n + 1)), max_new_tokens=n + 1, sampling=s, stop_ids=[]))
+    assert stats.executables == 0
+    with CompileStats() as stats:  # a longer prompt bucket does compile: the counter sees it
+        tiny_engine.generate(list(range(1, 20)), max_new_tokens=2, stop_ids=[])
+    assert stats.executables >= 1
+
+
+def test_plan_refuses_what_the_context_cannot_hold(tiny_engine):
+    assert tiny_engine.plan(10, 20) == (16, 128)  # the cache bucket is capped at the context (128)
+    with pytest.raises(ConfigError, match="exceed the model's context of 128"):
+        tiny_engine.plan(100, 29)
+    with pytest.raises(ConfigError, match="empty"):
+        tiny_engine.plan(0, 5)
