@@ -34,7 +34,7 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict:
         p = f"layers.{i}."
         out.update({p + "attn_norm.scale": near_one(d), p + "ffn_norm.scale": near_one(d),
                     p + "wq": w(q, d), p + "wk": w(kv, d), p + "wv": w(kv, d), p + "wo": w(d, q),
-                    p + "w_up": w(f, d), p + "w_down_t": w(f, d) * np.sqrt(d / f)})
+                    p + "w_up": w(f, d), p + "w_down_t": w(f, d) * float(np.sqrt(d / f))})
         if config.gated:
             out[p + "w_gate"] = w(f, d)
         if opt:

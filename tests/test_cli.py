@@ -1,0 +1,58 @@
+"""Bad input gets one clear line on stderr and exit code 2: no traceback, no output."""
+import subprocess
+import sys
+
+import pytest
+
+
+def pjinfer(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "pjinfer.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_clean_error(result, fragment):
+    assert result.returncode == 2, result.stderr
+    lines = [l for l in result.stderr.splitlines() if l.startswith("pjinfer:")]
+    assert len(lines) == 1 and fragment in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["generate", "--prompt", "x", "--temperature", "-1"], "temperature must be >= 0"),
+    (["generate", "--prompt", "x", "--top-p", "0"], "top-p must be in (0, 1]"),
+    (["generate", "--prompt", "x", "--top-k", "-3"], "top-k must be >= 0"),
+    (["generate", "--prompt", "x", "--max-new-tokens", "0"], "must be >= 1"),
+    (["generate"], "--prompt"),
+    (["perplexity", "--text-file", "/nonexistent.txt"], "text file not found"),
+    (["generate", "--prompt", "x", "--model", "/nonexistent.gguf"], "model not found"),
+])
+def test_bad_arguments(args, fragment):
+    assert_clean_error(pjinfer(*args), fragment)
+
+
+def test_empty_and_binary_text_files(tmp_path):
+    (tmp_path / "empty.txt").write_text("  \n")
+    assert_clean_error(pjinfer("perplexity", "--text-file", str(tmp_path / "empty.txt")), "is empty")
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00abc")
+    assert_clean_error(pjinfer("perplexity", "--text-file", str(tmp_path / "bin.txt")), "not UTF-8")
+
+
+def test_truncated_and_unknown_models(tmp_path):
+    from tests.conftest import random_weights, tiny_config
+    from tests.test_gguf_loader import write_tiny_gguf
+
+    config = tiny_config()
+    write_tiny_gguf(tmp_path / "m.gguf", config, random_weights(config))
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:len(data) - 1000])
+    assert_clean_error(pjinfer("generate", "--prompt", "x", "--model", str(tmp_path / "cut.gguf")), "truncated")
+    write_tiny_gguf(tmp_path / "o.gguf", config, random_weights(config), arch="qwen2")
+    assert_clean_error(pjinfer("generate", "--prompt", "x", "--model", str(tmp_path / "o.gguf")),
+                       "unsupported GGUF architecture 'qwen2'")
+
+
+def test_prompt_longer_than_the_context(tmp_path):
+    # The real model's context is 8192 tokens; each " the" is one token.
+    result = pjinfer("generate", "--prompt", " the" * 8200, "--max-new-tokens", "4")
+    assert_clean_error(result, "exceed the model's context of 8192 tokens")

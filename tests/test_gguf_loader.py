@@ -1,0 +1,131 @@
+"""The GGUF loader on tiny files written here with gguf's own writer (the real file is in test_real_model)."""
+import gguf
+import numpy as np
+import pytest
+
+from pjinfer import loader
+from pjinfer.config import ConfigError
+from tests.conftest import random_weights, tiny_config
+
+
+def byte_level_vocab():
+    # GPT-2's byte-to-unicode table: every byte is a printable character, so every text encodes.
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, n = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return [chr(c) for c in chars]
+
+
+def permute_like_llama_cpp(w, n_heads):
+    # What llama.cpp's converter does to HF's q/k rows (interleaved rotary pairs); the loader undoes it.
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path, config, weights, *, arch="llama", quantize=False):
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = specials + byte_level_vocab() + ["Ġt", "he", "Ġthe"]
+    merges = ["Ġ t", "h e", "Ġt he"]
+    types = [3] * len(specials) + [1] * (len(tokens) - len(specials))
+    config = config.replace(vocab_size=len(tokens))
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(config.n_layers)
+    w.add_context_length(config.max_seq_len)
+    w.add_embedding_length(config.d_model)
+    w.add_feed_forward_length(config.d_ff)
+    w.add_head_count(config.n_heads)
+    w.add_head_count_kv(config.n_kv_heads)
+    w.add_rope_dimension_count(config.head_dim)
+    w.add_rope_freq_base(config.rope_theta)
+    w.add_layer_norm_rms_eps(config.norm_eps)
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types(types)
+    w.add_eos_token_id(2)
+    w.add_bos_token_id(1)
+    w.add_add_bos_token(False)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    rng = np.random.default_rng(5)
+    weights = dict(weights, embed=(rng.standard_normal((len(tokens), config.d_model)) * 0.1).astype(np.float32))
+    names = {"embed": "token_embd.weight", "final_norm.scale": "output_norm.weight", "lm_head": "output.weight"}
+    per_layer = {"attn_norm.scale": "attn_norm", "ffn_norm.scale": "ffn_norm", "wq": "attn_q", "wk": "attn_k",
+                 "wv": "attn_v", "wo": "attn_output", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down_t": "ffn_down"}
+    for name, value in weights.items():
+        if name.startswith("layers."):
+            _, i, rest = name.split(".", 2)
+            gname = f"blk.{i}.{per_layer[rest]}.weight"
+        else:
+            gname = names[name]
+        if rest_is(name, "wq"):
+            value = permute_like_llama_cpp(value, config.n_heads)
+        elif rest_is(name, "wk"):
+            value = permute_like_llama_cpp(value, config.n_kv_heads)
+        elif rest_is(name, "w_down_t"):
+            value = np.ascontiguousarray(value.T)
+        if quantize and value.ndim == 2:
+            q = gguf.quants.quantize(value, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(gname, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return config, weights
+
+
+def rest_is(name, suffix):
+    return name.startswith("layers.") and name.endswith("." + suffix)
+
+
+@pytest.fixture
+def tiny():
+    config = tiny_config(d_model=64, head_dim=16, d_ff=96, tie_embeddings=False)
+    return config, random_weights(config, seed=11)
+
+
+def test_round_trip_restores_canonical_weights(tmp_path, tiny):
+    config, weights = write_tiny_gguf(tmp_path / "m.gguf", *tiny)
+    got_config, got, tok = loader.load(tmp_path / "m.gguf")
+    assert got_config == config.replace(name=got_config.name, bos_id=1, eos_ids=(2,), norm_eps=got_config.norm_eps)
+    assert abs(got_config.norm_eps - config.norm_eps) < 1e-9
+    assert set(got) == set(weights)
+    for name in weights:
+        np.testing.assert_array_equal(got[name], weights[name], err_msg=name)
+    # "the" has no merge "t he"; " the" merges all the way to "Ġthe".
+    assert tok.encode("the the") == [tok.token_id("t"), tok.token_id("he"), tok.token_id("Ġthe")]
+    assert tok.decode(tok.encode("the the 123")) == "the the 123"
+
+
+def test_quantized_tensors_dequantize_close(tmp_path, tiny):
+    _, weights = write_tiny_gguf(tmp_path / "q.gguf", *tiny, quantize=True)
+    _, got, _ = loader.load(tmp_path / "q.gguf")
+    for name in ("layers.0.wq", "layers.1.w_down_t", "embed"):
+        scale = np.abs(weights[name]).max()
+        np.testing.assert_allclose(got[name], weights[name], atol=scale / 100)
+
+
+def test_unsupported_architecture_is_refused(tmp_path, tiny):
+    write_tiny_gguf(tmp_path / "g.gguf", *tiny, arch="gpt2")
+    with pytest.raises(ConfigError, match="unsupported GGUF architecture 'gpt2'"):
+        loader.load(tmp_path / "g.gguf")
+
+
+def test_truncated_and_foreign_files_are_refused(tmp_path, tiny):
+    write_tiny_gguf(tmp_path / "m.gguf", *tiny)
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError, match="truncated"):
+        loader.load(tmp_path / "cut.gguf")
+    (tmp_path / "text.gguf").write_text("not a model")
+    with pytest.raises(ConfigError, match="truncated or not a GGUF"):
+        loader.load(tmp_path / "text.gguf")
+    with pytest.raises(ConfigError, match="model not found"):
+        loader.load(tmp_path / "absent.gguf")

@@ -1,0 +1,36 @@
+"""The default model's tokenizer, built from its GGUF metadata."""
+from pjinfer.tokenizer import StreamDecoder
+
+
+def test_digits_split_one_by_one_and_no_bos(engine):
+    tok = engine.tokenizer
+    ids = tok.encode("In 2024")
+    assert [tok.decode([i]) for i in ids] == ["In", " ", "2", "0", "2", "4"]
+    assert ids[0] != engine.config.bos_id
+
+
+def test_round_trip_of_mixed_text(engine):
+    text = "Grüße, 世界! def f(x):\n    return x ** 2  # 🙂\n\n\tend"
+    assert engine.tokenizer.decode(engine.tokenizer.encode(text)) == text
+
+
+def test_special_tokens_are_single_ids(engine):
+    tok = engine.tokenizer
+    assert tok.encode("<|im_start|>user") == [tok.token_id("<|im_start|>"), tok.token_id("user")]
+    assert tok.token_id("<|im_end|>") in tok.eos_ids
+
+
+def test_chat_template_renders_the_models_format(engine):
+    text = engine.tokenizer.apply_chat([{"role": "user", "content": "Hi"}])
+    assert text.startswith("<|im_start|>system\n")
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_stream_decoder_never_splits_a_character(engine):
+    tok = engine.tokenizer
+    text = "naïve 🙂 emoji 世界"
+    ids = tok.encode(text)
+    decoder = StreamDecoder(tok)
+    pieces = [decoder.push(i) for i in ids]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
