@@ -58,3 +58,48 @@ def run(engine: Engine, *, prompt_len: int, new_tokens: int, runs: int, progress
         "generate_s": statistics.median(total_s), "prefill_s": p,
         "weights_mb": sum(np.asarray(x).nbytes for x in jax.tree.leaves(engine.state)) / 1e6,
     }
+
+
+def breakdown(engine: Engine, *, cache_len: int = 256, repeats: int = 20) -> dict:
+    """Where one decode step's time goes: every layer's attention, every layer's FFN and the output
+    head, each timed as its own jitted function on a one-token input (median ms), against the whole step."""
+    from flax import nnx
+
+    from pjinfer.model import KVCache
+
+    graphdef, state = engine.graphdef, engine.state
+    x = jnp.ones((1, 1, engine.config.d_model), jnp.float32) * 0.1
+    cache = KVCache.create(engine.config, 1, cache_len)
+    pos = jnp.int32(cache_len // 2)
+
+    @jax.jit
+    def attention(state, x, cache):
+        model = nnx.merge(graphdef, state)
+        return [layer.attn(layer.attn_norm(x), pos, k, v)[0] for layer, k, v in zip(model.layers, cache.k, cache.v)]
+
+    @jax.jit
+    def ffn(state, x):
+        model = nnx.merge(graphdef, state)
+        return [layer.ffn(layer.ffn_norm(x)) for layer in model.layers]
+
+    @jax.jit
+    def head(state, x):
+        return nnx.merge(graphdef, state).logits(x)
+
+    @jax.jit
+    def step(state, token, cache):
+        return gen._step(nnx.merge(graphdef, state), token, pos, cache)
+
+    def ms(fn, *args):
+        jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - t)
+        return 1000 * statistics.median(times)
+
+    parts = {"attention_ms": ms(attention, state, x, cache), "ffn_ms": ms(ffn, state, x),
+             "head_ms": ms(head, state, x), "step_ms": ms(step, state, jnp.int32(7), cache)}
+    parts["other_ms"] = parts["step_ms"] - parts["attention_ms"] - parts["ffn_ms"] - parts["head_ms"]
+    return parts

@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=_positive_int, default=16)
     p.add_argument("--new-tokens", type=_positive_int, default=128)
     p.add_argument("--runs", type=_positive_int, default=5)
+    p.add_argument("--breakdown", action="store_true", help="also time attention, FFN and head of one decode step")
     return parser
 
 
@@ -86,11 +87,11 @@ def cmd_generate(args):
     start = time.perf_counter()
     if args.json:
         out = engine.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling)
-        first = None
     else:
-        out, first, decoder = [], None, StreamDecoder(tok)
+        out, decoder = [], StreamDecoder(tok)
         for token in engine.stream(ids, max_new_tokens=args.max_new_tokens, sampling=sampling):
-            first = first or time.perf_counter()
+            if len(out) == 1:  # the second token has paid for the decode step's compilation
+                second = time.perf_counter()
             out.append(token)
             sys.stdout.write(decoder.push(token))
             sys.stdout.flush()
@@ -102,10 +103,10 @@ def cmd_generate(args):
     if args.json:
         print(json.dumps({"text": tok.decode(out), "token_ids": out, **timing}))
     else:
-        rate = (len(out) - 1) / (time.perf_counter() - first) if first and len(out) > 1 else 0.0
+        rate = f", {(len(out) - 2) / (time.perf_counter() - second):.1f} tok/s" if len(out) > 2 else ""
         _say(f"load {timing['load_s']:.1f} s, compile {timing['compile_s']:.1f} s "
              f"({stats.executables} executables, {stats.cache_hits} from the disk cache), "
-             f"{len(out)} tokens in {elapsed:.1f} s ({rate:.1f} tok/s after the first)")
+             f"{len(out)} tokens in {elapsed:.1f} s{rate}")
 
 
 def cmd_perplexity(args):
@@ -128,12 +129,18 @@ def cmd_bench(args):
     engine = _load(args)
     result = bench.run(engine, prompt_len=args.prompt_len, new_tokens=args.new_tokens, runs=args.runs,
                        progress=Progress("bench runs", args.runs))
+    if args.breakdown:
+        result["breakdown"] = bench.breakdown(engine)
     if args.json:
         print(json.dumps(result))
-    else:
-        print(f"prefill {result['prefill_tok_s']:.1f} tok/s ({args.prompt_len} tokens), "
-              f"decode {result['decode_tok_s']:.1f} tok/s ({result['decode_ms_per_token']:.1f} ms/token, "
-              f"{args.new_tokens} tokens), median of {args.runs} runs; weights {result['weights_mb']:.0f} MB")
+        return
+    if args.breakdown:
+        b = result["breakdown"]
+        print("one decode step: " + ", ".join(f"{k[:-3]} {v:.1f} ms ({100 * v / b['step_ms']:.0f}%)"
+                                              for k, v in b.items() if k != "step_ms") + f"; step {b['step_ms']:.1f} ms")
+    print(f"prefill {result['prefill_tok_s']:.1f} tok/s ({args.prompt_len} tokens), "
+          f"decode {result['decode_tok_s']:.1f} tok/s ({result['decode_ms_per_token']:.1f} ms/token, "
+          f"{args.new_tokens} tokens), median of {args.runs} runs; weights {result['weights_mb']:.0f} MB")
 
 
 COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "bench": cmd_bench}

@@ -103,6 +103,8 @@ def load_gguf(path: Path, *, progress=None):
                  "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv", "attn_output.weight": "wo",
                  "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down_t"}
     weights = {}
+    if progress:
+        progress(0, len(reader.tensors))
     for n, t in enumerate(reader.tensors):
         if t.name.startswith("blk."):
             _, i, rest = t.name.split(".", 2)

@@ -17,6 +17,9 @@ class Progress:
     def __call__(self, done: int, total: int | None = None):
         self.done, self.total = done, total or self.total
         now = time.perf_counter()
+        if done == 0:  # the work starts now (after, say, reading a file header): rate and ETA count from here
+            self.start = self.last = now
+            return
         if done >= self.total or now - self.last >= self.every:
             self.last = now
             self._draw(now, final=done >= self.total)

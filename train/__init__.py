@@ -1,0 +1,1 @@
+"""Predictor training with optax; see README.md."""
