@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	$(VENV)/bin/pjinfer generate --prompt "The capital of France is" --max-new-tokens 48
+	$(VENV)/bin/pjinfer generate --prompt "Once upon a time, in a small village by the sea," --max-new-tokens 48
 
 test: setup
 	$(PY) -m pytest -q
