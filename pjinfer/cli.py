@@ -53,6 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=_positive_int, default=128)
     p.add_argument("--runs", type=_positive_int, default=5)
     p.add_argument("--breakdown", action="store_true", help="also time attention, FFN and head of one decode step")
+
+    p = command("profile", "measure how often each FFN neuron fires; starts (or refreshes) a sparse bundle")
+    p.add_argument("--bundle", required=True, help="bundle directory (created if absent)")
+    p.add_argument("--text-file", help="calibration text (default: the exllamav2 calibration set)")
+    p.add_argument("--tokens", type=_positive_int, default=32768, help="tokens to profile (whole 1024-token calls)")
+    p.add_argument("--sparsity", type=float, default=0.5,
+                   help="target share of inactive neurons per layer for smooth activations (SwiGLU, GeGLU); "
+                        "ignored for the ReLU family, where inactive means exactly zero")
+    p.add_argument("--train-tokens", type=_positive_int, default=12288,
+                   help="tokens kept for predictor training (memory: layers x tokens x d_model x 2 bytes)")
     return parser
 
 
@@ -143,7 +153,18 @@ def cmd_bench(args):
           f"{args.new_tokens} tokens), median of {args.runs} runs; weights {result['weights_mb']:.0f} MB")
 
 
-COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "bench": cmd_bench}
+def cmd_profile(args):
+    from pjinfer import offline
+    from pjinfer.profile import EXACT_ACTIVATIONS
+    from pjinfer.progress import Progress
+
+    engine = _load(args)
+    sparsity = None if engine.config.activation in EXACT_ACTIVATIONS else args.sparsity
+    offline.run_profile(engine, args.bundle, text_file=args.text_file, tokens=args.tokens, sparsity=sparsity,
+                        train_tokens=args.train_tokens, progress=Progress("profiling", 0, " tok"))
+
+
+COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "bench": cmd_bench, "profile": cmd_profile}
 
 
 def main(argv=None) -> int:

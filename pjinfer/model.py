@@ -164,9 +164,11 @@ class Block(nnx.Module):
         self.ffn = FFN(config, weights, p)
 
     def __call__(self, x, start, k_cache, v_cache):
+        """Returns the block's output, the FFN's input (what predictors see) and the updated cache."""
         h, k_cache, v_cache = self.attn(self.attn_norm(x), start, k_cache, v_cache)
         x = x + h
-        return x + self.ffn(self.ffn_norm(x)), k_cache, v_cache
+        ffn_in = self.ffn_norm(x)
+        return x + self.ffn(ffn_in), ffn_in, k_cache, v_cache
 
 
 class Transformer(nnx.Module):
@@ -181,17 +183,21 @@ class Transformer(nnx.Module):
         if self.embed.shape != expected:
             raise ConfigError(f"embedding shape {self.embed.shape} does not match the config's {expected}")
 
-    def __call__(self, tokens, start, cache: KVCache):
-        """tokens [B, T] at positions start..start+T-1 -> final hidden states [B, T, d], updated cache."""
+    def __call__(self, tokens, start, cache: KVCache, *, capture: bool = False):
+        """tokens [B, T] at positions start..start+T-1 -> final hidden states [B, T, d], updated cache.
+
+        With capture=True also returns every layer's FFN input [B, T, d] (for the profiler)."""
         x = self.embed[...][tokens]
         if self.pos_embed is not None:
             x = x + jax.lax.dynamic_slice_in_dim(self.pos_embed[...], start, tokens.shape[1])[None]
-        ks, vs = [], []
+        ks, vs, ffn_inputs = [], [], []
         for layer, k, v in zip(self.layers, cache.k, cache.v):
-            x, k, v = layer(x, start, k, v)
+            x, ffn_in, k, v = layer(x, start, k, v)
             ks.append(k)
             vs.append(v)
-        return self.final_norm(x), KVCache(k=ks, v=vs)
+            ffn_inputs.append(ffn_in)
+        out = self.final_norm(x), KVCache(k=ks, v=vs)
+        return (*out, ffn_inputs) if capture else out
 
     def logits(self, hidden):
         head = self.embed if self.lm_head is None else self.lm_head

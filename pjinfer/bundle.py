@@ -1,0 +1,123 @@
+"""The sparse bundle: everything the offline pipeline produced for one model, in one directory.
+
+    DIR/manifest.json      model identity and hash, settings, achieved figures, per stage
+    DIR/profile/           orbax: thresholds, per-neuron frequency and mass; beside it the
+                           predictor training data (train_inputs.npy float16, train_labels.npy
+                           packed bits), which only `train-predictors` reads, and locality.png,
+                           the activation-frequency figure
+    DIR/predictors/        orbax: one predictor state per layer
+    DIR/placement/         orbax: which neurons are hot (live on the accelerator)
+
+Every stage writes into a temporary directory and renames it into place, and the manifest is
+replaced atomically after it, so a failed or interrupted stage leaves the previous bundle intact.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from pjinfer.config import ConfigError
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+
+
+def _checkpointer():
+    import orbax.checkpoint as ocp
+
+    return ocp.StandardCheckpointer()
+
+
+class Bundle:
+    def __init__(self, path: Path, manifest: dict):
+        self.path = Path(path)
+        self.manifest = manifest
+
+    # ------------------------------------------------------------ opening
+    @classmethod
+    def create(cls, path, *, model: dict) -> "Bundle":
+        """A new bundle for `model` (source, identity, name, arch, n_layers, d_ff), or the existing one
+        at `path` when it was made for the same model."""
+        path = Path(path)
+        if (path / MANIFEST).exists():
+            bundle = cls.open(path)
+            bundle.check_model(model["identity"])
+            return bundle
+        if path.exists() and any(path.iterdir()):
+            raise ConfigError(f"{path} exists and is not a pjinfer bundle; choose a new directory")
+        path.mkdir(parents=True, exist_ok=True)
+        bundle = cls(path, {"format": FORMAT, "model": model, "stages": {}})
+        bundle._write_manifest()
+        return bundle
+
+    @classmethod
+    def open(cls, path) -> "Bundle":
+        path = Path(path)
+        file = path / MANIFEST
+        if not file.exists():
+            raise ConfigError(f"{path} is not a pjinfer bundle (no {MANIFEST}); build one with `make bundle`")
+        try:
+            manifest = json.loads(file.read_text())
+            if manifest.get("format") != FORMAT or "model" not in manifest:
+                raise ValueError(f"format {manifest.get('format')!r}")
+        except (json.JSONDecodeError, ValueError, AttributeError) as e:
+            raise ConfigError(f"bundle manifest {file} is corrupt ({e})") from None
+        return cls(path, manifest)
+
+    def check_model(self, identity: str) -> None:
+        made_for = self.manifest["model"]
+        if made_for.get("identity") != identity:
+            raise ConfigError(f"bundle {self.path} was made for another model ({made_for.get('name')}, "
+                              f"hash {made_for.get('identity')}); this model's hash is {identity}")
+
+    def require(self, stage: str) -> dict:
+        if stage not in self.manifest["stages"]:
+            raise ConfigError(f"bundle {self.path} has no {stage} yet; run `pjinfer {_MAKES[stage]} --bundle {self.path}`")
+        return self.manifest["stages"][stage]
+
+    # ------------------------------------------------------------ stages
+    def save_stage(self, stage: str, tree: dict, record: dict, *, extra_files: dict | None = None) -> None:
+        """Write `tree` with orbax as DIR/stage, then record its settings and figures in the manifest."""
+        final = self.path / stage
+        tmp = self.path / f".{stage}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            with _checkpointer() as ckpt:
+                ckpt.save(tmp.resolve() / "state", tree)
+            for name, write in (extra_files or {}).items():
+                write(tmp / name)
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.manifest["stages"][stage] = record
+        self._write_manifest()
+
+    def load_stage(self, stage: str) -> dict:
+        self.require(stage)
+        try:
+            with _checkpointer() as ckpt:
+                return ckpt.restore((self.path / stage / "state").resolve())
+        except Exception as e:  # orbax and tensorstore raise many kinds; all mean the same to a user
+            raise ConfigError(f"bundle {self.path}: cannot read {stage} ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:200] if str(e) else 'corrupt'})") from None
+
+    def _write_manifest(self) -> None:
+        tmp = self.path / f".{MANIFEST}.tmp"
+        tmp.write_text(json.dumps(self.manifest, indent=1, default=_jsonable))
+        os.replace(tmp, self.path / MANIFEST)
+
+
+_MAKES = {"profile": "profile", "predictors": "train-predictors", "placement": "solve"}
+
+
+def _jsonable(x):
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"cannot store {type(x).__name__} in a manifest")

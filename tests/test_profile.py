@@ -1,0 +1,118 @@
+"""Activation profiler and bundle: real model on a short slice of calibration text, tiny models for edge cases."""
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pjinfer import offline
+from pjinfer import profile as prof
+from pjinfer.bundle import Bundle
+from pjinfer.config import ConfigError
+from pjinfer.engine import Engine
+from pjinfer.model import KVCache
+from tests.conftest import random_weights, tiny_config
+
+
+@pytest.fixture(scope="module")
+def real_profile(engine, tmp_path_factory):
+    path = tmp_path_factory.mktemp("bundle")
+    ids = prof.calibration_ids(engine)
+    stats, training = prof.profile(engine, ids, tokens=2048, sparsity=0.5, train_tokens=700)
+    return ids, stats, training, path
+
+
+def test_smooth_thresholds_hit_the_target_sparsity(real_profile, engine):
+    _, stats, _, _ = real_profile
+    L, F = engine.config.n_layers, engine.config.d_ff
+    assert stats.freq.shape == (L, F) and stats.tokens == 2048
+    assert ((stats.freq >= 0) & (stats.freq <= 1)).all()
+    # Thresholds come from exactly these 2048 tokens, so each layer's sparsity is the 0.5 quantile.
+    np.testing.assert_allclose(stats.sparsity(), 0.5, atol=1e-3)
+    assert (stats.thresholds > 0).all()
+
+
+def test_training_data_labels_are_the_thresholded_contributions(real_profile, engine):
+    _, stats, training, _ = real_profile
+    assert training.inputs.shape == (engine.config.n_layers, 700, engine.config.d_model)
+    model = nnx.merge(engine.graphdef, engine.state)
+    for l in (0, 17, 29):
+        x, labels = training.layer(l)
+        contrib = np.abs(np.asarray(model.layers[l].ffn.neurons(jnp.asarray(x))))
+        # Inputs were stored as float16, so allow the few neurons sitting right at the threshold to flip.
+        agree = (labels == (contrib > stats.thresholds[l])).mean()
+        assert agree > 0.995, (l, agree)
+        assert 0.3 < labels.mean() < 0.7
+
+
+def test_capture_does_not_change_the_forward(engine):
+    model = nnx.merge(engine.graphdef, engine.state)
+    tokens = jnp.asarray(engine.tokenizer.encode("Profiling must not perturb the model."))[None]
+    cache = KVCache.create(engine.config, 1, tokens.shape[1])
+    plain, _ = model(tokens, 0, cache)
+    captured, _, inputs = model(tokens, 0, cache, capture=True)
+    np.testing.assert_array_equal(np.asarray(plain), np.asarray(captured))
+    assert len(inputs) == engine.config.n_layers
+
+
+def test_relu_family_counts_exact_zeros():
+    # ReGLU: active means relu(gate) * up != 0, no threshold, no target sparsity needed.
+    config = tiny_config("llama", "reglu", vocab_size=300, max_seq_len=256)
+    engine = Engine(config, random_weights(config, seed=4), tokenizer=None)
+    ids = list(np.random.default_rng(0).integers(0, 300, 2048))
+    stats, training = prof.profile(engine, ids, tokens=1024, sparsity=None, train_tokens=64)
+    assert stats.target_sparsity is None and (stats.thresholds == 0).all()
+    model = nnx.merge(engine.graphdef, engine.state)
+    x, labels = training.layer(1)
+    np.testing.assert_array_equal(labels, np.asarray(model.layers[1].ffn.neurons(jnp.asarray(x))) != 0)
+    with pytest.raises(ConfigError, match="target --sparsity"):
+        prof.profile(Engine(tiny_config(), random_weights(tiny_config()), None), ids, tokens=1024,
+                     sparsity=None, train_tokens=8)
+
+
+def test_locality_on_hand_made_frequencies():
+    freq = np.array([[1.0, 0.0, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25], [0.5, 0.2, 0.2, 0.1]], np.float32)
+    stats = prof.ActivationStats("relu", None, np.zeros(3), freq, freq, 10)
+    np.testing.assert_allclose(stats.locality(0.8), [0.25, 1.0, 0.75])
+    np.testing.assert_allclose(stats.sparsity(), [0.75, 0.75, 0.75], rtol=1e-6)
+
+
+def test_profile_stage_round_trips_through_the_bundle(engine, tmp_path):
+    lines = []
+    offline.run_profile(engine, tmp_path / "b", tokens=1024, sparsity=0.4, train_tokens=100, out=lines.append)
+    assert any("locality80" in l for l in lines) and len(lines) >= engine.config.n_layers + 2
+    bundle = offline.open_bundle(engine, tmp_path / "b")
+    stats = offline.load_stats(bundle)
+    assert stats.target_sparsity == 0.4 and stats.tokens == 1024
+    training = offline.load_training_data(bundle)
+    assert training.inputs.shape[:2] == (engine.config.n_layers, 100)
+    assert (tmp_path / "b" / "profile" / "locality.png").stat().st_size > 10_000
+
+
+def test_bundle_refuses_other_models_and_corruption(engine, tmp_path):
+    b = Bundle.create(tmp_path / "b", model={"identity": "abc", "name": "other", "d_ff": 8})
+    with pytest.raises(ConfigError, match="made for another model"):
+        offline.open_bundle(engine, b.path)
+    with pytest.raises(ConfigError, match="has no profile yet"):
+        b.require("profile")
+    (b.path / "manifest.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="corrupt"):
+        Bundle.open(b.path)
+    with pytest.raises(ConfigError, match="not a pjinfer bundle"):
+        Bundle.open(tmp_path)
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "x").write_text("x")
+    with pytest.raises(ConfigError, match="not a pjinfer bundle; choose a new directory"):
+        Bundle.create(tmp_path / "junk", model={"identity": "abc"})
+
+
+def test_corrupt_stage_data_is_a_clear_error(tmp_path):
+    b = Bundle.create(tmp_path / "b", model={"identity": "abc", "name": "m", "d_ff": 4})
+    b.save_stage("placement", {"hot": np.ones((2, 4), bool)}, {"budget": 1})
+    np.testing.assert_array_equal(b.load_stage("placement")["hot"], np.ones((2, 4), bool))
+    for f in (b.path / "placement").rglob("*"):
+        if f.is_file() and f.stat().st_size > 0:
+            f.write_bytes(b"\x00garbage")
+    with pytest.raises(ConfigError, match="cannot read placement"):
+        b.load_stage("placement")
