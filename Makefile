@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 export NUMBA_THREADING_LAYER ?= workqueue
 
-.PHONY: setup run test bench perplexity clean
+.PHONY: setup run test bench perplexity bundle clean
 
 # Idempotent: re-runs pip only when pyproject.toml changed.
 setup: $(STAMP)
@@ -29,6 +29,15 @@ bench: setup
 perplexity: setup
 	$(PY) -c "from pjinfer import data; open('/tmp/pjinfer-wiki.txt','w').write(data.wiki_eval_text())"
 	$(VENV)/bin/pjinfer perplexity --text-file /tmp/pjinfer-wiki.txt --windows 4 --window-len 256
+
+# The default model's sparse bundle, end to end: profile, predictors, placement (about 15 min on 2 cores).
+# DEVICE_MEMORY holds the dense part, the predictors, a 2048-token KV cache and about a third of the FFN.
+BUNDLE ?= out/bundle
+DEVICE_MEMORY ?= 450MiB
+bundle: setup
+	$(VENV)/bin/pjinfer profile --bundle $(BUNDLE)
+	$(VENV)/bin/pjinfer train-predictors --bundle $(BUNDLE)
+	$(VENV)/bin/pjinfer solve --bundle $(BUNDLE) --device-memory $(DEVICE_MEMORY)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -47,12 +47,9 @@ class Bundle:
             bundle = cls.open(path)
             bundle.check_model(model["identity"])
             return bundle
-        if path.exists() and any(path.iterdir()):
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise ConfigError(f"{path} exists and is not a pjinfer bundle; choose a new directory")
-        path.mkdir(parents=True, exist_ok=True)
-        bundle = cls(path, {"format": FORMAT, "model": model, "stages": {}})
-        bundle._write_manifest()
-        return bundle
+        return cls(path, {"format": FORMAT, "model": model, "stages": {}})  # written with its first stage
 
     @classmethod
     def open(cls, path) -> "Bundle":
@@ -82,6 +79,7 @@ class Bundle:
     # ------------------------------------------------------------ stages
     def save_stage(self, stage: str, tree: dict, record: dict, *, extra_files: dict | None = None) -> None:
         """Write `tree` with orbax as DIR/stage, then record its settings and figures in the manifest."""
+        self.path.mkdir(parents=True, exist_ok=True)
         final = self.path / stage
         tmp = self.path / f".{stage}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)

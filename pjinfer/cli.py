@@ -63,6 +63,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "ignored for the ReLU family, where inactive means exactly zero")
     p.add_argument("--train-tokens", type=_positive_int, default=12288,
                    help="tokens kept for predictor training (memory: layers x tokens x d_model x 2 bytes)")
+
+    p = command("train-predictors", "train one low-rank activation predictor per layer (optax) on the profile")
+    p.add_argument("--bundle", required=True)
+    p.add_argument("--recall", type=float, default=0.95, help="held-back recall each layer must reach")
+    p.add_argument("--max-rank", type=_positive_int, default=256, help="largest predictor rank tried")
+    p.add_argument("--epochs", type=_positive_int, default=12)
+
+    p = command("solve", "place neurons on the accelerator or the CPU with an integer linear program (pulp/CBC)")
+    p.add_argument("--bundle", required=True)
+    p.add_argument("--device-memory", required=True, help="accelerator memory for the model, e.g. 2GiB or 400MB")
+    p.add_argument("--kv-tokens", type=_positive_int, default=2048, help="KV cache reserved on the accelerator")
+    p.add_argument("--batch", type=_positive_int, default=64, help="neurons per ILP variable (similar frequency)")
+    p.add_argument("--cpu-bandwidth", type=float, default=12e9, help="bytes/s of the CPU's cold-neuron kernels")
+    p.add_argument("--device-bandwidth", type=float, default=2e12, help="bytes/s of the accelerator's memory")
+    p.add_argument("--sync-us", type=float, default=20.0, help="one host-accelerator synchronisation, microseconds")
     return parser
 
 
@@ -164,7 +179,30 @@ def cmd_profile(args):
                         train_tokens=args.train_tokens, progress=Progress("profiling", 0, " tok"))
 
 
-COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "bench": cmd_bench, "profile": cmd_profile}
+def cmd_train_predictors(args):
+    from pjinfer import offline
+    from pjinfer.progress import Progress
+
+    offline.run_train(_load(args), args.bundle, recall=args.recall, max_rank=args.max_rank, epochs=args.epochs,
+                      progress=Progress("training predictors", 0, " layers"))
+
+
+def cmd_solve(args):
+    from pjinfer import offline, policy
+
+    device_memory = policy.parse_bytes(args.device_memory)
+    for name in ("cpu_bandwidth", "device_bandwidth"):
+        if not getattr(args, name) > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    if not args.sync_us >= 0:
+        raise ConfigError("--sync-us must be >= 0")
+    hardware = policy.Hardware(args.cpu_bandwidth, args.device_bandwidth, args.sync_us * 1e-6)
+    offline.run_solve(_load(args), args.bundle, device_memory=device_memory, kv_tokens=args.kv_tokens,
+                      batch=args.batch, hardware=hardware)
+
+
+COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "bench": cmd_bench, "profile": cmd_profile,
+            "train-predictors": cmd_train_predictors, "solve": cmd_solve}
 
 
 def main(argv=None) -> int:

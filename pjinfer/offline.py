@@ -5,6 +5,7 @@ and achieved figures in the manifest, and prints a per-layer table.
 """
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from pjinfer import loader
@@ -80,3 +81,117 @@ def load_training_data(bundle: Bundle) -> prof.TrainingData:
     except (OSError, ValueError) as e:
         raise prof.ConfigError(f"bundle {bundle.path}: cannot read predictor training data ({e})") from None
     return prof.TrainingData(inputs, labels, bundle.manifest["model"]["d_ff"])
+
+
+def param_count(engine: Engine) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(engine.state))
+
+
+def dense_bytes(engine: Engine, *, predictor_bytes: int, kv_tokens: int) -> dict:
+    """What must sit on the accelerator before any FFN neuron: every weight that is not an FFN
+    neuron row (attention, embeddings, head, norms, biases), the predictors, and a KV cache."""
+    c = engine.config
+    total = 4 * param_count(engine)
+    neurons = c.n_layers * c.d_ff * neuron_bytes(engine)
+    kv = 2 * c.n_layers * kv_tokens * c.n_kv_heads * c.head_dim * 4
+    return {"weights": total - neurons, "predictors": predictor_bytes, "kv_cache": kv,
+            "total": total - neurons + predictor_bytes + kv}
+
+
+def neuron_bytes(engine: Engine) -> int:
+    """One neuron: its gate (gated FFNs), up and down rows, plus its up bias (OPT), in float32."""
+    c = engine.config
+    rows = 3 if c.gated else 2
+    return 4 * (rows * c.d_model + (0 if c.gated else 1))
+
+
+def run_solve(engine: Engine, bundle_path, *, device_memory: int, kv_tokens: int, batch: int, hardware,
+              out=print) -> Bundle:
+    from pjinfer import policy
+
+    bundle = open_bundle(engine, bundle_path)
+    stats = load_stats(bundle)
+    pred = bundle.require("predictors")
+    dense = dense_bytes(engine, predictor_bytes=pred["bytes"], kv_tokens=kv_tokens)
+    budget = policy.neuron_budget(device_memory, dense["total"])
+    nb = neuron_bytes(engine)
+    ilp = policy.solve(stats.freq, nb, budget, batch=batch, hardware=hardware)
+    topk = policy.topk_baseline(stats.freq, nb, budget)
+    counts, topk_counts = ilp.per_layer_counts(), topk.per_layer_counts()
+    ffn_total = stats.freq.size * nb
+    record = {"device_memory": device_memory, "kv_tokens": kv_tokens, "dense_bytes": dense, "budget_bytes": budget,
+              "neuron_bytes": nb, "batch": batch, "hardware": dict(vars(hardware)), "status": ilp.status,
+              "solve_seconds": ilp.solve_seconds, "bytes_used": ilp.bytes_used,
+              "ffn_share_on_device": ilp.bytes_used / ffn_total,
+              "objective": ilp.objective, "coverage": ilp.coverage,
+              "topk_objective": topk.objective, "topk_coverage": topk.coverage,
+              "hot_per_layer": counts}
+    bundle.save_stage("placement", {"hot": ilp.hot}, record)
+    table(["layer", "hot (ilp)", "hot (top-k)", "mass served (ilp)"],
+          [[l, int(counts[l]), int(topk_counts[l]),
+            float(stats.freq[l][ilp.hot[l]].sum() / max(stats.freq[l].sum(), 1e-12))] for l in range(len(counts))],
+          out)
+    gib = lambda b: f"{b / 2**20:.1f} MiB"
+    out(f"device memory {gib(device_memory)}: dense part {gib(dense['total'])} (weights {gib(dense['weights'])}, "
+        f"predictors {gib(dense['predictors'])}, KV cache {kv_tokens} tokens {gib(dense['kv_cache'])}); "
+        f"neuron budget {gib(budget)}, used {gib(ilp.bytes_used)} = {100 * record['ffn_share_on_device']:.1f}% of the FFN")
+    out(f"ILP ({ilp.status}, {ilp.solve_seconds:.2f} s): accelerator serves {100 * ilp.coverage:.1f}% of activations; "
+        f"per-layer top-k with the same budget: {100 * topk.coverage:.1f}%")
+    return bundle
+
+
+def run_train(engine: Engine, bundle_path, *, recall: float, max_rank: int, epochs: int, progress=None,
+              out=print) -> Bundle:
+    from flax import nnx
+
+    from train.predictor import fit_layer, n_params
+
+    if not 0 < recall < 1:
+        raise prof.ConfigError(f"--recall must be in (0, 1), got {recall}")
+    bundle = open_bundle(engine, bundle_path)
+    training = load_training_data(bundle)
+    c = engine.config
+    states, layers = {}, []
+    if progress:
+        progress(0, c.n_layers)
+    for l in range(c.n_layers):
+        x, y = training.layer(l)
+        predictor, m = fit_layer(x, y, recall_target=recall, max_rank=max_rank, epochs=epochs)
+        states[str(l)] = nnx.to_pure_dict(nnx.state(predictor))
+        layers.append({k: m[k] for k in ("rank", "recall", "precision", "predicted_sparsity", "true_sparsity",
+                                         "capped", "seconds")} | {"params": n_params(predictor)})
+        if progress:
+            progress(l + 1, c.n_layers)
+    params = sum(m["params"] for m in layers)
+    record = {"recall_target": recall, "max_rank": max_rank, "epochs": epochs, "layers": layers,
+              "ranks": [m["rank"] for m in layers], "params": params, "bytes": 4 * params + 4 * c.n_layers,
+              "size_vs_model": params / param_count(engine),
+              "recall_min": min(m["recall"] for m in layers),
+              "predicted_sparsity_mean": float(np.mean([m["predicted_sparsity"] for m in layers]))}
+    bundle.save_stage("predictors", states, record)
+    table(["layer", "rank", "recall", "precision", "pred. sparsity", "true sparsity", "seconds"],
+          [[l, m["rank"] if not m["capped"] else f"{m['rank']}*", m["recall"], m["precision"],
+            m["predicted_sparsity"], m["true_sparsity"], round(m["seconds"], 1)] for l, m in enumerate(layers)], out)
+    out(f"predictors: {params / 1e6:.2f} M parameters = {100 * record['size_vs_model']:.1f}% of the model; "
+        f"held-back recall >= {record['recall_min']:.3f} in every layer; predicted sparsity "
+        f"{record['predicted_sparsity_mean']:.3f} on average (* = rank capped at {max_rank})")
+    return bundle
+
+
+def load_predictors(engine: Engine, bundle: Bundle) -> list:
+    """One trained train.predictor.Predictor per layer, as the bundle stored them."""
+    from flax import nnx
+
+    from train.predictor import Predictor
+
+    record = bundle.require("predictors")
+    tree = bundle.load_stage("predictors")
+    c = engine.config
+    out = []
+    for l, rank in enumerate(record["ranks"]):
+        predictor = Predictor(c.d_model, c.d_ff, rank, rngs=nnx.Rngs(0))
+        state = nnx.state(predictor)
+        nnx.replace_by_pure_dict(state, tree[str(l)])
+        nnx.update(predictor, state)
+        out.append(predictor)
+    return out

@@ -92,6 +92,8 @@ def test_profile_stage_round_trips_through_the_bundle(engine, tmp_path):
 
 def test_bundle_refuses_other_models_and_corruption(engine, tmp_path):
     b = Bundle.create(tmp_path / "b", model={"identity": "abc", "name": "other", "d_ff": 8})
+    assert not b.path.exists()  # nothing is written before the first stage
+    b.save_stage("placement", {"hot": np.ones((1, 8), bool)}, {})
     with pytest.raises(ConfigError, match="made for another model"):
         offline.open_bundle(engine, b.path)
     with pytest.raises(ConfigError, match="has no profile yet"):

@@ -1,0 +1,180 @@
+"""Measurements for the cold-neuron path: ``python -m cpu_offload.bench [--quick]``.
+
+(a) per-call cost of the FFI bridge inside jit with no work (count 0), against jax.pure_callback doing the same;
+(b) kernel bandwidth for one SmolLM2-sized layer (d 576, C 1536, 768 active): GB/s of weight bytes touched
+    (3 rows x d x 4 bytes per active neuron), 1 vs 2 threads, cache-hot (one layer repeated) and from DRAM
+    (30 distinct layers in turn, 318 MB);
+(c) 30 such layers through the bridge in one jitted function (fori_loop over layers): ms per token.
+Reports medians over repeats (the machine may be shared; the load average is printed).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+
+def _median_time(fn, repeats: int, inner: int = 1) -> float:
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        ts.append((time.perf_counter() - t) / inner)
+    return float(np.median(ts))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer repeats")
+    args = ap.parse_args(argv)
+    reps = 5 if args.quick else 15
+
+    from . import bridge, kernels
+    import jax
+    import jax.numpy as jnp
+    import numba
+
+    print(f"numba {numba.__version__} layer {numba.config.THREADING_LAYER} threads {numba.config.NUMBA_NUM_THREADS}"
+          f" | jax {jax.__version__} | load average {os.getloadavg()}")
+    rng = np.random.default_rng(0)
+    d, c, active, n_layers = 576, 1536, 768, 30
+    scale = np.float32(1 / np.sqrt(d))
+    ws = [[(rng.standard_normal((c, d), dtype=np.float32) * scale) for _ in range(3)] for _ in range(n_layers)]
+    x0 = rng.standard_normal(d, dtype=np.float32)
+    ids = np.stack([rng.permutation(c)[:active] for _ in range(n_layers)]).astype(np.int32)
+    cold = bridge.ColdFFN([w[1] for w in ws], [w[2] for w in ws], [w[0] for w in ws], activation="swiglu")
+    nbytes = active * 3 * d * 4
+
+    # (a) overhead per call, count 0: a fori_loop of N dependent calls, minus the same loop without the call.
+    n_calls = 2000
+    ids0 = jnp.asarray(ids[0])
+
+    def loop(body):
+        return jax.jit(lambda x: jax.lax.fori_loop(0, n_calls, body, x))
+
+    zero_w = np.zeros(d, np.float32)
+
+    def host_zero(x, ids_, count):  # what pure_callback would do: run the kernel on closed-over host weights
+        out = np.empty(d, np.float32)
+        kernels.cold_ffn_nt(np.asarray(x), ws[0][0], ws[0][1], ws[0][2], kernels.empty_bias(), np.asarray(ids_),
+                            int(count), 0, out, 2)
+        return out
+
+    variants = {
+        "no call (loop baseline)": lambda i, x: x * 0.5 + 1.0,
+        "FFI bridge, count 0": lambda i, x: x * 0.5 + 1.0 + cold(0, x, ids0, 0),
+        "pure_callback, count 0": lambda i, x: x * 0.5 + 1.0 + jax.pure_callback(
+            host_zero, jax.ShapeDtypeStruct((d,), jnp.float32), x, ids0, jnp.int32(0)),
+    }
+    x_dev = jnp.asarray(x0)
+    per = {}
+    for name, body in variants.items():
+        f = loop(body)
+        per[name] = _median_time(lambda: f(x_dev).block_until_ready(), max(3, reps // 3)) / n_calls
+    base = per["no call (loop baseline)"]
+    print("(a) per call inside one jit (fori_loop of %d dependent calls):" % n_calls)
+    for name, t in per.items():
+        extra = "" if name.startswith("no call") else f"  -> {1e6 * (t - base):.2f} us over the baseline"
+        print(f"    {name:28s} {1e6 * t:8.2f} us/iteration{extra}")
+    # one call per dispatch: what a caller sees for a tiny jitted function
+    f1 = jax.jit(lambda x: cold(0, x, ids0, 0))
+    f0 = jax.jit(lambda x: x * 0.5 + 1.0)
+    fp = jax.jit(lambda x: jax.pure_callback(host_zero, jax.ShapeDtypeStruct((d,), jnp.float32), x, ids0,
+                                             jnp.int32(0)))
+    for name, f in [("jit(x*0.5+1)", f0), ("jit(bridge count 0)", f1), ("jit(pure_callback count 0)", fp)]:
+        t = _median_time(lambda: f(x_dev).block_until_ready(), reps, 200)
+        print(f"    one dispatch + block, {name:28s} {1e6 * t:8.1f} us")
+    # async dispatch: enqueue 200 calls without blocking
+    for name, f in [("bridge", f1), ("pure_callback", fp)]:
+        f(x_dev).block_until_ready()
+        t = time.perf_counter()
+        outs = [f(x_dev) for _ in range(200)]
+        t_enqueue = (time.perf_counter() - t) / 200
+        outs[-1].block_until_ready()
+        t_all = (time.perf_counter() - t) / 200
+        print(f"    async: 200 x jit({name}) enqueue {1e6 * t_enqueue:.1f} us/call, until last ready "
+              f"{1e6 * t_all:.1f} us/call")
+
+    # (b) kernel bandwidth, direct calls
+    out = np.empty(d, np.float32)
+    empty_b = kernels.empty_bias()
+    print(f"(b) kernel, d={d} C={c} active={active}: {nbytes / 1e6:.2f} MB of weight rows per call")
+    for nt in (1, 2):
+        hot = _median_time(lambda: kernels.cold_ffn_nt(x0, *ws[0], empty_b, ids[0], active, 0, out, nt), reps, 50)
+
+        def rotate():
+            for l in range(n_layers):
+                kernels.cold_ffn_nt(x0, *ws[l], empty_b, ids[l], active, 0, out, nt)
+        dram = _median_time(rotate, reps) / n_layers
+        print(f"    {nt} thread(s): cache-hot {1e6 * hot:7.1f} us = {nbytes / hot / 1e9:5.1f} GB/s | "
+              f"30 layers in turn {1e6 * dram:7.1f} us = {nbytes / dram / 1e9:5.1f} GB/s")
+
+    # (c) 30 layers through the bridge in one jitted function
+    ids_dev = jnp.asarray(ids)
+    counts = jnp.full((n_layers,), active, jnp.int32)
+
+    @jax.jit
+    def token(x):
+        def body(l, h):
+            return h + 0.1 * cold(l, h, ids_dev[l], counts[l])
+        return jax.lax.fori_loop(0, n_layers, body, x)
+
+    @jax.jit
+    def token_unrolled(x):
+        h = x
+        for l in range(n_layers):
+            h = h + 0.1 * cold(l, h, ids_dev[l], counts[l])
+        return h
+
+    def host_layer(l, h, ids_, count):
+        out_ = np.empty(d, np.float32)
+        l = int(l)
+        kernels.cold_ffn_nt(np.asarray(h), *ws[l], empty_b, np.asarray(ids_), int(count), 0, out_,
+                            bridge.get_num_threads())
+        return out_
+
+    @jax.jit
+    def token_callback(x):
+        def body(l, h):
+            y = jax.pure_callback(host_layer, jax.ShapeDtypeStruct((d,), jnp.float32), l, h, ids_dev[l], counts[l])
+            return h + 0.1 * y
+        return jax.lax.fori_loop(0, n_layers, body, x)
+
+    def numpy_token(nt):
+        h = x0.copy()
+        for l in range(n_layers):
+            kernels.cold_ffn_nt(h, *ws[l], empty_b, ids[l], active, 0, out, nt)
+            h = h + np.float32(0.1) * out
+        return h
+
+    ref = numpy_token(2)
+    got = np.asarray(token(x_dev))
+    assert np.allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max()), "bridge disagrees with direct calls"
+    print(f"(c) {n_layers} layers x {active} active cold neurons per token ({n_layers * nbytes / 1e6:.0f} MB):")
+    for nt in (1, 2):
+        bridge.set_num_threads(nt)
+        t_loop = _median_time(lambda: token(x_dev).block_until_ready(), reps)
+        t_unr = _median_time(lambda: token_unrolled(x_dev).block_until_ready(), reps)
+        t_np = _median_time(lambda: numpy_token(nt), reps)
+        t_cb = _median_time(lambda: token_callback(x_dev).block_until_ready(), reps)
+        print(f"    {nt} thread(s): bridge jit fori_loop {1e3 * t_loop:6.2f} ms/token "
+              f"({n_layers * nbytes / t_loop / 1e9:4.1f} GB/s) | bridge jit unrolled {1e3 * t_unr:6.2f} ms | "
+              f"pure_callback fori_loop {1e3 * t_cb:6.2f} ms | Python loop of direct calls {1e3 * t_np:6.2f} ms")
+    token(x_dev).block_until_ready()
+    t = time.perf_counter()
+    y = token(x_dev)
+    t_enq = time.perf_counter() - t
+    y.block_until_ready()
+    t_all = time.perf_counter() - t
+    print(f"    async dispatch kept: token(x) returns after {1e3 * t_enq:.2f} ms, result ready after "
+          f"{1e3 * t_all:.2f} ms")
+    bridge.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    print(f"load average after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,331 @@
+"""Neuron-aware FFN over the hot (accelerator-resident) neurons of one layer, for one decode token.
+
+    y = sum_{k < count} act(w_gate[ids[k]] . x, w_up[ids[k]] . x (+ b_up[ids[k]])) * w_down_t[ids[k]]
+
+Only the rows named by the first ``count`` entries of ``ids`` are read; entries past ``count`` are
+padding and are never used as row indices (they are replaced by row 0 before any address is formed,
+and every load of such a row is masked off as well).
+
+Design (Triton-style Pallas: raw refs, explicit masked loads and pointer-style gathers)
+---------------------------------------------------------------------------------------
+Two kernels rather than one fused kernel:
+
+1. ``_act_kernel``, grid ``(Kp / block_k,)``: program ``b`` owns active slots
+   ``[b*block_k, (b+1)*block_k)``. If ``b*block_k >= count`` it only stores ``block_k`` zeros
+   (early exit: no weight traffic). Otherwise it gathers its ``block_k`` rows of ``w_gate`` /
+   ``w_up`` one ``[block_k, block_d]`` tile at a time (a static loop over ``cdiv(d, block_d)``
+   column chunks), reduces them against ``x`` and writes ``act [block_k]`` (zero for slots >= count).
+2. ``_down_kernel``, grid ``(cdiv(d, block_d), n_split)``: program ``(t, s)`` owns output columns
+   ``[t*block_d, (t+1)*block_d)`` and the active slot blocks ``s, s + n_split, s + 2*n_split, ...``
+   below ``cdiv(count, block_k)``: a loop whose trip count is computed from ``count`` at run time,
+   so blocks past ``count`` are never visited. It accumulates ``act[k] * w_down_t[ids[k], tile]``
+   in registers and stores one partial row ``[n_split, d]``; the wrapper sums the ``n_split``
+   partials (a tiny XLA reduction).
+
+Why not one fused kernel: the two phases reduce over different axes (gate/up over d per neuron,
+down over neurons per output column), so their natural parallel axes differ. A fused kernel
+parallel over neuron blocks must combine the programs' ``[d]`` contributions with float atomics:
+the sum order then changes from run to run (non-deterministic decoding), the output must be
+zero-filled before the launch, and masked atomics (needed for a d that is not a power of two)
+do not run in interpret mode, so the one path we can test here would differ from the GPU path.
+Two kernels cost one extra launch and a ``Kp``-float round trip for ``act`` (6 KiB at K=1536),
+and give a deterministic result in which every output element is written exactly once.
+
+Padding and masking (what keeps the kernels GPU-legal)
+------------------------------------------------------
+- Every value a kernel loads, computes or stores has a power-of-two size: ``[block_k]``,
+  ``[block_d]`` or ``[block_k, block_d]`` with both block sizes powers of two (checked here).
+- ``d`` is never padded in memory (padding the weights would copy them on every call). The last
+  column chunk/tile is handled with masked loads (``other=0``) and masked stores (``col < d``):
+  masked-off lanes are not fetched on a GPU and contribute exact zeros.
+- ``K`` (the length of ``ids``) is padded with zeros up to ``Kp``, a multiple of ``block_k``, in
+  the wrapper (``K`` ints), so the ``ids``/``act`` slices of the last block are in bounds.
+- Row gathers use explicit ``[block_k, block_d]`` index arrays (row ids broadcast against column
+  ids), which is both what Triton lowers to a pointer tensor and what interpret mode can discharge
+  (interpret mode cannot discharge a load that mixes an index array with a ``pl.ds`` slice).
+- No float atomics, no dot (``tl.dot`` needs M >= 16; this is a matrix-vector product, done as
+  elementwise products and row/column reductions), no dynamic grid (not supported by Triton).
+
+Verified here vs. only GPU-legal by construction
+------------------------------------------------
+This machine has no GPU. Verified here: (1) numerics in Pallas interpret mode (``interpret=True``)
+against a plain jnp reference, with NaN-poisoned output buffers, odd ``d``/``H``, empty and full
+active sets, garbage padding ids and NaN in every inactive row; (2) the Pallas -> Triton IR
+lowering for the CUDA platform (``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``
+runs on CPU and applies the lowering's own checks: power-of-two load/store shapes, supported ops,
+``fori_loop`` with a run-time bound, ``pl.when``). NOT verified: Triton's compilation to PTX, a
+run on a GPU, performance, and the default ``block_d``/``n_split`` heuristics (educated guesses for
+an H100). Interpret mode clamps out-of-range gather indices instead of faulting, so a missing
+column mask on a weight load would not show up here; every weight load is masked on both rows
+(slot < count) and columns (col < d) for that reason.
+
+Backends: the kernels pass ``plt.CompilerParams`` so a GPU run selects the Triton backend (in
+jax 0.10 a ``pallas_call`` without it goes to Mosaic GPU). jax 0.11 deprecates Triton in favour of
+Mosaic GPU (``plgpu.kernel``): the public entry point ``hot_ffn`` only validates, pads and picks
+block sizes, then dispatches to ``BACKENDS[backend]``; a Mosaic GPU implementation can be
+registered there with the same arguments.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+ACTIVATIONS = ("swiglu", "geglu", "reglu", "drelu", "relu")
+GATED = ("swiglu", "geglu", "reglu", "drelu")
+
+
+def _activate(activation: str, gate, up):
+    """Per-neuron activation (same definitions as pjinfer.model.activate; "relu" ignores gate)."""
+    if activation == "swiglu":
+        return jax.nn.silu(gate) * up
+    if activation == "geglu":
+        return jax.nn.gelu(gate, approximate=True) * up
+    if activation == "reglu":
+        return jnp.maximum(gate, 0.0) * up
+    if activation == "drelu":
+        return jnp.maximum(gate, 0.0) * jnp.maximum(up, 0.0)
+    if activation == "relu":
+        return jnp.maximum(up, 0.0)
+    raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def default_block_d(d: int) -> int:
+    """The power of two in {128, 64, 32} (capped at next_pow2(d)) that wastes the fewest masked
+    lanes in the last chunk; ties go to the larger block (fewer loop trips)."""
+    cands = sorted({min(b, _next_pow2(d)) for b in (128, 64, 32)}, reverse=True)
+    return min(cands, key=lambda b: (-(-d // b) * b, -b))
+
+
+def default_n_split(n_d_tiles: int, n_k_blocks: int) -> int:
+    """Down-projection programs per column tile: aim at ~128 programs (an H100 has 132 SMs)."""
+    return max(1, min(n_k_blocks, 128 // max(1, n_d_tiles)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton-style backend (also the one that runs in interpret mode on CPU)
+# ---------------------------------------------------------------------------------------------
+
+def _act_kernel(count_ref, ids_ref, x_ref, *refs, activation, d, block_k, block_d):
+    gated = activation in GATED
+    has_bias = activation == "relu"
+    if gated:
+        wg_ref, wu_ref, act_ref = refs
+    elif has_bias:
+        wu_ref, bup_ref, act_ref = refs
+    else:  # pragma: no cover - "relu" always has a bias (zeros when the caller passes none)
+        raise AssertionError(activation)
+    count = count_ref[0]
+    start = pl.program_id(0) * block_k
+
+    @pl.when(start >= count)
+    def _skip():                                   # block entirely past count: no weight traffic
+        act_ref[pl.ds(start, block_k)] = jnp.zeros((block_k,), jnp.float32)
+
+    @pl.when(start < count)
+    def _compute():
+        slots = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        valid = slots < count
+        rows = jnp.where(valid, ids_ref[pl.ds(start, block_k)], 0)    # padding never addresses
+        rows2 = jnp.broadcast_to(rows[:, None], (block_k, block_d))
+        valid2 = jnp.broadcast_to(valid[:, None], (block_k, block_d))
+
+        def chunk(j, carry):
+            cols = j * block_d + lax.broadcasted_iota(jnp.int32, (block_d,), 0)
+            cmask = cols < d
+            xv = plt.load(x_ref.at[pl.ds(j * block_d, block_d)], mask=cmask, other=0.0)
+            cols2 = jnp.broadcast_to(cols[None, :], (block_k, block_d))
+            m2 = valid2 & (cols2 < d)
+            up = carry[0] + jnp.sum(plt.load(wu_ref.at[rows2, cols2], mask=m2, other=0.0)
+                                    * xv[None, :], axis=1)
+            if not gated:
+                return (up,)
+            gate = carry[1] + jnp.sum(plt.load(wg_ref.at[rows2, cols2], mask=m2, other=0.0)
+                                      * xv[None, :], axis=1)
+            return (up, gate)
+
+        zeros = jnp.zeros((block_k,), jnp.float32)
+        n_chunks = pl.cdiv(d, block_d)
+        carry = lax.fori_loop(0, n_chunks, chunk, (zeros, zeros) if gated else (zeros,))
+        up = carry[0]
+        gate = carry[1] if gated else None
+        if has_bias:
+            up = up + plt.load(bup_ref.at[rows], mask=valid, other=0.0)
+        act = jnp.where(valid, _activate(activation, gate, up), 0.0)
+        act_ref[pl.ds(start, block_k)] = act
+
+
+def _down_kernel(count_ref, ids_ref, act_ref, wd_ref, part_ref, *, d, block_k, block_d, n_split):
+    t = pl.program_id(0)
+    s = pl.program_id(1)
+    count = count_ref[0]
+    n_active_blocks = lax.div(count + (block_k - 1), block_k)
+    # Blocks s, s + n_split, ... below n_active_blocks: a trip count known only at run time.
+    trips = lax.div(jnp.maximum(n_active_blocks - s, 0) + (n_split - 1), n_split)
+    cols = t * block_d + lax.broadcasted_iota(jnp.int32, (block_d,), 0)
+    cols2 = jnp.broadcast_to(cols[None, :], (block_k, block_d))
+
+    def block(j, acc):
+        start = (s + j * n_split) * block_k
+        slots = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        valid = slots < count
+        rows = jnp.where(valid, ids_ref[pl.ds(start, block_k)], 0)
+        a = jnp.where(valid, act_ref[pl.ds(start, block_k)], 0.0)
+        rows2 = jnp.broadcast_to(rows[:, None], (block_k, block_d))
+        m2 = jnp.broadcast_to(valid[:, None], (block_k, block_d)) & (cols2 < d)
+        w = plt.load(wd_ref.at[rows2, cols2], mask=m2, other=0.0)
+        return acc + jnp.sum(a[:, None] * w, axis=0)
+
+    acc = lax.fori_loop(0, trips, block, jnp.zeros((block_d,), jnp.float32))
+    plt.store(part_ref.at[s, pl.ds(t * block_d, block_d)], acc, mask=cols < d)
+
+
+def hot_ffn_triton(x, w_gate, w_up, w_down_t, ids_p, count_1, b_up, *, activation, block_k,
+                   block_d, n_split, interpret, poison=False, return_parts=False):
+    """Backend: the two Triton-style kernels. Arguments already validated and padded by hot_ffn:
+    ids_p [Kp] int32 with Kp % block_k == 0, count_1 [1] int32 in [0, K], b_up [H] or None.
+    poison=True hands both kernels NaN-filled output buffers (aliased in place), so any element a
+    kernel fails to write shows up as NaN; return_parts=True also returns (act, partials)."""
+    d = x.shape[0]
+    kp = ids_p.shape[0]
+    n_kb = kp // block_k
+    n_dt = pl.cdiv(d, block_d)
+    gated = activation in GATED
+    params = None if interpret else plt.CompilerParams(num_warps=4, num_stages=2)
+
+    act_shape = jax.ShapeDtypeStruct((kp,), jnp.float32)
+    if gated:
+        weights = (w_gate, w_up)
+    else:
+        weights = (w_up, b_up if b_up is not None else jnp.zeros((w_up.shape[0],), jnp.float32))
+    act_args = (count_1, ids_p, x, *weights)
+    aliases = {}
+    if poison:
+        act_args = act_args + (jnp.full((kp,), jnp.nan, jnp.float32),)
+        aliases = {len(act_args) - 1: 0}
+    act_kernel = functools.partial(_act_kernel, activation=activation, d=d, block_k=block_k,
+                                   block_d=block_d)
+    if poison:
+        act_kernel = _drop_aliased_input(act_kernel)
+    act = pl.pallas_call(act_kernel, out_shape=act_shape, grid=(n_kb,),
+                         input_output_aliases=aliases, interpret=interpret,
+                         compiler_params=params, name="hot_ffn_act")(*act_args)
+
+    part_shape = jax.ShapeDtypeStruct((n_split, d), jnp.float32)
+    down_args = (count_1, ids_p, act, w_down_t)
+    aliases = {}
+    if poison:
+        down_args = down_args + (jnp.full((n_split, d), jnp.nan, jnp.float32),)
+        aliases = {len(down_args) - 1: 0}
+    down_kernel = functools.partial(_down_kernel, d=d, block_k=block_k, block_d=block_d,
+                                    n_split=n_split)
+    if poison:
+        down_kernel = _drop_aliased_input(down_kernel)
+    parts = pl.pallas_call(down_kernel, out_shape=part_shape, grid=(n_dt, n_split),
+                           input_output_aliases=aliases, interpret=interpret,
+                           compiler_params=params, name="hot_ffn_down")(*down_args)
+    y = parts[0] if n_split == 1 else jnp.sum(parts, axis=0)
+    return (y, act, parts) if return_parts else y
+
+
+def _drop_aliased_input(kernel):
+    """The aliased NaN buffer arrives as the last input ref; the kernel only uses the output."""
+    def wrapped(*refs):
+        *ins, _poison_in, out = refs
+        return kernel(*ins, out)
+    return wrapped
+
+
+BACKENDS = {"triton": hot_ffn_triton}
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+def _prepare(x, w_gate, w_up, w_down_t, ids, count, activation, b_up, block_k, block_d):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+    if x.ndim != 1:
+        raise ValueError(f"x must be [d] (one decode token), got shape {x.shape}")
+    d = x.shape[0]
+    H = w_up.shape[0]
+    mats = (w_up, w_down_t) + ((w_gate,) if activation in GATED else ())
+    for w in mats:
+        if w.shape != (H, d):
+            raise ValueError(f"weights must be [H, d] = {(H, d)}, got {w.shape}")
+    for a in (x,) + mats + ((b_up,) if b_up is not None else ()):
+        if a.dtype != jnp.float32:
+            raise TypeError(f"hot_ffn works in float32, got {a.dtype}")
+    if b_up is not None and b_up.shape != (H,):
+        raise ValueError(f"b_up must be [H] = {(H,)}, got {b_up.shape}")
+    if ids.ndim != 1:
+        raise ValueError(f"ids must be [K], got shape {ids.shape}")
+    K = ids.shape[0]
+    if not _is_pow2(block_k):
+        raise ValueError(f"block_k must be a power of two, got {block_k}")
+    block_k = min(block_k, _next_pow2(max(K, 1)))          # no block larger than needed
+    block_d = default_block_d(d) if block_d is None else block_d
+    if not _is_pow2(block_d):
+        raise ValueError(f"block_d must be a power of two, got {block_d}")
+    kp = max(1, -(-K // block_k)) * block_k
+    ids_p = jnp.pad(ids.astype(jnp.int32), (0, kp - K))
+    count_1 = jnp.clip(jnp.asarray(count, jnp.int32), 0, K).reshape(1)
+    return ids_p, count_1, block_k, block_d
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "block_k", "block_d", "interpret",
+                                             "n_split", "backend"))
+def hot_ffn(x, w_gate, w_up, w_down_t, ids, count, *, activation: str, b_up=None,
+            block_k: int = 32, block_d: int | None = None, interpret: bool = False,
+            n_split: int | None = None, backend: str = "triton"):
+    """y [d] = sum_{k < count} act_k * w_down_t[ids[k]] over the predicted-active hot neurons.
+
+    x [d] f32; w_gate / w_up / w_down_t [H, d] f32 (w_gate unused and may be None for "relu");
+    ids [K] int32, first ``count`` entries valid, the rest ignored (any value); count int32 scalar
+    (may be traced), 0 <= count <= K. b_up [H] only for "relu" (zeros if None). block_k, block_d:
+    powers of two (block_d defaults to a d-dependent choice, see default_block_d). n_split:
+    down-projection programs per column tile (default: default_n_split).
+    """
+    ids_p, count_1, block_k, block_d = _prepare(x, w_gate, w_up, w_down_t, ids, count, activation,
+                                                b_up, block_k, block_d)
+    n_kb = ids_p.shape[0] // block_k
+    if n_split is None:
+        n_split = default_n_split(pl.cdiv(x.shape[0], block_d), n_kb)
+    n_split = max(1, min(int(n_split), n_kb))
+    return BACKENDS[backend](x, w_gate, w_up, w_down_t, ids_p, count_1,
+                             b_up if activation == "relu" else None, activation=activation,
+                             block_k=block_k, block_d=block_d, n_split=n_split,
+                             interpret=interpret)
+
+
+def hot_ffn_reference(x, w_gate, w_up, w_down_t, ids, count, *, activation: str, b_up=None,
+                      block_k: int = 32, block_d: int | None = None, interpret: bool = False,
+                      n_split: int | None = None, backend: str = "triton"):
+    """Plain jnp: gather the rows of ids (padding slots -> row 0, masked to zero), same result as
+    hot_ffn. The block/backend arguments are accepted and ignored so the two are interchangeable."""
+    del block_k, block_d, interpret, n_split, backend
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+    K = ids.shape[0]
+    valid = jnp.arange(K) < jnp.asarray(count, jnp.int32)
+    rows = jnp.where(valid, ids.astype(jnp.int32), 0)
+    hp = lax.Precision.HIGHEST
+    up = jnp.dot(w_up[rows], x, precision=hp)
+    if activation == "relu" and b_up is not None:
+        up = up + b_up[rows]
+    gate = jnp.dot(w_gate[rows], x, precision=hp) if activation in GATED else None
+    act = jnp.where(valid, _activate(activation, gate, up), 0.0)
+    return jnp.dot(act, w_down_t[rows], precision=hp)

@@ -1,0 +1,345 @@
+"""cpu_offload: Numba cold-neuron kernels and the XLA FFI bridge that calls them from inside jax.jit."""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+import pytest
+
+from cpu_offload import bridge, kernels
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+ACTS = ["swiglu", "geglu", "reglu", "drelu", "relu"]
+
+
+def make_layer(rng, d, c, activation, scale=1.0):
+    """Random weights of one layer's cold rows: (w_gate or None, w_up, w_down_t, b_up or None)."""
+    w = lambda: (rng.standard_normal((c, d)) * scale / np.sqrt(d)).astype(np.float32)
+    gate = None if activation == "relu" else w()
+    up, down = w(), w()
+    bias = (0.3 * rng.standard_normal(c)).astype(np.float32) if activation == "relu" else None
+    return gate, up, down, bias
+
+
+def assert_close(got, want, rtol=3e-5):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == np.float32
+    assert np.all(np.isfinite(got))
+    tol = rtol * max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=tol)
+
+
+def call_kernel(layer, x, ids, count, activation, max_threads):
+    gate, up, down, bias = layer
+    d = x.shape[0]
+    out = np.full(d, np.nan, np.float32)  # poisoned: the kernel must overwrite, not accumulate
+    kernels.cold_ffn_nt(x, kernels.empty_gate(d) if gate is None else gate, up, down,
+                        kernels.empty_bias() if bias is None else bias, ids, count, kernels.act_code(activation),
+                        out, max_threads)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the kernel, called directly
+
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("d,c", [(576, 1536), (33, 7), (33, 1), (33, 0), (576, 1)])
+def test_kernel_matches_reference(activation, d, c):
+    rng = np.random.default_rng([ACTS.index(activation), d, c])
+    layer = make_layer(rng, d, c, activation)
+    gate, up, down, bias = layer
+    x = rng.standard_normal(d).astype(np.float32)
+    cases = {"empty": (rng.permutation(c).astype(np.int32), 0),
+             "full": (rng.permutation(c).astype(np.int32), c)}
+    if c > 1:
+        k = int(rng.integers(1, c))
+        cases["subset"] = (rng.choice(c, size=k, replace=False).astype(np.int32), k)
+        cases["prefix of longer list"] = (rng.permutation(c).astype(np.int32), int(rng.integers(1, c)))
+    for name, (ids, count) in cases.items():
+        want = kernels.cold_ffn_ref(x, gate, up, down, bias, ids, count, activation)
+        for nt in (1, 2):
+            got = call_kernel(layer, x, ids, count, activation, nt)
+            if count == 0:
+                assert np.array_equal(got, np.zeros(d, np.float32)), name
+            else:
+                assert_close(got, want)
+        if name == "full" and c:
+            assert_close(got, kernels.dense_ffn_ref(x, gate, up, down, bias, activation))
+    # the public entry point (numba.get_num_threads threads) and the convenience wrapper agree
+    ids, count = cases["full"]
+    out = np.full(d, np.nan, np.float32)
+    kernels.cold_ffn(x, kernels.empty_gate(d) if gate is None else gate, up, down,
+                     kernels.empty_bias() if bias is None else bias, ids, count, kernels.act_code(activation), out)
+    assert_close(out, kernels.cold_ffn_ref(x, gate, up, down, bias, ids, count, activation))
+    assert_close(kernels.cold_ffn_call(x, gate, up, down, bias, ids, count, activation), out)
+
+
+def test_kernel_parallel_split_and_edge_rules():
+    rng = np.random.default_rng(7)
+    d, c = 576, 1536
+    layer = make_layer(rng, d, c, "swiglu")
+    gate, up, down, _ = layer
+    x = rng.standard_normal(d).astype(np.float32)
+    # sizes around the serial/parallel threshold and uneven splits between 2 threads
+    for count in (1, 7, 8, 16, 37, 38, 39, 101, 767, 1535):
+        ids = rng.choice(c, size=count, replace=False).astype(np.int32)
+        want = kernels.cold_ffn_ref(x, gate, up, down, None, ids, count, "swiglu")
+        assert_close(call_kernel(layer, x, ids, count, "swiglu", 2), want)
+        assert_close(call_kernel(layer, x, ids, count, "swiglu", 1), want)
+    # count beyond len(ids) is clipped, negative count means none
+    ids = rng.permutation(c)[:100].astype(np.int32)
+    assert_close(call_kernel(layer, x, ids, 10_000, "swiglu", 2),
+                 kernels.cold_ffn_ref(x, gate, up, down, None, ids, 100, "swiglu"))
+    assert np.array_equal(call_kernel(layer, x, ids, -5, "swiglu", 2), np.zeros(d, np.float32))
+    # ids outside [0, C) are skipped; duplicates count twice
+    bad = np.array([3, -1, c, 5, 3, 2**31 - 1], np.int32)
+    want = kernels.cold_ffn_ref(x, gate, up, down, None, np.array([3, 5, 3]), 3, "swiglu")
+    assert_close(call_kernel(layer, x, bad, bad.size, "swiglu", 1), want)
+    assert_close(call_kernel(layer, x, np.tile(bad, 20), 120, "swiglu", 2), 20 * want, rtol=1e-4)
+
+
+def test_relu_family_zero_activations_are_exact():
+    """ReLU-family neurons with act == 0 contribute exactly nothing (their down rows are skipped)."""
+    rng = np.random.default_rng(3)
+    d, c = 33, 64
+    gate, up, down, bias = make_layer(rng, d, c, "relu")
+    bias[:] = -1e6  # every neuron is dead
+    down[:] = np.nan  # and would poison the result if read
+    x = rng.standard_normal(d).astype(np.float32)
+    ids = np.arange(c, dtype=np.int32)
+    for nt in (1, 2):
+        assert np.array_equal(call_kernel((gate, up, down, bias), x, ids, c, "relu", nt), np.zeros(d, np.float32))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the FFI handler, poked directly through ctypes (no XLA involved)
+
+def test_struct_layout_matches_c_api():
+    """Offsets used by the handler (x86-64 / LP64 layout of xla/ffi/api/c_api.h, checked against the header)."""
+    assert ctypes.sizeof(ctypes.c_void_p) == 8
+    assert (bridge.CF_EXT, bridge.CF_API, bridge.CF_STAGE) == (8, 16, 32)
+    assert (bridge.CF_NARGS, bridge.CF_ARGS, bridge.CF_NRETS, bridge.CF_RETS) == (56, 72, 96, 112)
+    assert (bridge.CF_NATTRS, bridge.CF_ATTR_TYPES, bridge.CF_ATTR_NAMES, bridge.CF_ATTR_VALUES) == (136, 144, 152, 160)
+    assert bridge.CF_STRUCT_SIZE == 168
+    assert (bridge.BUF_DTYPE, bridge.BUF_DATA, bridge.BUF_RANK, bridge.BUF_DIMS) == (16, 24, 32, 40)
+    assert (bridge.SCALAR_VALUE, bridge.SPAN_LEN, bridge.EXT_TYPE, bridge.MDX_METADATA) == (8, 8, 8, 24)
+    assert (bridge.MD_VERSION, bridge.MD_VERSION_MAJOR, bridge.MD_VERSION_MINOR, bridge.MD_TRAITS) == (8, 24, 28, 32)
+    assert (bridge.MD_STRUCT_SIZE, bridge.MDX_STRUCT_SIZE, bridge.VERSION_STRUCT_SIZE) == (36, 32, 24)
+    assert (bridge.API_ERROR_CREATE, bridge.ERR_MESSAGE, bridge.ERR_ERRC, bridge.ERR_STRUCT_SIZE) == (48, 16, 24, 28)
+
+
+def test_handler_answers_metadata_query_and_ignores_other_stages():
+    md = bridge._Metadata(struct_size=bridge.MD_STRUCT_SIZE)
+    md.api_version.major_version = md.api_version.minor_version = -1
+    md.traits = 0xFFFF
+    ext = bridge._MetadataExtension()
+    ext.extension_base.struct_size = bridge.MDX_STRUCT_SIZE
+    ext.extension_base.type = bridge.EXTENSION_METADATA
+    ext.metadata = ctypes.addressof(md)
+    frame = bridge._CallFrame(struct_size=bridge.CF_STRUCT_SIZE, extension_start=ctypes.addressof(ext))
+    assert bridge._handler.ctypes(ctypes.addressof(frame)) == 0
+    assert (md.api_version.major_version, md.api_version.minor_version) == bridge.FFI_API_VERSION
+    assert md.api_version.struct_size == bridge.VERSION_STRUCT_SIZE and md.traits == 0
+    # instantiate / prepare / initialize stages: nothing to do, no error, arguments not touched (all NULL here)
+    for stage in (0, 1, 2):
+        frame = bridge._CallFrame(struct_size=bridge.CF_STRUCT_SIZE, stage=stage)
+        assert bridge._handler.ctypes(ctypes.addressof(frame)) == 0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# through the bridge, inside jax.jit
+
+def make_cold(rng, d, sizes, activation, scale=1.0):
+    layers = [make_layer(rng, d, c, activation, scale) for c in sizes]
+    cold = bridge.ColdFFN([l[1] for l in layers], [l[2] for l in layers],
+                          None if activation == "relu" else [l[0] for l in layers],
+                          [l[3] for l in layers] if activation == "relu" else None, activation=activation)
+    return cold, layers
+
+
+@pytest.mark.parametrize("activation", ACTS)
+def test_bridge_in_jit_matches_reference(activation):
+    rng = np.random.default_rng(11 + ACTS.index(activation))
+    d, sizes, k = 33, [7, 0, 1, 40], 16
+    cold, layers = make_cold(rng, d, sizes, activation)
+    f = jax.jit(lambda layer, x, ids, count: cold(layer, x, ids, count,
+                                                  out_init=jnp.full(x.shape, jnp.nan, jnp.float32)))
+    g = jax.jit(cold.__call__, static_argnums=0)  # layer as a compile-time constant, no out_init
+    for l, c in enumerate(sizes):
+        gate, up, down, bias = layers[l]
+        x = rng.standard_normal(d).astype(np.float32)
+        ids = np.concatenate([rng.permutation(c), rng.integers(-3, c + 3, size=k)])[:k].astype(np.int32)
+        ids = np.pad(ids, (0, k - ids.size))
+        for count in {0, min(c, k), int(rng.integers(0, k + 1)), k + 5}:
+            want = kernels.cold_ffn_ref(x, gate, up, down, bias, ids, count, activation)
+            got = np.asarray(f(l, x, ids, count))
+            if min(count, k) == 0 or c == 0:
+                assert np.array_equal(got, np.zeros(d, np.float32))
+            assert_close(got, want)
+            assert_close(g(l, x, ids, count), want)
+        if c:  # every row once == the dense FFN of the layer
+            full = rng.permutation(c).astype(np.int32)
+            assert_close(f(l, x, full, c), kernels.dense_ffn_ref(x, gate, up, down, bias, activation))
+
+
+def test_bridge_big_layer_threads_and_numpy_call():
+    rng = np.random.default_rng(5)
+    d, c = 576, 1536
+    cold, layers = make_cold(rng, d, [c], "swiglu")
+    gate, up, down, _ = layers[0]
+    x = rng.standard_normal(d).astype(np.float32)
+    ids = rng.permutation(c).astype(np.int32)
+    f = jax.jit(lambda x, ids, n: cold(0, x, ids, n, out_init=jnp.full(x.shape, jnp.nan, jnp.float32)))
+    before = bridge.executions()
+    try:
+        for nt in (1, 2):
+            bridge.set_num_threads(nt)
+            for count in (0, 768, c):
+                want = kernels.cold_ffn_ref(x, gate, up, down, None, ids, count, "swiglu")
+                assert_close(f(x, ids, count), want)
+                assert_close(cold.numpy_call(0, x, ids, count), want)
+    finally:
+        bridge.set_num_threads(bridge.numba.config.NUMBA_NUM_THREADS)
+    assert bridge.executions() - before == 6
+    assert_close(f(x, ids, c), kernels.dense_ffn_ref(x, gate, up, down, None, "swiglu"))
+
+
+@pytest.mark.parametrize("loop", ["fori_loop", "while_loop"])
+def test_bridge_in_loop_over_layers_merged_with_jnp(loop):
+    """A toy decoder: per layer, a dense 'hot' part in jnp plus the cold part from the bridge."""
+    rng = np.random.default_rng(21)
+    d, sizes, k, activation = 576, [96, 0, 1, 7, 200], 64, "swiglu"
+    n_layers = len(sizes)
+    cold, layers = make_cold(rng, d, sizes, activation, scale=0.5)
+    hot = (rng.standard_normal((n_layers, d, d)) * 0.3 / np.sqrt(d)).astype(np.float32)
+    ids = np.zeros((n_layers, k), np.int32)
+    counts = np.zeros(n_layers, np.int32)
+    for l, c in enumerate(sizes):
+        n = min(c, k)
+        ids[l, :n] = rng.choice(c, size=n, replace=False) if c else []
+        ids[l, n:] = rng.integers(0, max(c, 1), size=k - n)  # junk past count
+        counts[l] = int(rng.integers(0, n + 1)) if l % 2 else n
+    x = rng.standard_normal(d).astype(np.float32)
+
+    def layer_step(l, h):
+        y = cold(l, h, ids_d[l], counts_d[l])
+        return h + jnp.tanh(hot_d[l] @ h) + y * 0.5
+
+    ids_d, counts_d, hot_d = jnp.asarray(ids), jnp.asarray(counts), jnp.asarray(hot)
+    if loop == "fori_loop":
+        f = jax.jit(lambda x: jax.lax.fori_loop(0, n_layers, layer_step, x))
+    else:
+        f = jax.jit(lambda x: jax.lax.while_loop(lambda s: s[0] < n_layers,
+                                                 lambda s: (s[0] + 1, layer_step(s[0], s[1])), (0, x))[1])
+    h = x.astype(np.float64)
+    for l in range(n_layers):
+        gate, up, down, bias = layers[l]
+        y = kernels.cold_ffn_ref(h.astype(np.float32), gate, up, down, bias, ids[l], counts[l], activation)
+        h = h + np.tanh(hot[l].astype(np.float64) @ h) + 0.5 * y
+    assert_close(f(x), h.astype(np.float32), rtol=2e-4)
+    assert_close(f(x), f(x), rtol=0)  # deterministic
+
+
+def test_two_instances_and_vmap():
+    rng = np.random.default_rng(31)
+    d = 33
+    a, la = make_cold(rng, d, [7, 12], "reglu")
+    b, lb = make_cold(rng, d, [12, 5, 1], "relu")
+    x = rng.standard_normal(d).astype(np.float32)
+    ids = np.array([4, 0, 6, 2, 1], np.int32)
+
+    @jax.jit
+    def both(x):
+        return a(1, x, ids, 5), b(0, x, ids, 5), a(1, x, ids, 5) - b(0, x, ids, 5)
+
+    ya, yb, diff = both(x)
+    want_a = kernels.cold_ffn_ref(x, la[1][0], la[1][1], la[1][2], None, ids, 5, "reglu")
+    want_b = kernels.cold_ffn_ref(x, None, lb[0][1], lb[0][2], lb[0][3], ids, 5, "relu")
+    assert_close(ya, want_a)
+    assert_close(yb, want_b)
+    assert_close(diff, want_a - want_b)
+    assert not np.allclose(np.asarray(ya), np.asarray(yb))
+
+    # vmap over a batch of tokens (and layers): the handler loops over the batch
+    xs = rng.standard_normal((3, d)).astype(np.float32)
+    idss = np.stack([rng.permutation(12)[:6] for _ in range(3)]).astype(np.int32)
+    cnts = np.array([6, 0, 3], np.int32)
+    layers = np.array([0, 1, 0], np.int32)
+    got = jax.jit(jax.vmap(b))(layers, xs, idss, cnts)
+    for i in range(3):
+        gate, up, down, bias = lb[layers[i]]
+        assert_close(got[i], kernels.cold_ffn_ref(xs[i], gate, up, down, bias, idss[i], cnts[i], "relu"))
+    got = jax.jit(jax.vmap(lambda x, i, n: a(1, x, i, n)))(xs, idss, cnts)  # layer broadcast
+    for i in range(3):
+        assert_close(got[i], kernels.cold_ffn_ref(xs[i], *la[1][:3], None, idss[i], cnts[i], "reglu"))
+
+
+def test_from_dense_compaction():
+    rng = np.random.default_rng(41)
+    d, f, activation = 33, 50, "geglu"
+    dense = [make_layer(rng, d, f, activation) for _ in range(2)]
+    cold_ids = [np.sort(rng.choice(f, size=20, replace=False)), np.array([], np.int64)]
+    cold = bridge.ColdFFN.from_dense([l[1] for l in dense], [l[2] for l in dense], cold_ids,
+                                     w_gate=[l[0] for l in dense], activation=activation)
+    assert cold.n_cold == [20, 0]
+    pos = cold.cold_position(0, f)
+    assert pos.shape == (f,) and (pos >= 0).sum() == 20 and np.all(pos[cold_ids[0]] == np.arange(20))
+    active_dense = rng.choice(cold_ids[0], size=8, replace=False)  # dense ids of active cold neurons
+    x = rng.standard_normal(d).astype(np.float32)
+    got = jax.jit(cold.__call__, static_argnums=0)(0, x, pos[active_dense], 8)
+    gate, up, down, _ = dense[0]
+    assert_close(got, kernels.cold_ffn_ref(x, gate, up, down, None, active_dense, 8, activation))
+    assert np.array_equal(np.asarray(cold(1, x, np.arange(4, dtype=np.int32), 4)), np.zeros(d, np.float32))
+
+
+def test_errors_are_reported_not_crashes():
+    rng = np.random.default_rng(51)
+    cold, _ = make_cold(rng, 33, [7, 3], "swiglu")
+    x = rng.standard_normal(33).astype(np.float32)
+    ids = np.arange(3, dtype=np.int32)
+    with pytest.raises(ValueError):
+        cold(2, x, ids, 3)  # static layer out of range
+    with pytest.raises(ValueError):
+        cold(0, np.zeros(32, np.float32), ids, 3)  # wrong d
+    f = jax.jit(lambda l, x: cold(l, x, ids, 3))
+    with pytest.raises(Exception, match="layer index out of range"):
+        np.asarray(f(5, x))  # traced layer out of range: an XLA runtime error from the handler
+    g = jax.jit(lambda x: cold(1, x, ids, 3))
+    assert np.all(np.isfinite(np.asarray(g(x))))
+    cold.close()
+    with pytest.raises(Exception, match="was closed"):
+        np.asarray(g(x + 1))  # compiled executable outlived the weights: error, not a read of freed memory
+    with pytest.raises(RuntimeError):
+        cold(0, x, ids, 3)
+
+
+def test_concurrent_calls_from_threads():
+    """Several Python threads running jitted bridge calls and direct locked calls at once (workqueue-safe)."""
+    rng = np.random.default_rng(61)
+    d, c = 576, 1536
+    cold, layers = make_cold(rng, d, [c], "drelu")
+    gate, up, down, _ = layers[0]
+    f = jax.jit(lambda x, ids: cold(0, x, ids, 512))
+    xs = rng.standard_normal((4, d)).astype(np.float32)
+    idss = np.stack([rng.permutation(c) for _ in range(4)]).astype(np.int32)
+    wants = [kernels.cold_ffn_ref(xs[i], gate, up, down, None, idss[i], 512, "drelu") for i in range(4)]
+    f(xs[0], idss[0]).block_until_ready()
+    errors = []
+
+    def work(i):
+        try:
+            for _ in range(10):
+                assert_close(f(xs[i], idss[i]), wants[i])
+                assert_close(cold.numpy_call(0, xs[i], idss[i], 512), wants[i])
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
