@@ -154,6 +154,7 @@ def main(argv=None) -> None:
     ref = numpy_token(2)
     got = np.asarray(token(x_dev))
     assert np.allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max()), "bridge disagrees with direct calls"
+    saved_threads = bridge.get_num_threads()
     print(f"(c) {n_layers} layers x {active} active cold neurons per token ({n_layers * nbytes / 1e6:.0f} MB):")
     for nt in (1, 2):
         bridge.set_num_threads(nt)
@@ -172,7 +173,7 @@ def main(argv=None) -> None:
     t_all = time.perf_counter() - t
     print(f"    async dispatch kept: token(x) returns after {1e3 * t_enq:.2f} ms, result ready after "
           f"{1e3 * t_all:.2f} ms")
-    bridge.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    bridge.set_num_threads(saved_threads)
     print(f"load average after: {os.getloadavg()}")
 
 

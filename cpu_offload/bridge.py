@@ -534,7 +534,24 @@ try:
     _RUNTIME[R_YIELD] = ctypes.cast(ctypes.CDLL(None).sched_yield, ctypes.c_void_p).value or 0
 except (OSError, AttributeError):  # pragma: no cover - no sched_yield: pure spinning
     _RUNTIME[R_YIELD] = 0
-_RUNTIME[R_THREADS] = numba.config.NUMBA_NUM_THREADS
+
+
+def _default_threads() -> int:
+    """PJINFER_COLD_THREADS if set, else 1 on machines with <= 2 Numba threads, else all of them.
+
+    Measured on the 2-vCPU VMs of this project (workqueue layer): through the bridge, 2 threads were 15-40% *slower*
+    than 1 for a 30-layer token (waking the second worker costs ~30-100 us per launch here, and XLA's own idle
+    threads compete for the second core), so one thread is the default there."""
+    import os
+
+    n = numba.config.NUMBA_NUM_THREADS
+    env = os.environ.get("PJINFER_COLD_THREADS")
+    if env:
+        return max(1, min(int(env), n))
+    return 1 if n <= 2 else n
+
+
+_RUNTIME[R_THREADS] = _default_threads()
 _RUNTIME_ADDR = int(_RUNTIME.ctypes.data)
 
 
@@ -593,7 +610,9 @@ def register() -> None:
 
 
 def set_num_threads(n: int) -> None:
-    """Cap the Numba threads the FFI handler uses (1 = serial); at most numba.config.NUMBA_NUM_THREADS."""
+    """Cap the Numba threads the FFI handler uses (1 = serial); at most numba.config.NUMBA_NUM_THREADS.
+
+    Process-wide; the default comes from ``_default_threads`` (env PJINFER_COLD_THREADS)."""
     n = int(n)
     if not 1 <= n <= numba.config.NUMBA_NUM_THREADS:
         raise ValueError(f"threads must be in [1, {numba.config.NUMBA_NUM_THREADS}], got {n}")

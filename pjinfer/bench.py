@@ -20,44 +20,53 @@ def bench_prompt(engine: Engine, prompt_len: int) -> list[int]:
     return (ids * (prompt_len // len(ids) + 1))[:prompt_len]
 
 
-def run(engine: Engine, *, prompt_len: int, new_tokens: int, runs: int, progress=None) -> dict:
-    prompt = bench_prompt(engine, prompt_len)
-    padded, cache_len = engine.plan(prompt_len, new_tokens)
-    greedy = Sampling()
+def _runner(engine: Engine, prompt: list[int], new_tokens: int):
+    """(prefill, whole): jitted prefill alone, and the whole generate of new_tokens greedy tokens."""
+    padded, cache_len = engine.plan(len(prompt), new_tokens)
+    params = Sampling().params()
     tokens = engine.pad_prompt(prompt, padded)
-    length = jnp.int32(prompt_len)
+    length = jnp.int32(len(prompt))
     key = jax.random.key(0)
     no_stop = jnp.full((gen.MAX_STOP_IDS,), -1, jnp.int32)   # always run all new tokens
 
     def prefill():
-        token, cache = gen.prefill(engine.graphdef, engine.state, tokens, length, key, greedy.params(),
-                                   cache_len=cache_len, greedy=True)
+        token, _ = gen.prefill(engine.graphdef, engine.state, tokens, length, key, params,
+                               cache_len=cache_len, greedy=True)
         jax.block_until_ready(token)
 
     def whole():
-        out, n = gen.generate_tokens(engine.graphdef, engine.state, tokens, length, key, greedy.params(),
+        out, n = gen.generate_tokens(engine.graphdef, engine.state, tokens, length, key, params,
                                      jnp.int32(new_tokens), no_stop, cache_len=cache_len, greedy=True)
         assert int(n) == new_tokens
         return out
 
-    prefill(), whole()  # warm-up: compile both
-    prefill_s, total_s = [], []
+    return prefill, whole
+
+
+def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: int, progress=None) -> dict:
+    """Rates of each engine; runs alternate between engines so a noisy machine affects all alike."""
+    first = next(iter(engines.values()))
+    prompt = bench_prompt(first, prompt_len)
+    runners = {name: _runner(e, prompt, new_tokens) for name, e in engines.items()}
+    for prefill, whole in runners.values():  # warm-up: compile both
+        prefill(), whole()
+    times = {name: ([], []) for name in engines}
     for r in range(runs):
-        t0 = time.perf_counter(); prefill(); t1 = time.perf_counter(); whole(); t2 = time.perf_counter()
-        prefill_s.append(t1 - t0)
-        total_s.append(t2 - t1)
+        for name, (prefill, whole) in runners.items():
+            t0 = time.perf_counter(); prefill(); t1 = time.perf_counter(); whole(); t2 = time.perf_counter()
+            times[name][0].append(t1 - t0)
+            times[name][1].append(t2 - t1)
         if progress:
             progress(r + 1, runs)
-    p = statistics.median(prefill_s)
-    # generate = prefill + (new_tokens - 1) decode steps; the decode rate is what remains after prefill.
-    decode = [(new_tokens - 1) / max(t - p, 1e-9) for t in total_s]
-    return {
-        "prompt_len": prompt_len, "new_tokens": new_tokens, "runs": runs,
-        "prefill_tok_s": prompt_len / p, "decode_tok_s": statistics.median(decode),
-        "decode_ms_per_token": 1000 / statistics.median(decode),
-        "generate_s": statistics.median(total_s), "prefill_s": p,
-        "weights_mb": sum(np.asarray(x).nbytes for x in jax.tree.leaves(engine.state)) / 1e6,
-    }
+    results = {}
+    for name, (prefill_s, total_s) in times.items():
+        p = statistics.median(prefill_s)
+        # generate = prefill + (new_tokens - 1) decode steps; the decode rate is what remains after prefill.
+        decode = statistics.median([(new_tokens - 1) / max(t - p, 1e-9) for t in total_s])
+        results[name] = {"prefill_tok_s": prompt_len / p, "decode_tok_s": decode, "decode_ms_per_token": 1000 / decode,
+                         "generate_s": statistics.median(total_s), "prefill_s": p,
+                         "device_weights_mb": sum(np.asarray(x).nbytes for x in jax.tree.leaves(engines[name].state)) / 1e6}
+    return {"prompt_len": prompt_len, "new_tokens": new_tokens, "runs": runs, "engines": results}
 
 
 def breakdown(engine: Engine, *, cache_len: int = 256, repeats: int = 20) -> dict:
@@ -68,9 +77,14 @@ def breakdown(engine: Engine, *, cache_len: int = 256, repeats: int = 20) -> dic
     from pjinfer.model import KVCache
 
     graphdef, state = engine.graphdef, engine.state
-    x = jnp.ones((1, 1, engine.config.d_model), jnp.float32) * 0.1
     cache = KVCache.create(engine.config, 1, cache_len)
     pos = jnp.int32(cache_len // 2)
+    # Real inputs: each layer's FFN input for the last of 32 tokens of real text (a sparse FFN's work
+    # depends on what its predictor sees).
+    text = jnp.asarray(bench_prompt(engine, 32))[None]
+    _, _, ffn_inputs = nnx.merge(graphdef, state)(text, 0, KVCache.create(engine.config, 1, 32), capture=True)
+    xs = [x[:, -1:] for x in ffn_inputs]
+    x = xs[0]
 
     @jax.jit
     def attention(state, x, cache):
@@ -78,9 +92,14 @@ def breakdown(engine: Engine, *, cache_len: int = 256, repeats: int = 20) -> dic
         return [layer.attn(layer.attn_norm(x), pos, k, v)[0] for layer, k, v in zip(model.layers, cache.k, cache.v)]
 
     @jax.jit
-    def ffn(state, x):
+    def ffn(state, xs):
+        # Chained through a zero-weighted dependency so the layers run one after another, as in a step
+        # (independent calls could overlap, and CPU-side sparse layers would then contend for threads).
         model = nnx.merge(graphdef, state)
-        return [layer.ffn(layer.ffn_norm(x)) for layer in model.layers]
+        y = jnp.zeros_like(xs[0])
+        for layer, x in zip(model.layers, xs):
+            y = layer.ffn(x + 0.0 * y)
+        return y
 
     @jax.jit
     def head(state, x):
@@ -99,7 +118,7 @@ def breakdown(engine: Engine, *, cache_len: int = 256, repeats: int = 20) -> dic
             times.append(time.perf_counter() - t)
         return 1000 * statistics.median(times)
 
-    parts = {"attention_ms": ms(attention, state, x, cache), "ffn_ms": ms(ffn, state, x),
+    parts = {"attention_ms": ms(attention, state, x, cache), "ffn_ms": ms(ffn, state, xs),
              "head_ms": ms(head, state, x), "step_ms": ms(step, state, jnp.int32(7), cache)}
     parts["other_ms"] = parts["step_ms"] - parts["attention_ms"] - parts["ffn_ms"] - parts["head_ms"]
     return parts

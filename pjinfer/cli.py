@@ -34,7 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="print one JSON object")
         return p
 
+    def sparse_options(p):
+        p.add_argument("--bundle", help="sparse bundle (`make bundle`): run the hybrid sparse engine")
+        p.add_argument("--hot-backend", default="xla", choices=("xla", "pallas", "pallas-interpret"),
+                       help="hot neurons: XLA gather (CPU default), compiled Pallas (GPU), Pallas interpret mode")
+
     p = command("generate", "generate text from a prompt, streamed as it comes")
+    sparse_options(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
@@ -47,11 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-file", required=True)
     p.add_argument("--windows", type=_positive_int, default=4)
     p.add_argument("--window-len", type=_positive_int, default=256, help="tokens scored per window")
+    sparse_options(p)
 
     p = command("bench", "prefill and decode tokens per second of the jitted generate")
     p.add_argument("--prompt-len", type=_positive_int, default=16)
     p.add_argument("--new-tokens", type=_positive_int, default=128)
     p.add_argument("--runs", type=_positive_int, default=5)
+    sparse_options(p)
     p.add_argument("--breakdown", action="store_true", help="also time attention, FFN and head of one decode step")
 
     p = command("profile", "measure how often each FFN neuron fires; starts (or refreshes) a sparse bundle")
@@ -85,13 +93,15 @@ def _say(*parts):
     print(*parts, file=sys.stderr, flush=True)
 
 
-def _load(args):
+def _load(args, bundle=None):
+    """The model of --model; sparse when `bundle` names a bundle to run with."""
     from pjinfer.engine import Engine
     from pjinfer.progress import Progress
     from pjinfer.runtime import enable_compilation_cache
 
     enable_compilation_cache()
-    return Engine.load(args.model, progress=Progress("loading tensors", 0))
+    return Engine.load(args.model, bundle=bundle, hot_backend=getattr(args, "hot_backend", "xla"),
+                       progress=Progress("loading tensors", 0))
 
 
 def cmd_generate(args):
@@ -100,7 +110,7 @@ def cmd_generate(args):
     from pjinfer.tokenizer import StreamDecoder
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-    engine = _load(args)
+    engine = _load(args, args.bundle)
     tok = engine.tokenizer
     if args.chat:
         ids = tok.encode(tok.apply_chat([{"role": "user", "content": args.prompt}]), add_special=False)
@@ -138,34 +148,49 @@ def cmd_perplexity(args):
     from pjinfer import data
 
     text = data.read_text(args.text_file)
-    engine = _load(args)
+    engine = _load(args, args.bundle)
     ids = engine.tokenizer.encode(text, add_special=False)
     ppl, n = engine.perplexity(ids, windows=args.windows, window_len=args.window_len)
+    result = {"perplexity": ppl, "tokens": n}
+    if engine.bundle is not None:
+        from pjinfer.sparse import skipped_share
+
+        result["skipped"] = skipped_share(engine, ids[:args.window_len + 1])
     if args.json:
-        print(json.dumps({"perplexity": ppl, "tokens": n}))
-    else:
-        print(f"perplexity {ppl:.4f} over {n} tokens ({args.windows} windows of {args.window_len + 1})")
+        print(json.dumps(result))
+        return
+    print(f"perplexity {ppl:.4f} over {n} tokens ({args.windows} windows of {args.window_len + 1})")
+    if "skipped" in result:
+        print(f"sparse: predictors skipped {100 * result['skipped']:.1f}% of FFN neurons (first window, all layers)")
 
 
 def cmd_bench(args):
     from pjinfer import bench
     from pjinfer.progress import Progress
 
-    engine = _load(args)
-    result = bench.run(engine, prompt_len=args.prompt_len, new_tokens=args.new_tokens, runs=args.runs,
+    engines = {"dense": _load(args)}
+    if args.bundle:  # sparse against dense, measured in the same run
+        engines["sparse"] = _load(args, args.bundle)
+    result = bench.run(engines, prompt_len=args.prompt_len, new_tokens=args.new_tokens, runs=args.runs,
                        progress=Progress("bench runs", args.runs))
     if args.breakdown:
-        result["breakdown"] = bench.breakdown(engine)
+        for name, engine in engines.items():
+            result["engines"][name]["breakdown"] = bench.breakdown(engine)
+    if args.bundle:
+        result["sparse_over_dense"] = result["engines"]["sparse"]["decode_tok_s"] / result["engines"]["dense"]["decode_tok_s"]
     if args.json:
         print(json.dumps(result))
         return
-    if args.breakdown:
-        b = result["breakdown"]
-        print("one decode step: " + ", ".join(f"{k[:-3]} {v:.1f} ms ({100 * v / b['step_ms']:.0f}%)"
-                                              for k, v in b.items() if k != "step_ms") + f"; step {b['step_ms']:.1f} ms")
-    print(f"prefill {result['prefill_tok_s']:.1f} tok/s ({args.prompt_len} tokens), "
-          f"decode {result['decode_tok_s']:.1f} tok/s ({result['decode_ms_per_token']:.1f} ms/token, "
-          f"{args.new_tokens} tokens), median of {args.runs} runs; weights {result['weights_mb']:.0f} MB")
+    for name, r in result["engines"].items():
+        if "breakdown" in r:
+            b = r["breakdown"]
+            print(f"{name} decode step: " + ", ".join(f"{k[:-3]} {v:.1f} ms ({100 * v / b['step_ms']:.0f}%)"
+                                                      for k, v in b.items() if k != "step_ms") + f"; step {b['step_ms']:.1f} ms")
+        print(f"{name}: prefill {r['prefill_tok_s']:.1f} tok/s ({args.prompt_len} tokens), "
+              f"decode {r['decode_tok_s']:.1f} tok/s ({r['decode_ms_per_token']:.1f} ms/token, {args.new_tokens} "
+              f"tokens), median of {args.runs} runs; accelerator weights {r['device_weights_mb']:.0f} MB")
+    if args.bundle:
+        print(f"sparse decode / dense decode: {result['sparse_over_dense']:.2f}x")
 
 
 def cmd_profile(args):

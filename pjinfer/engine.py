@@ -22,15 +22,31 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.source = source
+        self.bundle = None        # set by use_bundle: the engine then runs the hybrid sparse FFN
         self.graphdef, self.state = nnx.split(Transformer(config, weights))
 
     @classmethod
-    def load(cls, path=None, *, progress=None) -> "Engine":
+    def load(cls, path=None, *, bundle=None, hot_backend: str = "xla", progress=None) -> "Engine":
         start = time.perf_counter()
         config, weights, tokenizer = loader.load(path, progress=progress)
         engine = cls(config, weights, tokenizer, source=str(path or loader.default_model_path()))
+        if bundle is not None:
+            engine.use_bundle(bundle, hot_backend=hot_backend)
         engine.load_seconds = time.perf_counter() - start
         return engine
+
+    def use_bundle(self, path, *, hot_backend: str = "xla") -> None:
+        """Run sparse from now on: the bundle's predictors pick active neurons, its placement splits
+        them into hot (accelerator) and cold (host memory, Numba) rows."""
+        from pjinfer import offline, sparse
+
+        bundle = offline.open_bundle(self, path)
+        predictors = offline.load_predictors(self, bundle)
+        hot = np.asarray(bundle.load_stage("placement")["hot"], bool)
+        model = nnx.merge(self.graphdef, self.state)
+        sparse.sparsify(model, hot, predictors, hot_backend=hot_backend)
+        self.graphdef, self.state = nnx.split(model)
+        self.bundle = bundle
 
     # ------------------------------------------------------------ generation
     def plan(self, prompt_len: int, max_new_tokens: int) -> tuple[int, int]:

@@ -194,6 +194,7 @@ def test_bridge_big_layer_threads_and_numpy_call():
     ids = rng.permutation(c).astype(np.int32)
     f = jax.jit(lambda x, ids, n: cold(0, x, ids, n, out_init=jnp.full(x.shape, jnp.nan, jnp.float32)))
     before = bridge.executions()
+    saved = bridge.get_num_threads()
     try:
         for nt in (1, 2):
             bridge.set_num_threads(nt)
@@ -202,7 +203,7 @@ def test_bridge_big_layer_threads_and_numpy_call():
                 assert_close(f(x, ids, count), want)
                 assert_close(cold.numpy_call(0, x, ids, count), want)
     finally:
-        bridge.set_num_threads(bridge.numba.config.NUMBA_NUM_THREADS)
+        bridge.set_num_threads(saved)
     assert bridge.executions() - before == 6
     assert_close(f(x, ids, c), kernels.dense_ffn_ref(x, gate, up, down, None, "swiglu"))
 

@@ -1,0 +1,127 @@
+"""The hybrid sparse FFN: PowerInfer's online half.
+
+Per token and layer:
+    predictor(x)      -> active set (bool per neuron)
+    active & hot      -> hot rows compacted on the accelerator, computed by pallas_kernels.hot_ffn
+                         (compiled on a GPU; on a CPU-only machine XLA runs the same gather-and-reduce,
+                         or the Pallas kernel in interpret mode when asked, for testing)
+    active & cold     -> cold rows in host memory, computed by Numba threads (cpu_offload.ColdFFN,
+                         an XLA FFI call inside the same jitted step)
+    merged            -> hot part + cold part (+ the down bias) on the accelerator
+
+Every token is computed this way, prompt tokens included, so prefill, decode and scoring share one
+rule and `perplexity --bundle` measures exactly what generation computes. (A dense prefill would
+need every neuron on the accelerator, which is what the placement exists to avoid.)
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from cpu_offload.bridge import ColdFFN
+from pallas_kernels import hot_ffn, hot_ffn_reference
+from pjinfer.config import ConfigError
+from pjinfer.model import FFN, KVCache, Transformer
+
+HOT_BACKENDS = ("xla", "pallas", "pallas-interpret")
+
+
+class Index(nnx.Variable):
+    """Neuron indices: state that travels with the weights but is never trained."""
+
+
+class SparseFFN(nnx.Module):
+    """Replaces a layer's FFN. `predictor`: a trained train.predictor.Predictor; None (every neuron
+    active: the exactness check against dense); or the layer's dense FFN, whose exact activity is the
+    oracle for the ReLU family (active = non-zero)."""
+
+    def __init__(self, ffn: FFN, *, layer: int, hot: np.ndarray, predictor, cold: ColdFFN, hot_backend: str):
+        if hot_backend not in HOT_BACKENDS:
+            raise ConfigError(f"unknown hot backend {hot_backend!r} (known: {', '.join(HOT_BACKENDS)})")
+        hot_ids, cold_ids = np.flatnonzero(hot), np.flatnonzero(~hot)
+        rows = lambda p: None if p is None else nnx.Param(jnp.asarray(np.asarray(p[...])[hot_ids]))
+        self.activation = ffn.activation
+        self.layer = layer
+        self.hot_backend = hot_backend
+        self.predictor = predictor
+        self.cold = cold
+        self.hot_ids = Index(jnp.asarray(hot_ids, jnp.int32))
+        self.cold_ids = Index(jnp.asarray(cold_ids, jnp.int32))
+        self.w_gate, self.w_up, self.w_down_t, self.b_up = (rows(ffn.w_gate), rows(ffn.w_up), rows(ffn.w_down_t),
+                                                            rows(ffn.b_up))
+        self.b_down = ffn.b_down
+
+    def active(self, x):
+        """x [N, d] -> predicted active neurons [N, F]."""
+        if self.predictor is None:
+            return jnp.ones((x.shape[0], self.hot_ids.shape[0] + self.cold_ids.shape[0]), bool)
+        if isinstance(self.predictor, FFN):
+            return self.predictor.neurons(x) != 0
+        return self.predictor.active(x)
+
+    def __call__(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        active = self.active(x)
+        y = jnp.zeros_like(x)
+        if self.hot_ids.shape[0]:
+            ids, count = _compact(active[:, self.hot_ids[...]])
+            y = y + jax.vmap(self._hot)(x, ids, count)
+        if self.cold_ids.shape[0]:
+            ids, count = _compact(active[:, self.cold_ids[...]])
+            y = y + self.cold(self.layer, x, ids, count)
+        if self.b_down is not None:
+            y = y + self.b_down[...]
+        return y.reshape(shape)
+
+    def _hot(self, x, ids, count):
+        val = lambda p: None if p is None else p[...]
+        args = (x, val(self.w_gate), self.w_up[...], self.w_down_t[...], ids, count)
+        kw = dict(activation=self.activation, b_up=val(self.b_up))
+        if self.hot_backend == "xla":
+            return hot_ffn_reference(*args, **kw)
+        return hot_ffn(*args, **kw, interpret=self.hot_backend == "pallas-interpret")
+
+
+def _compact(mask):
+    """mask [N, K] -> (ids [N, K] of the True positions first, count [N])."""
+    ids = jax.vmap(lambda m: jnp.nonzero(m, size=m.shape[0], fill_value=0)[0])(mask)
+    return ids.astype(jnp.int32), mask.sum(axis=1).astype(jnp.int32)
+
+
+def sparsify(model: Transformer, hot: np.ndarray, predictors: list | None, *, hot_backend: str = "xla",
+             oracle: bool = False) -> ColdFFN:
+    """Swap every layer's FFN for a SparseFFN in place. hot: bool [L, F] placement. predictors: one per
+    layer, or None for every-neuron-active; oracle=True uses each layer's exact activity instead.
+    Returns the ColdFFN holding the cold rows in host memory (the model keeps a reference)."""
+    config = model.config
+    if hot.shape != (config.n_layers, config.d_ff):
+        raise ConfigError(f"placement shape {hot.shape} does not match the model ({config.n_layers}, {config.d_ff})")
+    host = lambda p: None if p is None else np.asarray(p[...])
+    ffns = [layer.ffn for layer in model.layers]
+    cold = ColdFFN.from_dense(
+        w_up=[host(f.w_up) for f in ffns], w_down_t=[host(f.w_down_t) for f in ffns],
+        w_gate=[host(f.w_gate) for f in ffns] if config.gated else None,
+        b_up=None if ffns[0].b_up is None else [host(f.b_up) for f in ffns],
+        cold_ids=[np.flatnonzero(~hot[l]) for l in range(config.n_layers)], activation=config.activation)
+    for l, layer in enumerate(model.layers):
+        predictor = layer.ffn if oracle else (None if predictors is None else predictors[l])
+        layer.ffn = SparseFFN(layer.ffn, layer=l, hot=hot[l], predictor=predictor, cold=cold,
+                              hot_backend=hot_backend)
+    return cold
+
+
+def skipped_share(engine, ids) -> float:
+    """Share of FFN neurons the predictors skip, over the given tokens and every layer."""
+    return 1.0 - float(jnp.mean(_predicted_density(engine.graphdef, engine.state, jnp.asarray([ids], jnp.int32))))
+
+
+@partial(jax.jit, static_argnames=("graphdef",))
+def _predicted_density(graphdef, state, tokens):
+    model = nnx.merge(graphdef, state)
+    _, _, inputs = model(tokens, 0, KVCache.create(model.config, *tokens.shape), capture=True)
+    return jnp.stack([layer.ffn.active(x.reshape(-1, x.shape[-1])).mean() for layer, x in zip(model.layers, inputs)])
