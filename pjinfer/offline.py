@@ -127,10 +127,14 @@ def run_solve(engine: Engine, bundle_path, *, device_memory: int, kv_tokens: int
               "topk_objective": topk.objective, "topk_coverage": topk.coverage,
               "hot_per_layer": counts}
     bundle.save_stage("placement", {"hot": ilp.hot}, record)
-    table(["layer", "hot (ilp)", "hot (top-k)", "mass served (ilp)"],
-          [[l, int(counts[l]), int(topk_counts[l]),
-            float(stats.freq[l][ilp.hot[l]].sum() / max(stats.freq[l].sum(), 1e-12))] for l in range(len(counts))],
-          out)
+    # The bundle's whole story per layer: profile, predictor, placement.
+    prof_rec, layers = bundle.require("profile"), pred["layers"]
+    table(["layer", "sparsity", "locality80", "rank", "recall", "precision", "pred. sparsity", "hot (ilp)",
+           "hot (top-k)", "mass on device"],
+          [[l, float(prof_rec["sparsity"][l]), float(prof_rec["locality80"][l]), layers[l]["rank"],
+            layers[l]["recall"], layers[l]["precision"], layers[l]["predicted_sparsity"], int(counts[l]),
+            int(topk_counts[l]), float(stats.freq[l][ilp.hot[l]].sum() / max(stats.freq[l].sum(), 1e-12))]
+           for l in range(len(counts))], out)
     gib = lambda b: f"{b / 2**20:.1f} MiB"
     out(f"device memory {gib(device_memory)}: dense part {gib(dense['total'])} (weights {gib(dense['weights'])}, "
         f"predictors {gib(dense['predictors'])}, KV cache {kv_tokens} tokens {gib(dense['kv_cache'])}); "
