@@ -75,23 +75,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pjinfer.model import activate  # one definition of each activation, shared with the dense model
+
 ACTIVATIONS = ("swiglu", "geglu", "reglu", "drelu", "relu")
 GATED = ("swiglu", "geglu", "reglu", "drelu")
-
-
-def _activate(activation: str, gate, up):
-    """Per-neuron activation (same definitions as pjinfer.model.activate; "relu" ignores gate)."""
-    if activation == "swiglu":
-        return jax.nn.silu(gate) * up
-    if activation == "geglu":
-        return jax.nn.gelu(gate, approximate=True) * up
-    if activation == "reglu":
-        return jnp.maximum(gate, 0.0) * up
-    if activation == "drelu":
-        return jnp.maximum(gate, 0.0) * jnp.maximum(up, 0.0)
-    if activation == "relu":
-        return jnp.maximum(up, 0.0)
-    raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
 
 
 def _is_pow2(n: int) -> bool:
@@ -163,7 +150,7 @@ def _act_kernel(count_ref, ids_ref, x_ref, *refs, activation, d, block_k, block_
         gate = carry[1] if gated else None
         if has_bias:
             up = up + plt.load(bup_ref.at[rows], mask=valid, other=0.0)
-        act = jnp.where(valid, _activate(activation, gate, up), 0.0)
+        act = jnp.where(valid, activate(activation, gate, up), 0.0)
         act_ref[pl.ds(start, block_k)] = act
 
 
@@ -327,5 +314,5 @@ def hot_ffn_reference(x, w_gate, w_up, w_down_t, ids, count, *, activation: str,
     if activation == "relu" and b_up is not None:
         up = up + b_up[rows]
     gate = jnp.dot(w_gate[rows], x, precision=hp) if activation in GATED else None
-    act = jnp.where(valid, _activate(activation, gate, up), 0.0)
+    act = jnp.where(valid, activate(activation, gate, up), 0.0)
     return jnp.dot(act, w_down_t[rows], precision=hp)
