@@ -22,7 +22,7 @@ def enable_compilation_cache(path: Path | None = None) -> Path:
     path = Path(path or default_cache_dir())
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # every executable, small ones too
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
 
