@@ -5,18 +5,21 @@ and achieved figures in the manifest, and prints a per-layer table.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import numpy as np
 
 from pjinfer import loader
 from pjinfer import profile as prof
 from pjinfer.bundle import Bundle
+from pjinfer.config import ConfigError
 from pjinfer.engine import Engine
 
 
 def model_record(engine: Engine) -> dict:
     c = engine.config
-    return {"source": engine.source, "identity": loader.model_identity(loader.Path(engine.source)),
+    return {"source": engine.source, "identity": loader.model_identity(Path(engine.source)),
             "name": c.name, "arch": c.arch, "activation": c.activation, "n_layers": c.n_layers, "d_ff": c.d_ff,
             "d_model": c.d_model}
 
@@ -79,7 +82,7 @@ def load_training_data(bundle: Bundle) -> prof.TrainingData:
     try:
         inputs, labels = np.load(d / "train_inputs.npy", mmap_mode="r"), np.load(d / "train_labels.npy", mmap_mode="r")
     except (OSError, ValueError) as e:
-        raise prof.ConfigError(f"bundle {bundle.path}: cannot read predictor training data ({e})") from None
+        raise ConfigError(f"bundle {bundle.path}: cannot read predictor training data ({e})") from None
     return prof.TrainingData(inputs, labels, bundle.manifest["model"]["d_ff"])
 
 
@@ -151,7 +154,7 @@ def run_train(engine: Engine, bundle_path, *, recall: float, max_rank: int, epoc
     from train.predictor import fit_layer, n_params
 
     if not 0 < recall < 1:
-        raise prof.ConfigError(f"--recall must be in (0, 1), got {recall}")
+        raise ConfigError(f"--recall must be in (0, 1), got {recall}")
     bundle = open_bundle(engine, bundle_path)
     training = load_training_data(bundle)
     c = engine.config
