@@ -28,6 +28,7 @@ from pjinfer.config import ConfigError
 from pjinfer.model import FFN, KVCache, Transformer
 
 HOT_BACKENDS = ("xla", "pallas", "pallas-interpret")
+HOT_CHUNK = 16   # tokens whose hot rows are gathered at once
 
 
 class Index(nnx.Variable):
@@ -70,7 +71,8 @@ class SparseFFN(nnx.Module):
         y = jnp.zeros_like(x)
         if self.hot_ids.shape[0]:
             ids, count = _compact(active[:, self.hot_ids[...]])
-            y = y + jax.vmap(self._hot)(x, ids, count)
+            # Tokens in chunks: each token gathers its own [K, d] rows, so all N at once could take gigabytes.
+            y = y + jax.lax.map(lambda a: self._hot(*a), (x, ids, count), batch_size=HOT_CHUNK)
         if self.cold_ids.shape[0]:
             ids, count = _compact(active[:, self.cold_ids[...]])
             y = y + self.cold(self.layer, x, ids, count)
