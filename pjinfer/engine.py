@@ -106,12 +106,14 @@ class Engine:
                                            cache, sub, params, greedy=sampling.greedy)
 
     # ------------------------------------------------------------ scoring
-    def token_logprobs(self, tokens: np.ndarray) -> np.ndarray:
-        """tokens [B, T] -> log-probabilities [B, T-1] of each token after the first given the ones before."""
+    def token_logprobs(self, tokens: np.ndarray, *, with_greedy: bool = False):
+        """tokens [B, T] -> log-probabilities [B, T-1] of each token after the first given the ones before;
+        with_greedy also returns whether each of those tokens is the model's argmax there."""
         tokens = np.asarray(tokens, np.int32)
         if tokens.shape[1] > self.config.max_seq_len:
             raise ConfigError(f"{tokens.shape[1]} tokens exceed the model's context of {self.config.max_seq_len}")
-        return np.asarray(gen.token_logprobs(self.graphdef, self.state, jnp.asarray(tokens)))
+        logp, greedy = gen.token_logprobs(self.graphdef, self.state, jnp.asarray(tokens))
+        return (np.asarray(logp), np.asarray(greedy)) if with_greedy else np.asarray(logp)
 
     def perplexity(self, ids, *, windows: int, window_len: int) -> tuple[float, int]:
         """llama.cpp's protocol: `windows` consecutive windows of window_len+1 tokens from the start;
