@@ -56,3 +56,24 @@ def test_prompt_longer_than_the_context(tmp_path):
     # The real model's context is 8192 tokens; each " the" is one token.
     result = pjinfer("generate", "--prompt", " the" * 8200, "--max-new-tokens", "4")
     assert_clean_error(result, "exceed the model's context of 8192 tokens")
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["eval", "--tasks", "piqa,nope"], "unknown task 'nope' (known: piqa, hellaswag"),
+    (["eval", "--tasks", "piqa", "--limit", "0"], "--limit must be >= 1"),
+    (["eval"], "give --tasks"),
+    (["eval", "--compare", "/nonexistent/a.json", "/nonexistent/b.json"], "results file not found"),
+])
+def test_eval_bad_input(args, fragment):
+    assert_clean_error(pjinfer(*args), fragment)
+
+
+def test_eval_compare_prints_differences(tmp_path):
+    a = {"model": "m", "bundle": None, "tasks": {"piqa": {"acc": 0.6, "acc_norm": 0.65, "n": 10, "stderr": 0.1}}}
+    b = {"model": "m", "bundle": "B", "tasks": {"piqa": {"acc": 0.5, "acc_norm": 0.7, "n": 10, "stderr": 0.1}}}
+    import json
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    r = pjinfer("eval", "--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"))
+    assert r.returncode == 0, r.stderr
+    assert "-0.1000" in r.stdout and "+0.0500" in r.stdout
