@@ -82,7 +82,7 @@ def breakdown(engine: Engine, *, cache_len: int = 256, repeats: int = 20) -> dic
     # Real inputs: each layer's FFN input for the last of 32 tokens of real text (a sparse FFN's work
     # depends on what its predictor sees).
     text = jnp.asarray(bench_prompt(engine, 32))[None]
-    _, _, ffn_inputs = nnx.merge(graphdef, state)(text, 0, KVCache.create(engine.config, 1, 32), capture=True)
+    _, ffn_inputs = nnx.merge(graphdef, state).forward_sequence(text, capture=True)
     xs = [x[:, -1:] for x in ffn_inputs]
     x = xs[0]
 

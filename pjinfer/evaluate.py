@@ -61,11 +61,8 @@ def _rows_for(padded_len: int, batch_rows: int, token_budget: int) -> int:
 @partial(jax.jit, static_argnames=("graphdef",))
 def _last_logprobs(graphdef, state, tokens, lengths):
     """tokens [B, T], lengths [B] -> log p(next token | tokens[b, :lengths[b]]) over the vocabulary, [B, V]."""
-    from pjinfer.model import KVCache
-
     model = nnx.merge(graphdef, state)
-    cache = KVCache.create(model.config, tokens.shape[0], tokens.shape[1])
-    hidden, _ = model(tokens, 0, cache)
+    hidden = model.forward_sequence(tokens)
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     return jax.nn.log_softmax(model.logits(last).astype(jnp.float32), axis=-1)
 

@@ -86,8 +86,7 @@ def token_logprobs(graphdef, state, tokens):
     """tokens [B, T] -> (log p(tokens[:, t] | tokens[:, :t]), whether tokens[:, t] is the argmax) for
     t = 1..T-1, both [B, T-1]."""
     model = nnx.merge(graphdef, state)
-    cache = KVCache.create(model.config, tokens.shape[0], tokens.shape[1])
-    hidden, _ = model(tokens, 0, cache)
+    hidden = model.forward_sequence(tokens)
     logp = jax.nn.log_softmax(model.logits(hidden[:, :-1]).astype(jnp.float32), axis=-1)
     target = tokens[:, 1:]
     return jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0], jnp.argmax(logp, axis=-1) == target

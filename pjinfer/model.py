@@ -199,6 +199,12 @@ class Transformer(nnx.Module):
         out = self.final_norm(x), KVCache(k=ks, v=vs)
         return (*out, ffn_inputs) if capture else out
 
+    def forward_sequence(self, tokens, *, capture: bool = False):
+        """A whole sequence [B, T] from position 0, nothing cached for later: the final hidden states
+        [B, T, d], and with capture=True also every layer's FFN input (scoring and profiling)."""
+        hidden, _, *ffn_inputs = self(tokens, 0, KVCache.create(self.config, *tokens.shape), capture=capture)
+        return (hidden, ffn_inputs[0]) if capture else hidden
+
     def logits(self, hidden):
         head = self.embed if self.lm_head is None else self.lm_head
         return _linear(hidden, head[...])

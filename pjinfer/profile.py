@@ -18,7 +18,6 @@ from flax import nnx
 from pjinfer import data
 from pjinfer.config import ConfigError
 from pjinfer.engine import Engine
-from pjinfer.model import KVCache
 
 EXACT_ACTIVATIONS = ("reglu", "drelu", "relu")   # inactive means exactly zero
 WINDOW = 256                                     # tokens per profiled sequence
@@ -30,8 +29,7 @@ THRESHOLD_TOKENS = 2048                          # tokens whose contributions se
 def layer_activity(graphdef, state, tokens):
     """tokens [B, T] -> (FFN inputs [L, B*T, d], per-neuron contributions |neuron(x)| [L, B*T, F])."""
     model = nnx.merge(graphdef, state)
-    cache = KVCache.create(model.config, tokens.shape[0], tokens.shape[1])
-    _, _, ffn_inputs = model(tokens, 0, cache, capture=True)
+    _, ffn_inputs = model.forward_sequence(tokens, capture=True)
     inputs = jnp.stack([x.reshape(-1, x.shape[-1]) for x in ffn_inputs])
     contrib = jnp.stack([jnp.abs(layer.ffn.neurons(x)) for layer, x in zip(model.layers, inputs)])
     return inputs, contrib

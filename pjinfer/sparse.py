@@ -25,7 +25,7 @@ from flax import nnx
 from cpu_offload.bridge import ColdFFN
 from pallas_kernels import hot_ffn, hot_ffn_reference
 from pjinfer.config import ConfigError
-from pjinfer.model import FFN, KVCache, Transformer
+from pjinfer.model import FFN, Transformer
 
 HOT_BACKENDS = ("xla", "pallas", "pallas-interpret")
 HOT_CHUNK = 16   # tokens whose hot rows are gathered at once
@@ -125,5 +125,5 @@ def skipped_share(engine, ids) -> float:
 @partial(jax.jit, static_argnames=("graphdef",))
 def _predicted_density(graphdef, state, tokens):
     model = nnx.merge(graphdef, state)
-    _, _, inputs = model(tokens, 0, KVCache.create(model.config, *tokens.shape), capture=True)
+    _, inputs = model.forward_sequence(tokens, capture=True)
     return jnp.stack([layer.ffn.active(x.reshape(-1, x.shape[-1])).mean() for layer, x in zip(model.layers, inputs)])
