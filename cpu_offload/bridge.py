@@ -14,6 +14,10 @@ Usage::
 dimensions are accepted (x [..., d], ids [..., K], count [...], layer [] or [...]); ``jax.vmap`` works
 (``vmap_method="broadcast_all"``). The batch is looped over inside one handler call.
 
+Many tokens of one layer (prefill, scoring) take ``masked(layer, x [N, d], mask [N, n_cold])`` instead: token b
+computes cold row n iff ``mask[b, n]``, and ``kernels.cold_ffn_masked_nt`` reads each row once for all N tokens,
+on every Numba thread (a per-token loop would read it N times).
+
 How the call reaches Numba
 --------------------------
 ``__call__`` emits ``jax.ffi.ffi_call("pjinfer_cold_ffn")`` with operands (layer i32, x f32, ids i32, count i32
@@ -29,7 +33,8 @@ jaxlib 0.10.2; the offsets were checked against the header with a C compiler and
 - stage != EXECUTE (instantiate / prepare / initialize): nothing to do, return NULL.
 - EXECUTE: checks struct sizes, argument / result counts and dtypes, finds the ``table`` attribute by name
   (``XLA_FFI_Attrs``: names are ``XLA_FFI_ByteSpan*``, values ``XLA_FFI_Scalar*``), checks the header's magic,
-  layer range and d, takes the process-wide lock, runs ``kernels.cold_ffn_nt`` on the buffers' data pointers
+  layer range and d, takes the process-wide lock, runs ``kernels.cold_ffn_nt`` per token (or
+  ``kernels.cold_ffn_masked_nt`` for the masked form) on the buffers' data pointers
   (``XLA_FFI_Buffer.data`` / ``dims``) and the weight pointers from the header's layer table, releases the lock.
   Any violation returns an ``XLA_FFI_Error`` made with ``api->XLA_FFI_Error_Create`` (surfaces as a JAX runtime
   error naming the problem), never a crash.
@@ -62,6 +67,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import os
 import threading
 from typing import Sequence
 
@@ -192,7 +198,7 @@ EXTENSION_METADATA = 1
 STAGE_EXECUTE = 3
 ARG_BUFFER = 1
 ATTR_SCALAR = 3
-DT_S32, DT_S64, DT_F32 = 4, 5, 11
+DT_PRED, DT_S32, DT_S64, DT_F32 = 1, 4, 5, 11
 ERRC_INVALID_ARGUMENT, ERRC_FAILED_PRECONDITION, ERRC_OUT_OF_RANGE = 3, 9, 11
 
 # Header / layer table / runtime block slots (int64 words).
@@ -201,7 +207,7 @@ MAGIC_DEAD = 0x706A636F6C64_DEAD
 H_MAGIC, H_NLAYERS, H_D, H_ACT, H_TABLE, H_RUNTIME, H_ID = range(7)
 T_NCOLD, T_GATE, T_UP, T_DOWN, T_BIAS = range(5)
 T_WIDTH = 8
-R_LOCK, R_YIELD, R_THREADS, R_EXECUTES = range(4)
+R_LOCK, R_YIELD, R_THREADS, R_EXECUTES, R_BATCH_THREADS = range(5)
 
 # ---------------------------------------------------------------------------------------------------------------
 # LLVM intrinsics: raw loads / stores, pointer casts, a compare-and-swap, calls through function pointers, and
@@ -285,6 +291,16 @@ def _ptr_i32(typingctx, addr):
     def codegen(context, builder, sig, args):
         return builder.inttoptr(args[0], _i32.as_pointer())
     return types.CPointer(types.int32)(addr), codegen
+
+
+@intrinsic
+def _ptr_u8(typingctx, addr):
+    if not _int_arg(addr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], _i8p)
+    return types.CPointer(types.uint8)(addr), codegen
 
 
 @intrinsic
@@ -433,9 +449,8 @@ def _find_table_attr(frame):
 
 
 @njit(**_NOJIT)
-def _run_layer(header, layer, x, ids, count, out, nt):
+def _layer_weights(header, layer, d):
     table = _load_i64(header + 8 * H_TABLE) + 8 * T_WIDTH * layer
-    d = x.shape[0]
     c = _load_i64(table + 8 * T_NCOLD)
     up_p = _load_i64(table + 8 * T_UP)
     gate_p = _load_i64(table + 8 * T_GATE)
@@ -444,18 +459,46 @@ def _run_layer(header, layer, x, ids, count, out, nt):
     w_down_t = carray(_ptr_f32(_load_i64(table + 8 * T_DOWN)), (c, d))
     w_gate = carray(_ptr_f32(gate_p if gate_p != 0 else up_p), (c if gate_p != 0 else 0, d))
     b_up = carray(_ptr_f32(bias_p if bias_p != 0 else up_p), (c if bias_p != 0 else 0,))
+    return w_gate, w_up, w_down_t, b_up
+
+
+@njit(**_NOJIT)
+def _run_layer(header, layer, x, ids, count, out, nt):
+    w_gate, w_up, w_down_t, b_up = _layer_weights(header, layer, x.shape[0])
     kernels.cold_ffn_nt(x, w_gate, w_up, w_down_t, b_up, ids, count, _load_i64(header + 8 * H_ACT), out, nt)
 
 
 @njit(**_NOJIT)
+def _header_error(api, header):
+    """An XLA_FFI_Error* when `header` is not a live ColdFFN header, else 0."""
+    if header == 0:
+        return _make_error(api, ERRC_INVALID_ARGUMENT, _cstr("pjinfer_cold_ffn: missing int64 attribute 'table'"))
+    magic = _load_i64(header + 8 * H_MAGIC)
+    if magic == MAGIC_DEAD:
+        return _make_error(api, ERRC_FAILED_PRECONDITION,
+                           _cstr("pjinfer_cold_ffn: the ColdFFN this executable refers to was closed"))
+    if magic != MAGIC_ALIVE:
+        return _make_error(api, ERRC_INVALID_ARGUMENT, _cstr("pjinfer_cold_ffn: 'table' is not a ColdFFN header"))
+    return 0
+
+
+@njit(**_NOJIT)
 def _execute(frame, api):
-    # Arguments: layer i32 [B or scalar], x f32 [..., d], ids i32 [..., K], count i32 [...]; result f32 [..., d].
-    # An optional 5th operand is the result's storage (input_output_aliases, see ColdFFN.__call__'s out_init);
-    # its content is ignored: the result is always overwritten.
+    # Two call forms, one result f32 [..., d]:
+    # - lists: layer i32 [] or [...], x f32 [..., d], ids i32 [..., K], count i32 [...], and optionally a 5th
+    #   operand, the result's storage (input_output_aliases, see ColdFFN.__call__'s out_init; its content is
+    #   ignored: the result is always overwritten);
+    # - masks: layer i32 [], x f32 [N, d], mask pred [N, n_cold(layer)] (ColdFFN.masked).
     nargs = _load_i64(frame + CF_NARGS)
-    if (nargs != 4 and nargs != 5) or _load_i64(frame + CF_NRETS) != 1:
+    if (nargs != 3 and nargs != 4 and nargs != 5) or _load_i64(frame + CF_NRETS) != 1:
         return _make_error(api, ERRC_INVALID_ARGUMENT,
-                           _cstr("pjinfer_cold_ffn: expected 4 or 5 operands and 1 result"))
+                           _cstr("pjinfer_cold_ffn: expected 3, 4 or 5 operands and 1 result"))
+    header = _find_table_attr(frame)
+    err = _header_error(api, header)
+    if err != 0:
+        return err
+    if nargs == 3:
+        return _execute_masked(frame, api, header)
     args = _load_i64(frame + CF_ARGS)
     b_layer = _load_i64(args)
     b_x = _load_i64(args + 8)
@@ -470,15 +513,6 @@ def _execute(frame, api):
     if nargs == 5 and _load_i64(_load_i64(args + 32) + BUF_DATA) != _load_i64(b_out + BUF_DATA):
         return _make_error(api, ERRC_INVALID_ARGUMENT,
                            _cstr("pjinfer_cold_ffn: operand 5 must be aliased to the result"))
-    header = _find_table_attr(frame)
-    if header == 0:
-        return _make_error(api, ERRC_INVALID_ARGUMENT, _cstr("pjinfer_cold_ffn: missing int64 attribute 'table'"))
-    magic = _load_i64(header + 8 * H_MAGIC)
-    if magic == MAGIC_DEAD:
-        return _make_error(api, ERRC_FAILED_PRECONDITION,
-                           _cstr("pjinfer_cold_ffn: the ColdFFN this executable refers to was closed"))
-    if magic != MAGIC_ALIVE:
-        return _make_error(api, ERRC_INVALID_ARGUMENT, _cstr("pjinfer_cold_ffn: 'table' is not a ColdFFN header"))
     d = _load_i64(header + 8 * H_D)
     nb = _buffer_numel(b_x, True)
     n_layer = _buffer_numel(b_layer, False)
@@ -503,12 +537,51 @@ def _execute(frame, api):
     # Re-check under the lock: close() marks the header dead while holding it.
     if _load_i64(header + 8 * H_MAGIC) != MAGIC_ALIVE:
         _unlock(runtime)
-        return _make_error(api, ERRC_FAILED_PRECONDITION,
-                           _cstr("pjinfer_cold_ffn: the ColdFFN this executable refers to was closed"))
+        return _header_error(api, header)
     nt = _load_i64(runtime + 8 * R_THREADS)
     for b in range(nb):
         layer = layers[b] if n_layer == nb else layers[0]
         _run_layer(header, layer, xs[b], idss[b], counts[b], outs[b], nt)
+    _store_i64(runtime + 8 * R_EXECUTES, _load_i64(runtime + 8 * R_EXECUTES) + 1)
+    _unlock(runtime)
+    return 0
+
+
+@njit(**_NOJIT)
+def _execute_masked(frame, api, header):
+    args = _load_i64(frame + CF_ARGS)
+    b_layer = _load_i64(args)
+    b_x = _load_i64(args + 8)
+    b_mask = _load_i64(args + 16)
+    b_out = _load_i64(_load_i64(frame + CF_RETS))
+    if (_load_i32(b_layer + BUF_DTYPE) != DT_S32 or _load_i32(b_x + BUF_DTYPE) != DT_F32
+            or _load_i32(b_mask + BUF_DTYPE) != DT_PRED or _load_i32(b_out + BUF_DTYPE) != DT_F32):
+        return _make_error(api, ERRC_INVALID_ARGUMENT,
+                           _cstr("pjinfer_cold_ffn: masked form dtypes must be (int32, float32, bool) -> float32"))
+    d = _load_i64(header + 8 * H_D)
+    nb = _buffer_numel(b_x, True)
+    if (_buffer_numel(b_layer, False) != 1 or _last_dim(b_x) != d or _last_dim(b_out) != d
+            or _buffer_numel(b_out, True) != nb or _buffer_numel(b_mask, True) != nb):
+        return _make_error(api, ERRC_INVALID_ARGUMENT,
+                           _cstr("pjinfer_cold_ffn: masked form shapes must be layer [], x [N, d], mask [N, n_cold]"))
+    layer = carray(_ptr_i32(_load_i64(b_layer + BUF_DATA)), (1,))[0]
+    if layer < 0 or layer >= _load_i64(header + 8 * H_NLAYERS):
+        return _make_error(api, ERRC_OUT_OF_RANGE, _cstr("pjinfer_cold_ffn: layer index out of range"))
+    c = _load_i64(_load_i64(header + 8 * H_TABLE) + 8 * (T_WIDTH * layer + T_NCOLD))
+    if _last_dim(b_mask) != c:
+        return _make_error(api, ERRC_INVALID_ARGUMENT,
+                           _cstr("pjinfer_cold_ffn: the mask's last dimension must be the layer's cold count"))
+    xs = carray(_ptr_f32(_load_i64(b_x + BUF_DATA)), (nb, d))
+    outs = carray(_ptr_f32(_load_i64(b_out + BUF_DATA)), (nb, d))
+    mask = carray(_ptr_u8(_load_i64(b_mask + BUF_DATA)), (nb, c))
+    runtime = _load_i64(header + 8 * H_RUNTIME)
+    _lock(runtime)
+    if _load_i64(header + 8 * H_MAGIC) != MAGIC_ALIVE:
+        _unlock(runtime)
+        return _header_error(api, header)
+    w_gate, w_up, w_down_t, b_up = _layer_weights(header, layer, d)
+    kernels.cold_ffn_masked_nt(xs, w_gate, w_up, w_down_t, b_up, mask, _load_i64(header + 8 * H_ACT), outs,
+                               _load_i64(runtime + 8 * R_BATCH_THREADS))
     _store_i64(runtime + 8 * R_EXECUTES, _load_i64(runtime + 8 * R_EXECUTES) + 1)
     _unlock(runtime)
     return 0
@@ -542,8 +615,6 @@ def _default_threads() -> int:
     Measured on the 2-vCPU VMs of this project (workqueue layer): through the bridge, 2 threads were 15-40% *slower*
     than 1 for a 30-layer token (waking the second worker costs ~30-100 us per launch here, and XLA's own idle
     threads compete for the second core), so one thread is the default there."""
-    import os
-
     n = numba.config.NUMBA_NUM_THREADS
     env = os.environ.get("PJINFER_COLD_THREADS")
     if env:
@@ -552,6 +623,9 @@ def _default_threads() -> int:
 
 
 _RUNTIME[R_THREADS] = _default_threads()
+# A many-token call carries milliseconds of work, so waking every Numba thread pays for itself there.
+_RUNTIME[R_BATCH_THREADS] = (_default_threads() if os.environ.get("PJINFER_COLD_THREADS")
+                             else numba.config.NUMBA_NUM_THREADS)
 _RUNTIME_ADDR = int(_RUNTIME.ctypes.data)
 
 
@@ -571,7 +645,6 @@ def _purge_stale_cache() -> None:
     """Numba's on-disk cache keys a function on its own file only, but the bridge's cached functions have the
     kernels (kernels.py) compiled into them. Drop the bridge's cache entries when kernels.py changed."""
     import hashlib
-    import os
 
     try:
         cache_dir = _lock._cache.cache_path
@@ -617,6 +690,7 @@ def set_num_threads(n: int) -> None:
     if not 1 <= n <= numba.config.NUMBA_NUM_THREADS:
         raise ValueError(f"threads must be in [1, {numba.config.NUMBA_NUM_THREADS}], got {n}")
     _RUNTIME[R_THREADS] = n
+    _RUNTIME[R_BATCH_THREADS] = n
 
 
 def get_num_threads() -> int:
@@ -782,6 +856,24 @@ class ColdFFN:
             raise ValueError(f"out_init must have shape {x.shape}, got {out_init.shape}")
         call = jax.ffi.ffi_call(TARGET_NAME, result, vmap_method="broadcast_all", input_output_aliases={4: 0})
         return call(layer, x, ids, count, out_init, table=np.int64(self.address))
+
+    def masked(self, layer, x, mask):
+        """y f32 [N, d]: token b's sum over the cold rows n of `layer` with mask[b, n] (bool [N, n_cold(layer)])."""
+        import jax
+        import jax.numpy as jnp
+
+        if self.closed:
+            raise RuntimeError("ColdFFN is closed")
+        if not isinstance(layer, (int, np.integer)) or not 0 <= int(layer) < self.n_layers:
+            raise ValueError(f"layer must be a Python int in [0, {self.n_layers}), got {layer!r}")
+        x = jnp.asarray(x, jnp.float32)
+        mask = jnp.asarray(mask, bool)
+        if x.ndim != 2 or x.shape[1] != self.d:
+            raise ValueError(f"x must be [N, {self.d}], got {x.shape}")
+        if mask.shape != (x.shape[0], self.n_cold[int(layer)]):
+            raise ValueError(f"mask must be [{x.shape[0]}, {self.n_cold[int(layer)]}], got {mask.shape}")
+        call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct(x.shape, jnp.float32))
+        return call(jnp.asarray(layer, jnp.int32), x, mask, table=np.int64(self.address))
 
     def numpy_call(self, layer: int, x, ids, count, out=None, max_threads=None) -> np.ndarray:
         """The same computation called directly from Python (under the bridge lock), for tests and tools."""

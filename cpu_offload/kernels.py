@@ -169,6 +169,116 @@ def cold_ffn_nt(x, w_gate, w_up, w_down_t, b_up, ids, count, act_code, out, max_
         _cold_ffn_parallel(x, w_gate, w_up, w_down_t, b_up, ids, count, act_code, out, nt)
 
 
+@njit(inline="always", **_JIT)
+def _neuron_one(xs, w_gate, w_up, w_down_t, b_up, n, b, code, outs):
+    """outs[b] += token b's contribution of neuron n."""
+    d = xs.shape[1]
+    u = _F0
+    g = _F0
+    if w_gate.shape[0] > 0:
+        for j in range(d):
+            g += w_gate[n, j] * xs[b, j]
+            u += w_up[n, j] * xs[b, j]
+    else:
+        for j in range(d):
+            u += w_up[n, j] * xs[b, j]
+    if b_up.shape[0] > 0:
+        u += b_up[n]
+    a = np.float32(_act(g, u, code))
+    if a != _F0:
+        for j in range(d):
+            outs[b, j] += a * w_down_t[n, j]
+
+
+@njit(inline="always", **_JIT)
+def _neuron_four(xs, w_gate, w_up, w_down_t, b_up, n, b0, b1, b2, b3, code, outs):
+    """outs[b0..b3] += the contributions of neuron n: each weight element loaded once for four tokens, which
+    takes the loop from load-bound towards FMA-bound."""
+    d = xs.shape[1]
+    g0 = g1 = g2 = g3 = _F0
+    u0 = u1 = u2 = u3 = _F0
+    if w_gate.shape[0] > 0:
+        for j in range(d):
+            wg = w_gate[n, j]
+            wu = w_up[n, j]
+            g0 += wg * xs[b0, j]
+            g1 += wg * xs[b1, j]
+            g2 += wg * xs[b2, j]
+            g3 += wg * xs[b3, j]
+            u0 += wu * xs[b0, j]
+            u1 += wu * xs[b1, j]
+            u2 += wu * xs[b2, j]
+            u3 += wu * xs[b3, j]
+    else:
+        for j in range(d):
+            wu = w_up[n, j]
+            u0 += wu * xs[b0, j]
+            u1 += wu * xs[b1, j]
+            u2 += wu * xs[b2, j]
+            u3 += wu * xs[b3, j]
+    if b_up.shape[0] > 0:
+        u0 += b_up[n]
+        u1 += b_up[n]
+        u2 += b_up[n]
+        u3 += b_up[n]
+    a0 = np.float32(_act(g0, u0, code))
+    a1 = np.float32(_act(g1, u1, code))
+    a2 = np.float32(_act(g2, u2, code))
+    a3 = np.float32(_act(g3, u3, code))
+    for j in range(d):
+        wd = w_down_t[n, j]
+        outs[b0, j] += a0 * wd
+        outs[b1, j] += a1 * wd
+        outs[b2, j] += a2 * wd
+        outs[b3, j] += a3 * wd
+
+
+@njit(**_JIT)
+def _masked_range(xs, w_gate, w_up, w_down_t, b_up, mask, code, outs, lo, hi):
+    """outs[lo:hi] = the cold FFN of tokens lo..hi-1, where token b computes neuron n iff mask[b, n].
+    Neuron-major: each row is read from memory once for all the tokens of the range."""
+    d = xs.shape[1]
+    for b in range(lo, hi):
+        for j in range(d):
+            outs[b, j] = _F0
+    tokens = np.empty(hi - lo, np.int64)
+    for n in range(w_up.shape[0]):
+        m = 0
+        for b in range(lo, hi):
+            if mask[b, n]:
+                tokens[m] = b
+                m += 1
+        i = 0
+        while i + 4 <= m:
+            _neuron_four(xs, w_gate, w_up, w_down_t, b_up, n, tokens[i], tokens[i + 1], tokens[i + 2],
+                         tokens[i + 3], code, outs)
+            i += 4
+        while i < m:
+            _neuron_one(xs, w_gate, w_up, w_down_t, b_up, n, tokens[i], code, outs)
+            i += 1
+
+
+@njit(parallel=True, **_JIT)
+def _masked_parallel(xs, w_gate, w_up, w_down_t, b_up, mask, code, outs, nt):
+    nb = xs.shape[0]
+    for t in prange(nt):  # one contiguous range of tokens per thread: disjoint output rows, no reduction
+        _masked_range(xs, w_gate, w_up, w_down_t, b_up, mask, code, outs, (nb * t) // nt, (nb * (t + 1)) // nt)
+
+
+@njit(**_JIT)
+def cold_ffn_masked_nt(xs, w_gate, w_up, w_down_t, b_up, mask, act_code, outs, max_threads):
+    """The cold FFN of many tokens of one layer at once: xs [N, d] f32, mask [N, C] (bool or uint8: token b
+    computes row n iff mask[b, n]) -> outs [N, d] (overwritten). Each row is read from memory once per call,
+    not once per token, which is what makes prefill and scoring of many tokens affordable."""
+    nb = xs.shape[0]
+    rows = 3 if w_gate.shape[0] > 0 else 2
+    nt = min(max_threads, nb)
+    if nt <= 1 or nb * w_up.shape[0] * xs.shape[1] * rows < SERIAL_FLOATS:
+        _masked_range(xs, w_gate, w_up, w_down_t, b_up, mask, act_code, outs, 0, nb)
+    else:
+        _masked_parallel(xs, w_gate, w_up, w_down_t, b_up, mask, act_code, outs, nt)
+
+
 @njit(fastmath=True, nogil=True)  # not cached: numba.get_num_threads() is a dynamic global
 def cold_ffn(x, w_gate, w_up, w_down_t, b_up, ids, count, act_code, out):
     """out[:] = sum over the active cold neurons ids[:count] (see the module docstring). Returns nothing.

@@ -32,7 +32,7 @@ def _optional(weights: dict, name: str) -> nnx.Param | None:
     return _param(weights, name) if name in weights else None
 
 
-def _linear(x, w, b=None):
+def linear(x, w, b=None):
     # w is [out, in]: a row per output feature, so a GEMV streams contiguous rows.
     y = jnp.einsum("...i,oi->...o", x, w)
     return y if b is None else y + b
@@ -98,9 +98,9 @@ class Attention(nnx.Module):
         c = self.config
         B, T, _ = x.shape
         val = lambda p: None if p is None else p[...]
-        q = _linear(x, self.wq[...], val(self.bq)).reshape(B, T, c.n_heads, c.head_dim)
-        k = _linear(x, self.wk[...], val(self.bk)).reshape(B, T, c.n_kv_heads, c.head_dim)
-        v = _linear(x, self.wv[...], val(self.bv)).reshape(B, T, c.n_kv_heads, c.head_dim)
+        q = linear(x, self.wq[...], val(self.bq)).reshape(B, T, c.n_heads, c.head_dim)
+        k = linear(x, self.wk[...], val(self.bk)).reshape(B, T, c.n_kv_heads, c.head_dim)
+        v = linear(x, self.wv[...], val(self.bv)).reshape(B, T, c.n_kv_heads, c.head_dim)
         positions = start + jnp.arange(T)
         if c.uses_rope:
             q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
@@ -115,7 +115,7 @@ class Attention(nnx.Module):
         scores = jnp.where(visible, scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache).reshape(B, T, c.n_heads * c.head_dim)
-        return _linear(out, self.wo[...], val(self.bo)), k_cache, v_cache
+        return linear(out, self.wo[...], val(self.bo)), k_cache, v_cache
 
 
 def activate(activation: str, gate, up):
@@ -146,8 +146,8 @@ class FFN(nnx.Module):
 
     def neurons(self, x):
         """Per-neuron activations [..., d_ff]."""
-        up = _linear(x, self.w_up[...], None if self.b_up is None else self.b_up[...])
-        gate = None if self.w_gate is None else _linear(x, self.w_gate[...])
+        up = linear(x, self.w_up[...], None if self.b_up is None else self.b_up[...])
+        gate = None if self.w_gate is None else linear(x, self.w_gate[...])
         return activate(self.activation, gate, up)
 
     def __call__(self, x):
@@ -207,7 +207,7 @@ class Transformer(nnx.Module):
 
     def logits(self, hidden):
         head = self.embed if self.lm_head is None else self.lm_head
-        return _linear(hidden, head[...])
+        return linear(hidden, head[...])
 
 
 def param_count(model: Transformer) -> int:

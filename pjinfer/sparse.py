@@ -12,6 +12,11 @@ Per token and layer:
 Every token is computed this way, prompt tokens included, so prefill, decode and scoring share one
 rule and `perplexity --bundle` measures exactly what generation computes. (A dense prefill would
 need every neuron on the accelerator, which is what the placement exists to avoid.)
+
+One token (decode) gathers its own active rows. Many tokens at once (prefill, scoring) read each row
+once for the whole batch instead: hot rows as one matrix product whose inactive (token, neuron)
+entries are zeroed before the down projection, cold rows through the FFI's masked kernel, which
+computes only the active (token, neuron) pairs. The sums are the per-token ones; only their cost changes.
 """
 from __future__ import annotations
 
@@ -25,10 +30,9 @@ from flax import nnx
 from cpu_offload.bridge import ColdFFN
 from pallas_kernels import hot_ffn, hot_ffn_reference
 from pjinfer.config import ConfigError
-from pjinfer.model import FFN, Transformer
+from pjinfer.model import FFN, Transformer, activate, linear
 
 HOT_BACKENDS = ("xla", "pallas", "pallas-interpret")
-HOT_CHUNK = 16   # tokens whose hot rows are gathered at once
 
 
 class Index(nnx.Variable):
@@ -69,16 +73,29 @@ class SparseFFN(nnx.Module):
         x = x.reshape(-1, shape[-1])
         active = self.active(x)
         y = jnp.zeros_like(x)
-        if self.hot_ids.shape[0]:
+        if self.hot_ids.shape[0] and x.shape[0] == 1:
             ids, count = _compact(active[:, self.hot_ids[...]])
-            # Tokens in chunks: each token gathers its own [K, d] rows, so all N at once could take gigabytes.
-            y = y + jax.lax.map(lambda a: self._hot(*a), (x, ids, count), batch_size=HOT_CHUNK)
-        if self.cold_ids.shape[0]:
+            y = y + self._hot(x[0], ids[0], count[0])[None]
+        elif self.hot_ids.shape[0]:
+            y = y + self._hot_batch(x, active[:, self.hot_ids[...]])
+        if self.cold_ids.shape[0] and x.shape[0] == 1:
             ids, count = _compact(active[:, self.cold_ids[...]])
             y = y + self.cold(self.layer, x, ids, count)
+        elif self.cold_ids.shape[0]:
+            y = y + self.cold.masked(self.layer, x, active[:, self.cold_ids[...]])
         if self.b_down is not None:
             y = y + self.b_down[...]
         return y.reshape(shape)
+
+    def _hot_batch(self, x, mask):
+        """Many tokens (prefill, scoring): each hot row is read once for the whole batch and each token keeps
+        only its own predicted-active neurons, the same sums as the per-token gather. Hot neurons are the
+        ones that fire most, so a batch's union of active sets is nearly all of them and gathering per token
+        would read each row once per token instead."""
+        val = lambda p: None if p is None else p[...]
+        up = linear(x, self.w_up[...], val(self.b_up))
+        gate = None if self.w_gate is None else linear(x, self.w_gate[...])
+        return jnp.where(mask, activate(self.activation, gate, up), 0.0) @ self.w_down_t[...]
 
     def _hot(self, x, ids, count):
         val = lambda p: None if p is None else p[...]

@@ -77,6 +77,43 @@ def test_kernel_matches_reference(activation, d, c):
     assert_close(kernels.cold_ffn_call(x, gate, up, down, bias, ids, count, activation), out)
 
 
+def masked_reference(layer, xs, mask, activation):
+    """Each token through the one-token numpy reference, with its mask row as the active list."""
+    gate, up, down, bias = layer
+    return np.stack([kernels.cold_ffn_ref(x, gate, up, down, bias, np.flatnonzero(m), m.sum(), activation)
+                     for x, m in zip(xs, mask)])
+
+
+def random_mask(rng, n, c):
+    mask = rng.random((n, c)) < 0.6
+    mask[0] = False          # a token with nothing active
+    if n > 1:
+        mask[1] = True       # a token with every neuron active
+    return mask
+
+
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("n,d,c", [(37, 33, 50), (37, 100, 300), (1, 576, 7), (6, 33, 0), (2, 33, 1)])
+def test_masked_kernel_matches_reference(activation, n, d, c):
+    # (37, 100, 300) is above SERIAL_FLOATS, so two threads split the tokens 18 / 19; odd n leaves a remainder
+    # after the four-token groups.
+    rng = np.random.default_rng([ACTS.index(activation), n, d, c])
+    layer = make_layer(rng, d, c, activation)
+    gate, up, down, bias = layer
+    xs = rng.standard_normal((n, d)).astype(np.float32)
+    mask = random_mask(rng, n, c)
+    want = masked_reference(layer, xs, mask, activation)
+    for nt in (1, 2):
+        outs = np.full((n, d), np.nan, np.float32)  # poisoned: overwritten, never accumulated into
+        kernels.cold_ffn_masked_nt(xs, kernels.empty_gate(d) if gate is None else gate, up, down,
+                                   kernels.empty_bias() if bias is None else bias, mask, kernels.act_code(activation),
+                                   outs, nt)
+        assert np.array_equal(outs[0], np.zeros(d, np.float32))
+        assert_close(outs, want)
+        if n > 1 and c:
+            assert_close(outs[1], kernels.dense_ffn_ref(xs[1], gate, up, down, bias, activation))
+
+
 def test_kernel_parallel_split_and_edge_rules():
     rng = np.random.default_rng(7)
     d, c = 576, 1536
@@ -276,6 +313,28 @@ def test_two_instances_and_vmap():
     got = jax.jit(jax.vmap(lambda x, i, n: a(1, x, i, n)))(xs, idss, cnts)  # layer broadcast
     for i in range(3):
         assert_close(got[i], kernels.cold_ffn_ref(xs[i], *la[1][:3], None, idss[i], cnts[i], "reglu"))
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu"])
+def test_masked_bridge_matches_reference_and_per_token_calls(activation):
+    rng = np.random.default_rng(71 + ACTS.index(activation))
+    d, sizes, n = 33, [40, 0, 7], 13
+    cold, layers = make_cold(rng, d, sizes, activation)
+    xs = rng.standard_normal((n, d)).astype(np.float32)
+    for layer, c in enumerate(sizes):
+        mask = random_mask(rng, n, c)
+        got = jax.jit(cold.masked, static_argnums=0)(layer, xs, mask)
+        assert_close(got, masked_reference(layers[layer], xs, mask, activation))
+        for b in range(n):  # the one-token form on the same active set
+            ids = np.concatenate([np.flatnonzero(mask[b]), np.zeros(c - mask[b].sum(), int)]).astype(np.int32)
+            assert_close(got[b], cold(layer, xs[b], ids, int(mask[b].sum())))
+    with pytest.raises(ValueError, match="mask must be"):
+        cold.masked(0, xs, np.ones((n, 7), bool))
+    with pytest.raises(ValueError, match="layer must be"):
+        jax.jit(cold.masked)(0, xs, np.ones((n, 40), bool))  # a traced layer: the mask's width depends on it
+    cold.close()
+    with pytest.raises(RuntimeError):
+        cold.masked(0, xs, np.ones((n, 40), bool))
 
 
 def test_from_dense_compaction():
