@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 export NUMBA_THREADING_LAYER ?= workqueue
 
-.PHONY: setup run test bench perplexity bundle clean
+.PHONY: setup run test bench bench-peer perplexity bundle clean
 
 # Idempotent: re-runs pip only when pyproject.toml changed.
 setup: $(STAMP)
@@ -26,6 +26,19 @@ test: setup
 
 bench: setup
 	$(VENV)/bin/pjinfer bench --prompt-len 16 --new-tokens 128
+
+# Side by side with llama.cpp on the same GGUF (llama-cpp-python built from source, ~12 min on 2 cores the
+# first time; AVX2 because the native AVX-512/AMX build crashed at generation on this machine kind).
+LLAMA_CPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF \
+	-DGGML_AMX_INT8=OFF -DGGML_OPENMP=OFF
+PEER_STAMP := $(VENV)/.llama-cpp-stamp
+$(PEER_STAMP): $(STAMP)
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PY) -m pip install --quiet llama-cpp-python==0.3.36
+	touch $(PEER_STAMP)
+bench-peer: $(PEER_STAMP)
+	$(VENV)/bin/pjinfer bench --peer llama-cpp --prompt-len 16 --new-tokens 256 --runs 5 \
+		$(if $(wildcard $(BUNDLE)/manifest.json),--bundle $(BUNDLE))
+	$(VENV)/bin/pjinfer bench --peer llama-cpp --prompt-len 512 --new-tokens 16 --runs 3
 
 perplexity: setup
 	$(PY) -c "from pjinfer import data; open('/tmp/pjinfer-wiki.txt','w').write(data.wiki_eval_text())"

@@ -1,6 +1,7 @@
 """Prefill and decode rates of the jitted generate, measured after a warm-up, median of several runs."""
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -43,14 +44,21 @@ def _runner(engine: Engine, prompt: list[int], new_tokens: int):
     return prefill, whole
 
 
-def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: int, progress=None) -> dict:
-    """Rates of each engine; runs alternate between engines so a noisy machine affects all alike."""
+def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: int, peer: str | None = None,
+        progress=None) -> dict:
+    """Rates of each engine (and of the peer, llama.cpp, on the first engine's GGUF with as many threads as
+    this machine has cores); runs alternate between them so a noisy machine affects all alike."""
     first = next(iter(engines.values()))
     prompt = bench_prompt(first, prompt_len)
+    padded, cache_len = first.plan(prompt_len, new_tokens)
     runners = {name: _runner(e, prompt, new_tokens) for name, e in engines.items()}
-    for prefill, whole in runners.values():  # warm-up: compile both
+    if peer == "llama-cpp":
+        from pjinfer.peer import llama_cpp_runner
+
+        runners[PEER] = llama_cpp_runner(first.source, prompt, new_tokens, threads=os.cpu_count() or 1)
+    for prefill, whole in runners.values():  # warm-up: compile all
         prefill(), whole()
-    times = {name: ([], []) for name in engines}
+    times = {name: ([], []) for name in runners}
     for r in range(runs):
         for name, (prefill, whole) in runners.items():
             t0 = time.perf_counter(); prefill(); t1 = time.perf_counter(); whole(); t2 = time.perf_counter()
@@ -58,15 +66,87 @@ def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: i
             times[name][1].append(t2 - t1)
         if progress:
             progress(r + 1, runs)
-    results = {}
+    results, decode_runs = {}, {}
     for name, (prefill_s, total_s) in times.items():
         p = statistics.median(prefill_s)
         # generate = prefill + (new_tokens - 1) decode steps; the decode rate is what remains after prefill.
-        decode = statistics.median([(new_tokens - 1) / max(t - p, 1e-9) for t in total_s])
+        decode_runs[name] = [(new_tokens - 1) / max(t - p, 1e-9) for t in total_s]
+        decode = statistics.median(decode_runs[name])
         results[name] = {"prefill_tok_s": prompt_len / p, "decode_tok_s": decode, "decode_ms_per_token": 1000 / decode,
-                         "generate_s": statistics.median(total_s), "prefill_s": p,
-                         "device_weights_mb": sum(np.asarray(x).nbytes for x in jax.tree.leaves(engines[name].state)) / 1e6}
+                         "generate_s": statistics.median(total_s), "prefill_s": p}
+        if name in engines:
+            results[name]["bytes_per_token"] = engine_bytes_per_token(engines[name], cache_len)
+            results[name]["device_weights_mb"] = sum(np.asarray(x).nbytes for x in jax.tree.leaves(engines[name].state)) / 1e6
+        else:
+            results[name]["bytes_per_token"] = gguf_bytes_per_token(first, prompt_len + new_tokens // 2)
+    if peer:
+        for name in engines:  # median over runs of the pair's ratio: both ran back to back in each run
+            results[name]["decode_over_peer"] = statistics.median(a / b for a, b in zip(decode_runs[name],
+                                                                                         decode_runs[PEER]))
+            results[name]["prefill_over_peer"] = results[PEER]["prefill_s"] / results[name]["prefill_s"]
     return {"prompt_len": prompt_len, "new_tokens": new_tokens, "runs": runs, "engines": results}
+
+
+PEER = "llama.cpp"
+
+
+def engine_bytes_per_token(engine: Engine, cache_len: int) -> float:
+    """Bytes one decode step reads: every weight once (a tied embedding once, as the head), the whole
+    KV cache (attention reads every slot and masks), and for a sparse engine only the predicted-active
+    share of the FFN rows, the share measured on the bench prompt."""
+    from flax import nnx
+
+    from pjinfer.sparse import SparseFFN, skipped_share
+
+    config = engine.config
+    model = nnx.merge(engine.graphdef, engine.state)
+    total = sum(np.asarray(x).nbytes for x in jax.tree.leaves(engine.state))
+    kv = 2 * config.n_layers * cache_len * config.n_kv_heads * config.head_dim * 4
+    if not isinstance(model.layers[0].ffn, SparseFFN):
+        return float(total + kv)
+    ffn_rows = sum(np.asarray(p).nbytes for layer in model.layers
+                   for p in (layer.ffn.w_gate, layer.ffn.w_up, layer.ffn.w_down_t) if p is not None)
+    cold = model.layers[0].ffn.cold.nbytes
+    active = 1.0 - skipped_share(engine, bench_prompt(engine, 256))
+    return float(total - ffn_rows + active * (ffn_rows + cold) + kv)
+
+
+def gguf_bytes_per_token(engine: Engine, mean_position: int) -> float:
+    """What llama.cpp reads per decode step: the GGUF's tensors as stored (quantized; the tied embedding
+    once, as the output head) and an f16 KV cache up to the mean position of the run."""
+    import gguf
+
+    reader = gguf.GGUFReader(engine.source)
+    config = engine.config
+    names = {t.name for t in reader.tensors}
+    # With a separate output head, the embedding table is only looked up (one row per token).
+    weights = sum(int(t.n_bytes) for t in reader.tensors if t.name != "token_embd.weight" or "output.weight" not in names)
+    return float(weights + 2 * config.n_layers * mean_position * config.n_kv_heads * config.head_dim * 2)
+
+
+def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Measured memory read bandwidth in bytes/s: the best of a few parallel sums over a buffer far larger
+    than the caches, on every core (a decode step has all of them)."""
+    import cpu_offload  # noqa: F401  (threading layer first)
+    from numba import njit, prange
+
+    @njit(parallel=True, fastmath=True, nogil=True)
+    def total(a):
+        s = 0.0
+        for i in prange(a.shape[0]):
+            s += a[i]
+        return s
+
+    a = np.ones(megabytes * (1 << 20) // 4, np.float32)
+    total(a)
+    best = min(_seconds(total, a) for _ in range(repeats))
+    return a.nbytes / best
+
+
+def _seconds(fn, *args) -> float:
+    t = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t
 
 
 def breakdown(engine: Engine, *, cache_len: int = 256, repeats: int = 20) -> dict:

@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=_positive_int, default=5)
     sparse_options(p)
     p.add_argument("--breakdown", action="store_true", help="also time attention, FFN and head of one decode step")
+    p.add_argument("--peer", choices=["llama-cpp"],
+                   help="also run llama.cpp (llama-cpp-python, `make bench-peer`) on the same GGUF, alternating")
 
     p = command("eval", "downstream task accuracy (lm-evaluation-harness protocol), dense or with --bundle")
     p.add_argument("--tasks", help="comma-separated, e.g. piqa,hellaswag,winogrande,arc_easy,arc_challenge")
@@ -176,11 +178,17 @@ def cmd_bench(args):
     from pjinfer import bench
     from pjinfer.progress import Progress
 
+    if args.peer:
+        from pjinfer.loader import default_model_path
+        from pjinfer.peer import check_llama_cpp
+
+        check_llama_cpp(args.model or default_model_path())
     engines = {"dense": _load(args)}
     if args.bundle:  # sparse against dense, measured in the same run
         engines["sparse"] = _load(args, args.bundle)
     result = bench.run(engines, prompt_len=args.prompt_len, new_tokens=args.new_tokens, runs=args.runs,
-                       progress=Progress("bench runs", args.runs))
+                       peer=args.peer, progress=Progress("bench runs", args.runs))
+    result["read_bandwidth_gb_s"] = bench.read_bandwidth() / 1e9
     if args.breakdown:
         for name, engine in engines.items():
             result["engines"][name]["breakdown"] = bench.breakdown(engine)
@@ -189,17 +197,23 @@ def cmd_bench(args):
     if args.json:
         print(json.dumps(result))
         return
+    bandwidth = result["read_bandwidth_gb_s"]
+    print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, median of {args.runs} runs; "
+          f"measured read bandwidth {bandwidth:.1f} GB/s")
+    print(f"{'engine':10} {'prefill tok/s':>13} {'decode tok/s':>12} {'ms/token':>8} {'MB/token':>8} "
+          f"{'of bandwidth':>12}" + (f" {'decode vs llama.cpp':>19}" if args.peer else ""))
     for name, r in result["engines"].items():
+        mb = r["bytes_per_token"] / 1e6
+        ratio = f" {r['decode_over_peer']:18.2f}x" if "decode_over_peer" in r else (" " * 20 if args.peer else "")
+        print(f"{name:10} {r['prefill_tok_s']:13.1f} {r['decode_tok_s']:12.1f} {r['decode_ms_per_token']:8.1f} "
+              f"{mb:8.1f} {100 * mb * r['decode_tok_s'] / 1e3 / bandwidth:11.0f}%" + ratio)
         if "breakdown" in r:
             b = r["breakdown"]
-            print(f"{name} decode step: " + ", ".join(f"{k[:-3]} {v:.1f} ms ({100 * v / b['step_ms']:.0f}%)"
-                                                      for k, v in b.items() if k != "step_ms") + f"; step {b['step_ms']:.1f} ms")
-        print(f"{name}: prefill {r['prefill_tok_s']:.1f} tok/s ({args.prompt_len} tokens), "
-              f"decode {r['decode_tok_s']:.1f} tok/s ({r['decode_ms_per_token']:.1f} ms/token, {args.new_tokens} "
-              f"tokens), median of {args.runs} runs; accelerator weights {r['device_weights_mb']:.0f} MB")
+            print(f"  {name} decode step: " + ", ".join(f"{k[:-3]} {v:.1f} ms ({100 * v / b['step_ms']:.0f}%)"
+                                                        for k, v in b.items() if k != "step_ms")
+                  + f"; step {b['step_ms']:.1f} ms")
     if args.bundle:
         print(f"sparse decode / dense decode: {result['sparse_over_dense']:.2f}x")
-
 
 def cmd_eval(args):
     from pjinfer import evaluate

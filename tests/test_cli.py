@@ -77,3 +77,23 @@ def test_eval_compare_prints_differences(tmp_path):
     r = pjinfer("eval", "--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"))
     assert r.returncode == 0, r.stderr
     assert "-0.1000" in r.stdout and "+0.0500" in r.stdout
+
+
+def test_bench_reports_rates_bytes_and_bandwidth():
+    import json
+
+    result = pjinfer("bench", "--prompt-len", "16", "--new-tokens", "4", "--runs", "1", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    dense = out["engines"]["dense"]
+    assert dense["decode_tok_s"] > 0 and dense["prefill_tok_s"] > 0
+    # float32 weights (538 MB: 134.5 M parameters, the tied embedding once) plus a 256-slot KV cache (12 MB)
+    assert 545e6 < dense["bytes_per_token"] < 555e6
+    assert out["read_bandwidth_gb_s"] > 0.5
+
+
+def test_bench_peer_needs_llama_cpp():
+    code = ("import sys; sys.modules['llama_cpp'] = None; from pjinfer.cli import main; "
+            "sys.exit(main(['bench', '--peer', 'llama-cpp']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert_clean_error(result, "make bench-peer")

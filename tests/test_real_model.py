@@ -47,3 +47,15 @@ def test_chat_generation_stops_at_end_of_turn(engine):
     out = engine.generate(ids, max_new_tokens=64)
     assert 0 < len(out) < 64               # ended by <|im_end|>, which is not returned
     assert not set(out) & set(tok.eos_ids)
+
+
+def test_llama_cpp_peer_runs_the_same_greedy_decode(engine):
+    # Only where `make bench-peer` installed llama-cpp-python (CI does not build it).
+    pytest.importorskip("llama_cpp")
+    from pjinfer.peer import llama_cpp_runner
+
+    prompt = engine.tokenizer.encode("The capital of France is", add_special=False)
+    prefill, whole = llama_cpp_runner(engine.source, prompt, 12, threads=1)
+    tokens = whole()
+    assert len(tokens) == 12 and tokens[0] == prefill()
+    assert engine.tokenizer.decode(tokens).startswith(" Paris.\n\nThe United States")  # shared/DESIGN.md
