@@ -1,4 +1,6 @@
-"""Numba CPU kernels for the cold FFN neurons of one token, plus a plain numpy reference.
+"""Numba CPU kernels for the cold FFN neurons, plus a plain numpy reference: ``cold_ffn`` for one token
+(decode) and ``cold_ffn_masked_nt`` for many tokens of one layer (prefill, scoring: an [N, C] mask instead
+of active lists, each row read once for all N tokens).
 
 A neuron ``n`` is row ``n`` of ``w_gate`` [C, d] and ``w_up`` [C, d] and row ``n`` of ``w_down_t`` [C, d] (the
 down projection stored transposed, so every neuron is three contiguous rows). For one token ``x`` [d] and an
