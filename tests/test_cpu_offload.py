@@ -318,14 +318,14 @@ def test_two_instances_and_vmap():
 @pytest.mark.parametrize("activation", ["swiglu", "relu"])
 def test_masked_bridge_matches_reference_and_per_token_calls(activation):
     rng = np.random.default_rng(71 + ACTS.index(activation))
-    d, sizes, n = 33, [40, 0, 7], 13
+    d, sizes, n = 33, [40, 0, 7, 300], 37   # the 300-row layer is above SERIAL_FLOATS: every thread joins
     cold, layers = make_cold(rng, d, sizes, activation)
     xs = rng.standard_normal((n, d)).astype(np.float32)
     for layer, c in enumerate(sizes):
         mask = random_mask(rng, n, c)
         got = jax.jit(cold.masked, static_argnums=0)(layer, xs, mask)
         assert_close(got, masked_reference(layers[layer], xs, mask, activation))
-        for b in range(n):  # the one-token form on the same active set
+        for b in (0, 1, n - 1):  # the one-token form on the same active set (none, all, some active)
             ids = np.concatenate([np.flatnonzero(mask[b]), np.zeros(c - mask[b].sum(), int)]).astype(np.int32)
             assert_close(got[b], cold(layer, xs[b], ids, int(mask[b].sum())))
     with pytest.raises(ValueError, match="mask must be"):
