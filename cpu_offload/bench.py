@@ -60,8 +60,8 @@ def main(argv=None) -> None:
 
     def host_zero(x, ids_, count):  # what pure_callback would do: run the kernel on closed-over host weights
         out = np.empty(d, np.float32)
-        kernels.cold_ffn_nt(np.asarray(x), ws[0][0], ws[0][1], ws[0][2], kernels.empty_bias(), np.asarray(ids_),
-                            int(count), 0, out, 2)
+        kernels.cold_ffn_nt(np.asarray(x), ws[0][0], ws[0][1], ws[0][2], kernels.empty_bias(), kernels.no_scales(),
+                            np.asarray(ids_), int(count), 0, out, 2)
         return out
 
     variants = {
@@ -101,14 +101,14 @@ def main(argv=None) -> None:
 
     # (b) kernel bandwidth, direct calls
     out = np.empty(d, np.float32)
-    empty_b = kernels.empty_bias()
+    empty_b, no_s = kernels.empty_bias(), kernels.no_scales()
     print(f"(b) kernel, d={d} C={c} active={active}: {nbytes / 1e6:.2f} MB of weight rows per call")
     for nt in (1, 2):
-        hot = _median_time(lambda: kernels.cold_ffn_nt(x0, *ws[0], empty_b, ids[0], active, 0, out, nt), reps, 50)
+        hot = _median_time(lambda: kernels.cold_ffn_nt(x0, *ws[0], empty_b, no_s, ids[0], active, 0, out, nt), reps, 50)
 
         def rotate():
             for l in range(n_layers):
-                kernels.cold_ffn_nt(x0, *ws[l], empty_b, ids[l], active, 0, out, nt)
+                kernels.cold_ffn_nt(x0, *ws[l], empty_b, no_s, ids[l], active, 0, out, nt)
         dram = _median_time(rotate, reps) / n_layers
         print(f"    {nt} thread(s): cache-hot {1e6 * hot:7.1f} us = {nbytes / hot / 1e9:5.1f} GB/s | "
               f"30 layers in turn {1e6 * dram:7.1f} us = {nbytes / dram / 1e9:5.1f} GB/s")
@@ -133,7 +133,7 @@ def main(argv=None) -> None:
     def host_layer(l, h, ids_, count):
         out_ = np.empty(d, np.float32)
         l = int(l)
-        kernels.cold_ffn_nt(np.asarray(h), *ws[l], empty_b, np.asarray(ids_), int(count), 0, out_,
+        kernels.cold_ffn_nt(np.asarray(h), *ws[l], empty_b, no_s, np.asarray(ids_), int(count), 0, out_,
                             bridge.get_num_threads())
         return out_
 
@@ -147,7 +147,7 @@ def main(argv=None) -> None:
     def numpy_token(nt):
         h = x0.copy()
         for l in range(n_layers):
-            kernels.cold_ffn_nt(h, *ws[l], empty_b, ids[l], active, 0, out, nt)
+            kernels.cold_ffn_nt(h, *ws[l], empty_b, no_s, ids[l], active, 0, out, nt)
             h = h + np.float32(0.1) * out
         return h
 

@@ -47,7 +47,8 @@ Host memory layout and lifetime rules
   runtime-block address, instance id. The address of this header is baked into every compiled executable that
   traced a call, as the ``table`` attribute.
 - Layer table (int64[n_layers, 8], owned by the ColdFFN): per layer n_cold and the addresses of w_gate (0 when
-  ungated), w_up, w_down_t, b_up (0 when no bias). The weight arrays are C-contiguous float32 numpy arrays held by
+  ungated), w_up, w_down_t, b_up (0 when no bias) and the [3, n_cold, blocks] int8 block scales (0 for
+  float32 rows; non-zero means the three weight arrays are int8). The weight arrays are C-contiguous numpy arrays held by
   the ColdFFN (``self.w_up`` etc.); treat them as read-only while the object is in use.
 - Runtime block (int64[8], process-wide, never freed): the spin lock word, the ``sched_yield`` address, the thread
   cap used by the handler (``set_num_threads``), and an execution counter.
@@ -82,6 +83,7 @@ from numba import carray, cfunc, njit, types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 TARGET_NAME = "pjinfer_cold_ffn"
+WEIGHT_TYPES = ("float32", "int8")
 FFI_API_VERSION = (0, 3)  # the xla/ffi/api/c_api.h version this handler was written against
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -205,7 +207,7 @@ ERRC_INVALID_ARGUMENT, ERRC_FAILED_PRECONDITION, ERRC_OUT_OF_RANGE = 3, 9, 11
 MAGIC_ALIVE = 0x706A636F6C64_0001  # "pjcold" + 1
 MAGIC_DEAD = 0x706A636F6C64_DEAD
 H_MAGIC, H_NLAYERS, H_D, H_ACT, H_TABLE, H_RUNTIME, H_ID = range(7)
-T_NCOLD, T_GATE, T_UP, T_DOWN, T_BIAS = range(5)
+T_NCOLD, T_GATE, T_UP, T_DOWN, T_BIAS, T_SCALES = range(6)
 T_WIDTH = 8
 R_LOCK, R_YIELD, R_THREADS, R_EXECUTES, R_BATCH_THREADS = range(5)
 
@@ -291,6 +293,16 @@ def _ptr_i32(typingctx, addr):
     def codegen(context, builder, sig, args):
         return builder.inttoptr(args[0], _i32.as_pointer())
     return types.CPointer(types.int32)(addr), codegen
+
+
+@intrinsic
+def _ptr_i8(typingctx, addr):
+    if not _int_arg(addr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], _i8p)
+    return types.CPointer(types.int8)(addr), codegen
 
 
 @intrinsic
@@ -449,23 +461,61 @@ def _find_table_attr(frame):
 
 
 @njit(**_NOJIT)
-def _layer_weights(header, layer, d):
+def _layer_table(header, layer):
+    """(n_cold, gate, up, down, bias, scales addresses) of a layer; gate, bias and scales are 0 when absent."""
     table = _load_i64(header + 8 * H_TABLE) + 8 * T_WIDTH * layer
-    c = _load_i64(table + 8 * T_NCOLD)
-    up_p = _load_i64(table + 8 * T_UP)
-    gate_p = _load_i64(table + 8 * T_GATE)
-    bias_p = _load_i64(table + 8 * T_BIAS)
-    w_up = carray(_ptr_f32(up_p), (c, d))
-    w_down_t = carray(_ptr_f32(_load_i64(table + 8 * T_DOWN)), (c, d))
-    w_gate = carray(_ptr_f32(gate_p if gate_p != 0 else up_p), (c if gate_p != 0 else 0, d))
+    return (_load_i64(table + 8 * T_NCOLD), _load_i64(table + 8 * T_GATE), _load_i64(table + 8 * T_UP),
+            _load_i64(table + 8 * T_DOWN), _load_i64(table + 8 * T_BIAS), _load_i64(table + 8 * T_SCALES))
+
+
+@njit(**_NOJIT)
+def _extras(c, d, up_p, bias_p, scales_p):
+    """b_up [c] or [0], scales [3, c, blocks] or [0, c, blocks] (a non-null pointer stands in for the empty
+    arrays)."""
     b_up = carray(_ptr_f32(bias_p if bias_p != 0 else up_p), (c if bias_p != 0 else 0,))
-    return w_gate, w_up, w_down_t, b_up
+    scales = carray(_ptr_f32(scales_p if scales_p != 0 else up_p),
+                    (3 if scales_p != 0 else 0, c, (d + kernels.QBLOCK - 1) // kernels.QBLOCK))
+    return b_up, scales
+
+
+@njit(**_NOJIT)
+def _rows_f32(c, d, gate_p, up_p, down_p):
+    return (carray(_ptr_f32(gate_p if gate_p != 0 else up_p), (c if gate_p != 0 else 0, d)),
+            carray(_ptr_f32(up_p), (c, d)), carray(_ptr_f32(down_p), (c, d)))
+
+
+@njit(**_NOJIT)
+def _rows_i8(c, d, gate_p, up_p, down_p):
+    return (carray(_ptr_i8(gate_p if gate_p != 0 else up_p), (c if gate_p != 0 else 0, d)),
+            carray(_ptr_i8(up_p), (c, d)), carray(_ptr_i8(down_p), (c, d)))
 
 
 @njit(**_NOJIT)
 def _run_layer(header, layer, x, ids, count, out, nt):
-    w_gate, w_up, w_down_t, b_up = _layer_weights(header, layer, x.shape[0])
-    kernels.cold_ffn_nt(x, w_gate, w_up, w_down_t, b_up, ids, count, _load_i64(header + 8 * H_ACT), out, nt)
+    c, gate_p, up_p, down_p, bias_p, scales_p = _layer_table(header, layer)
+    d = x.shape[0]
+    b_up, scales = _extras(c, d, up_p, bias_p, scales_p)
+    code = _load_i64(header + 8 * H_ACT)
+    if scales_p != 0:  # int8 rows
+        w_gate, w_up, w_down_t = _rows_i8(c, d, gate_p, up_p, down_p)
+        kernels.cold_ffn_nt(x, w_gate, w_up, w_down_t, b_up, scales, ids, count, code, out, nt)
+    else:
+        w_gate, w_up, w_down_t = _rows_f32(c, d, gate_p, up_p, down_p)
+        kernels.cold_ffn_nt(x, w_gate, w_up, w_down_t, b_up, scales, ids, count, code, out, nt)
+
+
+@njit(**_NOJIT)
+def _run_layer_masked(header, layer, xs, mask, outs, nt):
+    c, gate_p, up_p, down_p, bias_p, scales_p = _layer_table(header, layer)
+    d = xs.shape[1]
+    b_up, scales = _extras(c, d, up_p, bias_p, scales_p)
+    code = _load_i64(header + 8 * H_ACT)
+    if scales_p != 0:  # int8 rows
+        w_gate, w_up, w_down_t = _rows_i8(c, d, gate_p, up_p, down_p)
+        kernels.cold_ffn_masked_nt(xs, w_gate, w_up, w_down_t, b_up, scales, mask, code, outs, nt)
+    else:
+        w_gate, w_up, w_down_t = _rows_f32(c, d, gate_p, up_p, down_p)
+        kernels.cold_ffn_masked_nt(xs, w_gate, w_up, w_down_t, b_up, scales, mask, code, outs, nt)
 
 
 @njit(**_NOJIT)
@@ -579,9 +629,7 @@ def _execute_masked(frame, api, header):
     if _load_i64(header + 8 * H_MAGIC) != MAGIC_ALIVE:
         _unlock(runtime)
         return _header_error(api, header)
-    w_gate, w_up, w_down_t, b_up = _layer_weights(header, layer, d)
-    kernels.cold_ffn_masked_nt(xs, w_gate, w_up, w_down_t, b_up, mask, _load_i64(header + 8 * H_ACT), outs,
-                               _load_i64(runtime + 8 * R_BATCH_THREADS))
+    _run_layer_masked(header, layer, xs, mask, outs, _load_i64(runtime + 8 * R_BATCH_THREADS))
     _store_i64(runtime + 8 * R_EXECUTES, _load_i64(runtime + 8 * R_EXECUTES) + 1)
     _unlock(runtime)
     return 0
@@ -703,16 +751,16 @@ def executions() -> int:
 
 
 @njit(**_NOJIT)
-def _locked_call(runtime_addr, x, w_gate, w_up, w_down_t, b_up, ids, count, act_code, out, nt):
+def _locked_call(runtime_addr, x, w_gate, w_up, w_down_t, b_up, scales, ids, count, act_code, out, nt):
     _lock(runtime_addr)
-    kernels.cold_ffn_nt(x, w_gate, w_up, w_down_t, b_up, ids, count, act_code, out, nt)
+    kernels.cold_ffn_nt(x, w_gate, w_up, w_down_t, b_up, scales, ids, count, act_code, out, nt)
     _unlock(runtime_addr)
 
 
-def cold_ffn_locked(x, w_gate, w_up, w_down_t, b_up, ids, count, act_code, out, max_threads=None) -> None:
+def cold_ffn_locked(x, w_gate, w_up, w_down_t, b_up, scales, ids, count, act_code, out, max_threads=None) -> None:
     """kernels.cold_ffn_nt under the bridge's process-wide lock (safe while jitted code runs the bridge)."""
     nt = get_num_threads() if max_threads is None else int(max_threads)
-    _locked_call(_RUNTIME_ADDR, x, w_gate, w_up, w_down_t, b_up, ids, count, act_code, out, nt)
+    _locked_call(_RUNTIME_ADDR, x, w_gate, w_up, w_down_t, b_up, scales, ids, count, act_code, out, nt)
 
 
 @njit(**_NOJIT)
@@ -743,11 +791,16 @@ class ColdFFN:
       w_gate: [C_l, d] arrays, or None for activation "relu" (ungated).   b_up: [C_l] arrays or None.
       activation: one of kernels.ACT_CODES.
       cold_ids: optional per-layer int arrays: the dense neuron id of each cold row (kept for cold_position).
+      weights: "float32" keeps the rows as given; "int8" stores them as int8 with a float32 scale per block of
+        64 (kernels.quantize_rows): 17/64 of the bytes to read.
     """
 
     def __init__(self, w_up: Sequence[np.ndarray], w_down_t: Sequence[np.ndarray],
                  w_gate: Sequence[np.ndarray] | None = None, b_up: Sequence[np.ndarray] | None = None, *,
-                 activation: str = "swiglu", cold_ids: Sequence[np.ndarray] | None = None):
+                 activation: str = "swiglu", cold_ids: Sequence[np.ndarray] | None = None,
+                 weights: str = "float32"):
+        if weights not in WEIGHT_TYPES:
+            raise ValueError(f"weights must be one of {WEIGHT_TYPES}, got {weights!r}")
         code = _act_code(activation)
         gated = kernels.GATED[activation]
         n_layers = len(w_up)
@@ -760,8 +813,9 @@ class ColdFFN:
         if b_up is not None and len(b_up) != n_layers:
             raise ValueError("b_up needs one entry per layer")
         d = int(np.shape(w_up[0])[1])
-        self.activation, self.d, self.n_layers = activation, d, n_layers
+        self.activation, self.d, self.n_layers, self.weights = activation, d, n_layers, weights
         self.w_up, self.w_down_t = [], []
+        self.scales = [] if weights == "int8" else None
         self.w_gate = [] if gated else None
         self.b_up = [] if b_up is not None else None
         table = np.zeros((n_layers, T_WIDTH), np.int64)
@@ -771,15 +825,25 @@ class ColdFFN:
             down = _f32_rows(w_down_t[l], d, "w_down_t", l)
             if down.shape[0] != c:
                 raise ValueError(f"layer {l}: w_down_t has {down.shape[0]} rows, w_up {c}")
+            gate = None
+            if gated:
+                gate = _f32_rows(w_gate[l], d, "w_gate", l)
+                if gate.shape[0] != c:
+                    raise ValueError(f"layer {l}: w_gate has {gate.shape[0]} rows, w_up {c}")
+            if weights == "int8":
+                scales = np.ones((3, c, -(-d // kernels.QBLOCK)), np.float32)  # gate, up, down
+                if gated:
+                    gate, scales[0] = kernels.quantize_rows(gate)
+                up, scales[1] = kernels.quantize_rows(up)
+                down, scales[2] = kernels.quantize_rows(down)
+                self.scales.append(scales)
+                table[l, T_SCALES] = scales.ctypes.data
             self.w_up.append(up)
             self.w_down_t.append(down)
             table[l, T_NCOLD] = c
             table[l, T_UP] = up.ctypes.data
             table[l, T_DOWN] = down.ctypes.data
             if gated:
-                gate = _f32_rows(w_gate[l], d, "w_gate", l)
-                if gate.shape[0] != c:
-                    raise ValueError(f"layer {l}: w_gate has {gate.shape[0]} rows, w_up {c}")
                 self.w_gate.append(gate)
                 table[l, T_GATE] = gate.ctypes.data
             if b_up is not None:
@@ -802,14 +866,15 @@ class ColdFFN:
         register()
 
     @classmethod
-    def from_dense(cls, w_up, w_down_t, cold_ids, w_gate=None, b_up=None, *, activation="swiglu") -> "ColdFFN":
+    def from_dense(cls, w_up, w_down_t, cold_ids, w_gate=None, b_up=None, *, activation="swiglu",
+                   weights="float32") -> "ColdFFN":
         """Compact the cold rows out of dense per-layer weights: cold row j of layer l = dense row cold_ids[l][j]."""
         pick = lambda ws, l: None if ws is None else np.ascontiguousarray(np.asarray(ws[l])[cold_ids[l]], np.float32)
         n = len(w_up)
         return cls([pick(w_up, l) for l in range(n)], [pick(w_down_t, l) for l in range(n)],
                    None if w_gate is None else [pick(w_gate, l) for l in range(n)],
                    None if b_up is None else [pick(b_up, l) for l in range(n)],
-                   activation=activation, cold_ids=[np.asarray(c) for c in cold_ids])
+                   activation=activation, cold_ids=[np.asarray(c) for c in cold_ids], weights=weights)
 
     def cold_position(self, layer: int, d_ff: int | None = None) -> np.ndarray:
         """int32 [d_ff]: compacted cold row of each dense neuron of a layer, -1 where the neuron is not cold."""
@@ -879,16 +944,20 @@ class ColdFFN:
         """The same computation called directly from Python (under the bridge lock), for tests and tools."""
         x = np.ascontiguousarray(x, np.float32)
         out = np.empty(self.d, np.float32) if out is None else out
-        gate = self.w_gate[layer] if self.w_gate is not None else kernels.empty_gate(self.d)
         bias = self.b_up[layer] if self.b_up is not None else kernels.empty_bias()
-        cold_ffn_locked(x, gate, self.w_up[layer], self.w_down_t[layer], bias,
+        if self.w_gate is not None:
+            gate = self.w_gate[layer]
+        else:  # typed like the other rows, so one compiled kernel serves the call
+            gate = np.zeros((0, self.d), self.w_up[layer].dtype)
+        scales = self.scales[layer] if self.scales is not None else kernels.no_scales()
+        cold_ffn_locked(x, gate, self.w_up[layer], self.w_down_t[layer], bias, scales,
                         np.ascontiguousarray(ids, np.int32), int(count), _act_code(self.activation), out,
                         max_threads)
         return out
 
     @property
     def nbytes(self) -> int:
-        arrays = self.w_up + self.w_down_t + (self.w_gate or []) + (self.b_up or [])
+        arrays = self.w_up + self.w_down_t + (self.w_gate or []) + (self.b_up or []) + (self.scales or [])
         return int(sum(a.nbytes for a in arrays))
 
     def close(self) -> None:
@@ -897,7 +966,7 @@ class ColdFFN:
             return
         _retire(_RUNTIME_ADDR, self.address)
         self.closed = True
-        self.w_up = self.w_down_t = self.w_gate = self.b_up = None
+        self.w_up = self.w_down_t = self.w_gate = self.b_up = self.scales = None
         self._table = None
 
     def __del__(self):

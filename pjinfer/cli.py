@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--bundle", help="sparse bundle (`make bundle`): run the hybrid sparse engine")
         p.add_argument("--hot-backend", default="xla", choices=("xla", "pallas", "pallas-interpret"),
                        help="hot neurons: XLA gather (CPU default), compiled Pallas (GPU), Pallas interpret mode")
+        p.add_argument("--cold-weights", default="float32", choices=("float32", "int8"),
+                       help="cold rows in host memory as float32, or int8 with a scale per row (a quarter the bytes)")
 
     p = command("generate", "generate text from a prompt, streamed as it comes")
     sparse_options(p)
@@ -111,6 +113,7 @@ def _load(args, bundle=None):
 
     enable_compilation_cache()
     return Engine.load(args.model, bundle=bundle, hot_backend=getattr(args, "hot_backend", "xla"),
+                       cold_weights=getattr(args, "cold_weights", "float32"),
                        progress=Progress("loading tensors", 0))
 
 

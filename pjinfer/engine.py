@@ -26,16 +26,17 @@ class Engine:
         self.graphdef, self.state = nnx.split(Transformer(config, weights))
 
     @classmethod
-    def load(cls, path=None, *, bundle=None, hot_backend: str = "xla", progress=None) -> "Engine":
+    def load(cls, path=None, *, bundle=None, hot_backend: str = "xla", cold_weights: str = "float32",
+             progress=None) -> "Engine":
         start = time.perf_counter()
         config, weights, tokenizer = loader.load(path, progress=progress)
         engine = cls(config, weights, tokenizer, source=str(path or loader.default_model_path()))
         if bundle is not None:
-            engine.use_bundle(bundle, hot_backend=hot_backend)
+            engine.use_bundle(bundle, hot_backend=hot_backend, cold_weights=cold_weights)
         engine.load_seconds = time.perf_counter() - start
         return engine
 
-    def use_bundle(self, path, *, hot_backend: str = "xla") -> None:
+    def use_bundle(self, path, *, hot_backend: str = "xla", cold_weights: str = "float32") -> None:
         """Run sparse from now on: the bundle's predictors pick active neurons, its placement splits
         them into hot (accelerator) and cold (host memory, Numba) rows."""
         from pjinfer import offline, sparse
@@ -44,7 +45,7 @@ class Engine:
         predictors = offline.load_predictors(self, bundle)
         hot = np.asarray(bundle.load_stage("placement")["hot"], bool)
         model = nnx.merge(self.graphdef, self.state)
-        sparse.sparsify(model, hot, predictors, hot_backend=hot_backend)
+        sparse.sparsify(model, hot, predictors, hot_backend=hot_backend, cold_weights=cold_weights)
         self.graphdef, self.state = nnx.split(model)
         self.bundle = bundle
 

@@ -113,9 +113,10 @@ def _compact(mask):
 
 
 def sparsify(model: Transformer, hot: np.ndarray, predictors: list | None, *, hot_backend: str = "xla",
-             oracle: bool = False) -> ColdFFN:
+             oracle: bool = False, cold_weights: str = "float32") -> ColdFFN:
     """Swap every layer's FFN for a SparseFFN in place. hot: bool [L, F] placement. predictors: one per
     layer, or None for every-neuron-active; oracle=True uses each layer's exact activity instead.
+    cold_weights: "float32", or "int8" (cold rows quantized per row, dequantized inside the Numba kernels).
     Returns the ColdFFN holding the cold rows in host memory (the model keeps a reference)."""
     config = model.config
     if hot.shape != (config.n_layers, config.d_ff):
@@ -126,7 +127,8 @@ def sparsify(model: Transformer, hot: np.ndarray, predictors: list | None, *, ho
         w_up=[host(f.w_up) for f in ffns], w_down_t=[host(f.w_down_t) for f in ffns],
         w_gate=[host(f.w_gate) for f in ffns] if config.gated else None,
         b_up=None if ffns[0].b_up is None else [host(f.b_up) for f in ffns],
-        cold_ids=[np.flatnonzero(~hot[l]) for l in range(config.n_layers)], activation=config.activation)
+        cold_ids=[np.flatnonzero(~hot[l]) for l in range(config.n_layers)], activation=config.activation,
+        weights=cold_weights)
     for l, layer in enumerate(model.layers):
         predictor = layer.ffn if oracle else (None if predictors is None else predictors[l])
         layer.ffn = SparseFFN(layer.ffn, layer=l, hot=hot[l], predictor=predictor, cold=cold,

@@ -37,8 +37,8 @@ def call_kernel(layer, x, ids, count, activation, max_threads):
     d = x.shape[0]
     out = np.full(d, np.nan, np.float32)  # poisoned: the kernel must overwrite, not accumulate
     kernels.cold_ffn_nt(x, kernels.empty_gate(d) if gate is None else gate, up, down,
-                        kernels.empty_bias() if bias is None else bias, ids, count, kernels.act_code(activation),
-                        out, max_threads)
+                        kernels.empty_bias() if bias is None else bias, kernels.no_scales(), ids, count,
+                        kernels.act_code(activation), out, max_threads)
     return out
 
 
@@ -72,7 +72,8 @@ def test_kernel_matches_reference(activation, d, c):
     ids, count = cases["full"]
     out = np.full(d, np.nan, np.float32)
     kernels.cold_ffn(x, kernels.empty_gate(d) if gate is None else gate, up, down,
-                     kernels.empty_bias() if bias is None else bias, ids, count, kernels.act_code(activation), out)
+                     kernels.empty_bias() if bias is None else bias, kernels.no_scales(), ids, count,
+                     kernels.act_code(activation), out)
     assert_close(out, kernels.cold_ffn_ref(x, gate, up, down, bias, ids, count, activation))
     assert_close(kernels.cold_ffn_call(x, gate, up, down, bias, ids, count, activation), out)
 
@@ -106,12 +107,69 @@ def test_masked_kernel_matches_reference(activation, n, d, c):
     for nt in (1, 2):
         outs = np.full((n, d), np.nan, np.float32)  # poisoned: overwritten, never accumulated into
         kernels.cold_ffn_masked_nt(xs, kernels.empty_gate(d) if gate is None else gate, up, down,
-                                   kernels.empty_bias() if bias is None else bias, mask, kernels.act_code(activation),
-                                   outs, nt)
+                                   kernels.empty_bias() if bias is None else bias, kernels.no_scales(), mask,
+                                   kernels.act_code(activation), outs, nt)
         assert np.array_equal(outs[0], np.zeros(d, np.float32))
         assert_close(outs, want)
         if n > 1 and c:
             assert_close(outs[1], kernels.dense_ffn_ref(xs[1], gate, up, down, bias, activation))
+
+
+def quantized(layer):
+    """int8 rows with their [3, C, blocks] scales, and the float32 weights they stand for (the reference's input)."""
+    gate, up, down, bias = layer
+    c, d = up.shape
+    scales = np.ones((3, c, -(-d // kernels.QBLOCK)), np.float32)
+    q_gate = np.zeros((0, d), np.int8)
+    deq_gate = None
+    if gate is not None:
+        q_gate, scales[0] = kernels.quantize_rows(gate)
+        deq_gate = kernels.dequantize_rows(q_gate, scales[0])
+    q_up, scales[1] = kernels.quantize_rows(up)
+    q_down, scales[2] = kernels.quantize_rows(down)
+    return (q_gate, q_up, q_down, scales), (deq_gate, kernels.dequantize_rows(q_up, scales[1]),
+                                            kernels.dequantize_rows(q_down, scales[2]), bias)
+
+
+def test_quantize_rows_round_trip():
+    rng = np.random.default_rng(81)
+    b = kernels.QBLOCK
+    d = 2 * b + 6                                         # two whole blocks and a tail of 6
+    w = rng.standard_normal((9, d)).astype(np.float32) * rng.uniform(0.01, 10, (9, 1)).astype(np.float32)
+    w[3] = 0.0                                            # an all-zero row keeps scale 1 and codes 0
+    w[5, b:2 * b] *= 1e-3                                 # a quiet block gets its own fine scale
+    q, scale = kernels.quantize_rows(w)
+    assert q.dtype == np.int8 and scale.dtype == np.float32 and q.shape == w.shape and scale.shape == (9, 3)
+    step = np.repeat(scale, kernels.QBLOCK, axis=1)[:, :d]
+    assert np.all(np.abs(kernels.dequantize_rows(q, scale) - w) <= step / 2 + 1e-7)
+    assert np.all(scale[3] == 1.0) and not q[3].any()
+    assert np.abs(q[5, b:2 * b]).max() == 127 and scale[5, 1] < 1e-2 * scale[5, 0]
+
+
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("d,c", [(576, 1536), (33, 7), (33, 0)])
+def test_int8_kernels_match_reference_on_dequantized_weights(activation, d, c):
+    rng = np.random.default_rng([91, ACTS.index(activation), d, c])
+    layer = make_layer(rng, d, c, activation)
+    (q_gate, q_up, q_down, scales), deq = quantized(layer)
+    bias = kernels.empty_bias() if layer[3] is None else layer[3]
+    code = kernels.act_code(activation)
+    x = rng.standard_normal(d).astype(np.float32)
+    ids = rng.permutation(c).astype(np.int32)
+    for count in sorted({0, c // 3, c}):
+        want = kernels.cold_ffn_ref(x, deq[0], deq[1], deq[2], deq[3], ids, count, activation)
+        for nt in (1, 2):
+            out = np.full(d, np.nan, np.float32)
+            kernels.cold_ffn_nt(x, q_gate, q_up, q_down, bias, scales, ids, count, code, out, nt)
+            assert_close(out, want, rtol=1e-4)
+    n = 9
+    xs = rng.standard_normal((n, d)).astype(np.float32)
+    mask = random_mask(rng, n, c)
+    want = masked_reference(deq, xs, mask, activation)
+    for nt in (1, 2):
+        outs = np.full((n, d), np.nan, np.float32)
+        kernels.cold_ffn_masked_nt(xs, q_gate, q_up, q_down, bias, scales, mask, code, outs, nt)
+        assert_close(outs, want, rtol=1e-4)
 
 
 def test_kernel_parallel_split_and_edge_rules():
@@ -335,6 +393,36 @@ def test_masked_bridge_matches_reference_and_per_token_calls(activation):
     cold.close()
     with pytest.raises(RuntimeError):
         cold.masked(0, xs, np.ones((n, 40), bool))
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu"])
+def test_int8_cold_ffn_through_the_bridge(activation):
+    rng = np.random.default_rng(101 + ACTS.index(activation))
+    d, sizes, n = 33, [40, 0, 300], 37
+    layers = [make_layer(rng, d, c, activation) for c in sizes]
+    args = ([l[1] for l in layers], [l[2] for l in layers], None if activation == "relu" else [l[0] for l in layers],
+            [l[3] for l in layers] if activation == "relu" else None)
+    f32 = bridge.ColdFFN(*args, activation=activation)
+    q8 = bridge.ColdFFN(*args, activation=activation, weights="int8")
+    rows, blocks = (2 if activation == "relu" else 3), -(-d // kernels.QBLOCK)
+    extra = 4 * sum(sizes) if activation == "relu" else 0       # the float32 bias
+    assert f32.nbytes == 4 * rows * d * sum(sizes) + extra
+    assert q8.nbytes == rows * d * sum(sizes) + 4 * 3 * blocks * sum(sizes) + extra   # int8 rows + block scales
+    xs = rng.standard_normal((n, d)).astype(np.float32)
+    for layer, c in enumerate(sizes):
+        deq = quantized(layers[layer])[1]
+        mask = random_mask(rng, n, c)
+        assert_close(jax.jit(q8.masked, static_argnums=0)(layer, xs, mask),
+                     masked_reference(deq, xs, mask, activation), rtol=1e-4)
+        ids = rng.permutation(c).astype(np.int32)
+        want = kernels.cold_ffn_ref(xs[0], deq[0], deq[1], deq[2], deq[3], ids, c // 2, activation)
+        assert_close(jax.jit(q8.__call__, static_argnums=0)(layer, xs[0], ids, c // 2), want, rtol=1e-4)
+        assert_close(q8.numpy_call(layer, xs[0], ids, c // 2), want, rtol=1e-4)
+        # and close to the float32 rows it quantized: per-row int8 keeps about 2-3 significant digits
+        got, exact = np.asarray(q8(layer, xs[0], ids, c)), np.asarray(f32(layer, xs[0], ids, c))
+        assert np.abs(got - exact).max() <= 0.02 * max(1.0, np.abs(exact).max())
+    with pytest.raises(ValueError, match="weights must be one of"):
+        bridge.ColdFFN(*args, activation=activation, weights="int4")
 
 
 def test_from_dense_compaction():

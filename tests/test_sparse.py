@@ -9,6 +9,7 @@ from pjinfer.config import ConfigError
 from pjinfer.engine import Engine
 from pjinfer.model import KVCache, Transformer
 from pjinfer.sparse import SparseFFN, sparsify
+from cpu_offload.kernels import dequantize_rows, quantize_rows
 from tests.conftest import random_weights, tiny_config
 from train.predictor import Predictor
 
@@ -64,6 +65,22 @@ def test_many_tokens_at_once_equal_one_at_a_time(arch, activation):
         one_by_one = np.concatenate([np.asarray(layer.ffn(x[i:i + 1])) for i in range(x.shape[0])])
         np.testing.assert_allclose(at_once, want, rtol=2e-5, atol=2e-5)
         np.testing.assert_allclose(one_by_one, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("arch,activation", [("llama", "swiglu"), ("opt", "relu")])
+def test_int8_cold_rows_equal_dense_on_the_dequantized_weights(arch, activation):
+    # Quantizing the cold rows is the only approximation: against a dense model whose FFN rows went
+    # through the same quantize-dequantize round trip, the sparse logits agree to float tolerance.
+    config = tiny_config(arch, activation)
+    weights = random_weights(config, seed=15)
+    rounded = dict(weights)
+    for name, w in weights.items():
+        if name.rsplit(".", 1)[-1] in ("w_gate", "w_up", "w_down_t"):
+            rounded[name] = dequantize_rows(*quantize_rows(np.asarray(w)))
+    ids = np.random.default_rng(16).integers(0, config.vocab_size, 9)
+    model = Transformer(config, weights)
+    sparsify(model, placements(config)["all cold"], predictors=None, cold_weights="int8")
+    np.testing.assert_allclose(logits(model, ids), logits(Transformer(config, rounded), ids), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("arch,activation", [("llama", "reglu"), ("llama", "drelu"), ("opt", "relu")])
