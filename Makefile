@@ -37,7 +37,7 @@ $(PEER_STAMP): $(STAMP)
 	touch $(PEER_STAMP)
 bench-peer: $(PEER_STAMP)
 	$(VENV)/bin/pjinfer bench --peer llama-cpp --prompt-len 16 --new-tokens 256 --runs 5 \
-		$(if $(wildcard $(BUNDLE)/manifest.json),--bundle $(BUNDLE))
+		$(if $(wildcard $(BUNDLE)/manifest.json),--bundle $(BUNDLE) --cold-weights int8)
 	$(VENV)/bin/pjinfer bench --peer llama-cpp --prompt-len 512 --new-tokens 16 --runs 3
 
 perplexity: setup

@@ -24,6 +24,7 @@ def assert_clean_error(result, fragment):
     (["generate", "--prompt", "x", "--top-k", "-3"], "top-k must be >= 0"),
     (["generate", "--prompt", "x", "--max-new-tokens", "0"], "must be >= 1"),
     (["generate"], "--prompt"),
+    (["generate", "--prompt", "x", "--bundle", "b", "--cold-weights", "int4"], "invalid choice"),
     (["perplexity", "--text-file", "/nonexistent.txt"], "text file not found"),
     (["generate", "--prompt", "x", "--model", "/nonexistent.gguf"], "model not found"),
 ])
