@@ -116,7 +116,7 @@ def sparsify(model: Transformer, hot: np.ndarray, predictors: list | None, *, ho
              oracle: bool = False, cold_weights: str = "float32") -> ColdFFN:
     """Swap every layer's FFN for a SparseFFN in place. hot: bool [L, F] placement. predictors: one per
     layer, or None for every-neuron-active; oracle=True uses each layer's exact activity instead.
-    cold_weights: "float32", or "int8" (cold rows quantized per row, dequantized inside the Numba kernels).
+    cold_weights: "float32", or "int8" (cold rows quantized per block of 64, dequantized inside the Numba kernels).
     Returns the ColdFFN holding the cold rows in host memory (the model keeps a reference)."""
     config = model.config
     if hot.shape != (config.n_layers, config.d_ff):
