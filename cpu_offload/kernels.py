@@ -90,12 +90,13 @@ def _prefetch(typingctx, arr, i, j):
     return types.void(arr, i, j), codegen
 
 
-PREFETCH_FLOATS = 64  # the first 4 cache lines of a row; the hardware streamer takes over after that
+PREFETCH_LINES = 4  # the first cache lines of a row; the hardware streamer takes over after that
 
 
 @njit(inline="always", **_JIT)
 def _prefetch_row(w, n, d):
-    for j in range(0, min(d, PREFETCH_FLOATS), 16):  # one 64-byte line per 16 floats
+    step = 64 // w.itemsize  # elements per 64-byte line: 16 float32, 64 int8
+    for j in range(0, min(d, PREFETCH_LINES * step), step):
         _prefetch(w, n, j)
 
 
