@@ -275,44 +275,23 @@ def _store_i32(typingctx, addr, value):
     return types.void(addr, value), codegen
 
 
-@intrinsic
-def _ptr_f32(typingctx, addr):
-    if not _int_arg(addr):
-        return None
+def _typed_pointer(name, element):
+    """An intrinsic turning a pointer-sized integer into a CPointer(element) (what carray takes)."""
+    def impl(typingctx, addr):
+        if not _int_arg(addr):
+            return None
 
-    def codegen(context, builder, sig, args):
-        return builder.inttoptr(args[0], ir.FloatType().as_pointer())
-    return types.CPointer(types.float32)(addr), codegen
-
-
-@intrinsic
-def _ptr_i32(typingctx, addr):
-    if not _int_arg(addr):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.inttoptr(args[0], _i32.as_pointer())
-    return types.CPointer(types.int32)(addr), codegen
+        def codegen(context, builder, sig, args):
+            return builder.inttoptr(args[0], context.get_value_type(element).as_pointer())
+        return types.CPointer(element)(addr), codegen
+    impl.__name__ = impl.__qualname__ = name
+    return intrinsic(impl)
 
 
-@intrinsic
-def _ptr_i8(typingctx, addr):
-    if not _int_arg(addr):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.inttoptr(args[0], _i8p)
-    return types.CPointer(types.int8)(addr), codegen
-
-
-@intrinsic
-def _ptr_u8(typingctx, addr):
-    if not _int_arg(addr):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.inttoptr(args[0], _i8p)
-    return types.CPointer(types.uint8)(addr), codegen
+_ptr_f32 = _typed_pointer("_ptr_f32", types.float32)
+_ptr_i32 = _typed_pointer("_ptr_i32", types.int32)
+_ptr_i8 = _typed_pointer("_ptr_i8", types.int8)
+_ptr_u8 = _typed_pointer("_ptr_u8", types.uint8)
 
 
 @intrinsic
