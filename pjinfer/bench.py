@@ -50,7 +50,7 @@ def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: i
     this machine has cores); runs alternate between them so a noisy machine affects all alike."""
     first = next(iter(engines.values()))
     prompt = bench_prompt(first, prompt_len)
-    padded, cache_len = first.plan(prompt_len, new_tokens)
+    _, cache_len = first.plan(prompt_len, new_tokens)
     runners = {name: _runner(e, prompt, new_tokens) for name, e in engines.items()}
     if peer == "llama-cpp":
         from pjinfer.peer import llama_cpp_runner
@@ -76,7 +76,7 @@ def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: i
                          "generate_s": statistics.median(total_s), "prefill_s": p}
         if name in engines:
             results[name]["bytes_per_token"] = engine_bytes_per_token(engines[name], cache_len)
-            results[name]["device_weights_mb"] = sum(np.asarray(x).nbytes for x in jax.tree.leaves(engines[name].state)) / 1e6
+            results[name]["device_weights_mb"] = state_bytes(engines[name]) / 1e6
         else:
             results[name]["bytes_per_token"] = gguf_bytes_per_token(first, prompt_len + new_tokens // 2)
     if peer:
@@ -90,6 +90,11 @@ def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: i
 PEER = "llama.cpp"
 
 
+def state_bytes(engine: Engine) -> int:
+    """Bytes of everything the engine keeps on the accelerator (weights, hot rows, predictors)."""
+    return sum(np.asarray(x).nbytes for x in jax.tree.leaves(engine.state))
+
+
 def engine_bytes_per_token(engine: Engine, cache_len: int) -> float:
     """Bytes one decode step reads: every weight once (a tied embedding once, as the head), the whole
     KV cache (attention reads every slot and masks), and for a sparse engine only the predicted-active
@@ -100,7 +105,7 @@ def engine_bytes_per_token(engine: Engine, cache_len: int) -> float:
 
     config = engine.config
     model = nnx.merge(engine.graphdef, engine.state)
-    total = sum(np.asarray(x).nbytes for x in jax.tree.leaves(engine.state))
+    total = state_bytes(engine)
     kv = 2 * config.n_layers * cache_len * config.n_kv_heads * config.head_dim * 4
     if not isinstance(model.layers[0].ffn, SparseFFN):
         return float(total + kv)

@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--hot-backend", default="xla", choices=("xla", "pallas", "pallas-interpret"),
                        help="hot neurons: XLA gather (CPU default), compiled Pallas (GPU), Pallas interpret mode")
         p.add_argument("--cold-weights", default="float32", choices=("float32", "int8"),
-                       help="cold rows in host memory as float32, or int8 with a scale per row (a quarter the bytes)")
+                       help="cold rows in host memory as float32, or int8 with a scale per block of 64 (17/64 the bytes)")
 
     p = command("generate", "generate text from a prompt, streamed as it comes")
     sparse_options(p)
@@ -217,6 +217,7 @@ def cmd_bench(args):
                   + f"; step {b['step_ms']:.1f} ms")
     if args.bundle:
         print(f"sparse decode / dense decode: {result['sparse_over_dense']:.2f}x")
+
 
 def cmd_eval(args):
     from pjinfer import evaluate
