@@ -48,10 +48,11 @@ Host memory layout and lifetime rules
   traced a call, as the ``table`` attribute.
 - Layer table (int64[n_layers, 8], owned by the ColdFFN): per layer n_cold and the addresses of w_gate (0 when
   ungated), w_up, w_down_t, b_up (0 when no bias) and the [3, n_cold, blocks] int8 block scales (0 for
-  float32 rows; non-zero means the three weight arrays are int8). The weight arrays are C-contiguous numpy arrays held by
-  the ColdFFN (``self.w_up`` etc.); treat them as read-only while the object is in use.
+  float32 rows; non-zero means the three weight arrays are int8). The weight arrays are C-contiguous numpy arrays
+  held by the ColdFFN (``self.w_up`` etc.); treat them as read-only while the object is in use.
 - Runtime block (int64[8], process-wide, never freed): the spin lock word, the ``sched_yield`` address, the thread
-  cap used by the handler (``set_num_threads``), and an execution counter.
+  caps the handler uses for one-token and for masked many-token calls (``set_num_threads`` sets both), and an
+  execution counter.
 - Rules: (1) keep the ColdFFN alive until every result computed from it is ready; a jitted function that closes
   over it keeps it alive, but an executable can outlive the Python object (e.g. results still being computed
   asynchronously after ``del``). (2) ``close()`` (also run by ``__del__``) takes the lock, marks the header dead
@@ -792,7 +793,7 @@ class ColdFFN:
         if b_up is not None and len(b_up) != n_layers:
             raise ValueError("b_up needs one entry per layer")
         d = int(np.shape(w_up[0])[1])
-        self.activation, self.d, self.n_layers, self.weights = activation, d, n_layers, weights
+        self.activation, self.d, self.n_layers = activation, d, n_layers
         self.w_up, self.w_down_t = [], []
         self.scales = [] if weights == "int8" else None
         self.w_gate = [] if gated else None

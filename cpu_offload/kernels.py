@@ -21,7 +21,8 @@ Semantics shared by every entry point here and by the FFI bridge:
   down, one per block of 64 elements (``quantize_rows``), dequantized inside the loops: 17/64 of the bytes.
 
 Parallelism: the active list is cut into one contiguous chunk per thread; each thread accumulates into a private
-[d] partial row, the partials are summed at the end. Small problems run serially, because a parallel launch costs
+[d] partial row, the partials are summed at the end. The masked kernel cuts the tokens instead (disjoint output
+rows, nothing to sum). Small problems run serially, because a parallel launch costs
 more than it saves there. Thread count is Numba's (``numba.set_num_threads``); see ``cpu_offload/__init__.py`` for
 the threading layer (workqueue by default).
 """
