@@ -25,7 +25,7 @@ How the call reaches Numba
 the address of this object's *header*. The FFI target is registered once per process (``register()``) with a
 Numba ``@cfunc`` as its only (execute) handler; XLA calls it with a pointer to an ``XLA_FFI_CallFrame`` and it
 returns ``XLA_FFI_Error*`` (NULL = ok). The handler (``_handler``) reads the frame at byte offsets taken from
-ctypes mirrors of xla/ffi/api/c_api.h (``_CallFrame`` etc. below; x86-64 / LP64 layout, FFI API 0.3 as shipped in
+ctypes mirrors of xla/ffi/api/c_api.h (``ffi._CallFrame`` etc.; x86-64 / LP64 layout, FFI API 0.3 as shipped in
 jaxlib 0.10.2; the offsets were checked against the header with a C compiler and are pinned in the tests):
 
 - ``extension_start`` non-NULL with type ``XLA_FFI_Extension_Metadata``: XLA asks for the handler's metadata
@@ -67,415 +67,73 @@ on several threads, so every handler execution holds a process-wide spin lock (y
 """
 from __future__ import annotations
 
-import ctypes
 import itertools
 import os
-import threading
 from typing import Sequence
 
 import numpy as np
 
-from . import kernels
+from . import ffi, kernels
+from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F32, DT_PRED, DT_S32,
+                  ERRC_FAILED_PRECONDITION, ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, R_BATCH_THREADS,
+                  R_EXECUTES, R_THREADS, RUNTIME as _RUNTIME, RUNTIME_ADDR as _RUNTIME_ADDR, buffer_numel, cstr,
+                  find_table_attr, last_dim, load_i32, load_i64, lock, make_error, ptr_f32, ptr_i8, ptr_i32, ptr_u8,
+                  store_i64, unlock)
 from .kernels import act_code as _act_code
 
 import numba  # noqa: E402  (kernels set the threading layer first)
-from llvmlite import ir  # noqa: E402
 from numba import carray, cfunc, njit, types  # noqa: E402
-from numba.extending import intrinsic  # noqa: E402
 
 TARGET_NAME = "pjinfer_cold_ffn"
 WEIGHT_TYPES = ("float32", "int8")
-FFI_API_VERSION = (0, 3)  # the xla/ffi/api/c_api.h version this handler was written against
-
-# ---------------------------------------------------------------------------------------------------------------
-# ctypes mirrors of the parts of xla/ffi/api/c_api.h we touch (layout only; offsets feed the cfunc as constants).
-
-_p = ctypes.c_void_p
-_size_t = ctypes.c_size_t
-_enum = ctypes.c_int  # C enums are int-sized on the platforms XLA supports
 
 
-class _ExtensionBase(ctypes.Structure):
-    _fields_ = [("struct_size", _size_t), ("type", _enum), ("next", _p)]
-
-
-class _ApiVersion(ctypes.Structure):
-    _fields_ = [("struct_size", _size_t), ("extension_start", _p), ("major_version", ctypes.c_int),
-                ("minor_version", ctypes.c_int)]
-
-
-class _Metadata(ctypes.Structure):
-    _fields_ = [("struct_size", _size_t), ("api_version", _ApiVersion), ("traits", ctypes.c_uint32),
-                ("state_type_id", ctypes.c_int64)]
-
-
-class _MetadataExtension(ctypes.Structure):
-    _fields_ = [("extension_base", _ExtensionBase), ("metadata", _p)]
-
-
-class _Args(ctypes.Structure):  # XLA_FFI_Args and XLA_FFI_Rets share this layout
-    _fields_ = [("struct_size", _size_t), ("extension_start", _p), ("size", ctypes.c_int64), ("types", _p),
-                ("args", _p)]
-
-
-class _Attrs(ctypes.Structure):
-    _fields_ = [("struct_size", _size_t), ("extension_start", _p), ("size", ctypes.c_int64), ("types", _p),
-                ("names", _p), ("attrs", _p)]
-
-
-class _CallFrame(ctypes.Structure):
-    _fields_ = [("struct_size", _size_t), ("extension_start", _p), ("api", _p), ("ctx", _p), ("stage", _enum),
-                ("args", _Args), ("rets", _Args), ("attrs", _Attrs), ("future", _p)]
-
-
-class _Buffer(ctypes.Structure):
-    _fields_ = [("struct_size", _size_t), ("extension_start", _p), ("dtype", _enum), ("data", _p),
-                ("rank", ctypes.c_int64), ("dims", _p)]
-
-
-class _ByteSpan(ctypes.Structure):
-    _fields_ = [("ptr", _p), ("len", _size_t)]
-
-
-class _Scalar(ctypes.Structure):
-    _fields_ = [("dtype", _enum), ("value", _p)]
-
-
-class _Api(ctypes.Structure):  # only the head: version block, internal api, then the function table
-    _fields_ = [("struct_size", _size_t), ("extension_start", _p), ("api_version", _ApiVersion),
-                ("internal_api", _p), ("XLA_FFI_Error_Create", _p)]
-
-
-class _ErrorCreateArgs(ctypes.Structure):
-    _fields_ = [("struct_size", _size_t), ("extension_start", _p), ("message", ctypes.c_char_p),
-                ("errc", _enum)]
-
-
-def _off(struct, *path) -> int:
-    off = 0
-    for name in path:
-        field = getattr(struct, name)
-        off += field.offset
-        struct = dict(struct._fields_)[name]
-    return off
-
-
-def _struct_size(struct, last_field) -> int:
-    """XLA_FFI_STRUCT_SIZE: offset of the last field plus its size (no tail padding)."""
-    return getattr(struct, last_field).offset + ctypes.sizeof(dict(struct._fields_)[last_field])
-
-
-CF_EXT = _off(_CallFrame, "extension_start")
-CF_API = _off(_CallFrame, "api")
-CF_STAGE = _off(_CallFrame, "stage")
-CF_NARGS = _off(_CallFrame, "args", "size")
-CF_ARGS = _off(_CallFrame, "args", "args")
-CF_NRETS = _off(_CallFrame, "rets", "size")
-CF_RETS = _off(_CallFrame, "rets", "args")
-CF_NATTRS = _off(_CallFrame, "attrs", "size")
-CF_ATTR_TYPES = _off(_CallFrame, "attrs", "types")
-CF_ATTR_NAMES = _off(_CallFrame, "attrs", "names")
-CF_ATTR_VALUES = _off(_CallFrame, "attrs", "attrs")
-CF_STRUCT_SIZE = _struct_size(_CallFrame, "attrs")
-EXT_TYPE = _off(_ExtensionBase, "type")
-MDX_METADATA = _off(_MetadataExtension, "metadata")
-MDX_STRUCT_SIZE = _struct_size(_MetadataExtension, "metadata")
-MD_VERSION = _off(_Metadata, "api_version")
-MD_VERSION_MAJOR = _off(_Metadata, "api_version", "major_version")
-MD_VERSION_MINOR = _off(_Metadata, "api_version", "minor_version")
-MD_TRAITS = _off(_Metadata, "traits")
-MD_STRUCT_SIZE = _struct_size(_Metadata, "traits")
-VERSION_STRUCT_SIZE = _struct_size(_ApiVersion, "minor_version")
-BUF_DTYPE = _off(_Buffer, "dtype")
-BUF_DATA = _off(_Buffer, "data")
-BUF_RANK = _off(_Buffer, "rank")
-BUF_DIMS = _off(_Buffer, "dims")
-SPAN_LEN = _off(_ByteSpan, "len")
-SCALAR_VALUE = _off(_Scalar, "value")
-API_ERROR_CREATE = _off(_Api, "XLA_FFI_Error_Create")
-ERR_MESSAGE = _off(_ErrorCreateArgs, "message")
-ERR_ERRC = _off(_ErrorCreateArgs, "errc")
-ERR_STRUCT_SIZE = _struct_size(_ErrorCreateArgs, "errc")
-
-EXTENSION_METADATA = 1
-STAGE_EXECUTE = 3
-ARG_BUFFER = 1
-ATTR_SCALAR = 3
-DT_PRED, DT_S32, DT_S64, DT_F32 = 1, 4, 5, 11
-ERRC_INVALID_ARGUMENT, ERRC_FAILED_PRECONDITION, ERRC_OUT_OF_RANGE = 3, 9, 11
-
-# Header / layer table / runtime block slots (int64 words).
+# Header and layer table slots (int64 words).
 MAGIC_ALIVE = 0x706A636F6C64_0001  # "pjcold" + 1
 MAGIC_DEAD = 0x706A636F6C64_DEAD
 H_MAGIC, H_NLAYERS, H_D, H_ACT, H_TABLE, H_RUNTIME, H_ID = range(7)
 T_NCOLD, T_GATE, T_UP, T_DOWN, T_BIAS, T_SCALES = range(6)
 T_WIDTH = 8
-R_LOCK, R_YIELD, R_THREADS, R_EXECUTES, R_BATCH_THREADS = range(5)
 
 # ---------------------------------------------------------------------------------------------------------------
-# LLVM intrinsics: raw loads / stores, pointer casts, a compare-and-swap, calls through function pointers, and
-# C string constants (they live in the compiled code, so they outlive any call).
+# The handler.
 
-_i8, _i32, _i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
-_i8p = _i8.as_pointer()
-
-
-def _int_arg(t):
-    return isinstance(t, types.Integer)
-
-
-@intrinsic
-def _load_i64(typingctx, addr):
-    if not _int_arg(addr):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.load(builder.inttoptr(args[0], _i64.as_pointer()))
-    return types.int64(addr), codegen
-
-
-@intrinsic
-def _load_i32(typingctx, addr):
-    if not _int_arg(addr):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.sext(builder.load(builder.inttoptr(args[0], _i32.as_pointer())), _i64)
-    return types.int64(addr), codegen
-
-
-@intrinsic
-def _load_u8(typingctx, addr):
-    if not _int_arg(addr):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.zext(builder.load(builder.inttoptr(args[0], _i8p)), _i64)
-    return types.int64(addr), codegen
-
-
-@intrinsic
-def _store_i64(typingctx, addr, value):
-    if not (_int_arg(addr) and _int_arg(value)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        v = context.cast(builder, args[1], sig.args[1], types.int64)
-        builder.store(v, builder.inttoptr(args[0], _i64.as_pointer()))
-    return types.void(addr, value), codegen
-
-
-@intrinsic
-def _store_i32(typingctx, addr, value):
-    if not (_int_arg(addr) and _int_arg(value)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        v = context.cast(builder, args[1], sig.args[1], types.int32)
-        builder.store(v, builder.inttoptr(args[0], _i32.as_pointer()))
-    return types.void(addr, value), codegen
-
-
-def _typed_pointer(name, element):
-    """An intrinsic turning a pointer-sized integer into a CPointer(element) (what carray takes)."""
-    def impl(typingctx, addr):
-        if not _int_arg(addr):
-            return None
-
-        def codegen(context, builder, sig, args):
-            return builder.inttoptr(args[0], context.get_value_type(element).as_pointer())
-        return types.CPointer(element)(addr), codegen
-    impl.__name__ = impl.__qualname__ = name
-    return intrinsic(impl)
-
-
-_ptr_f32 = _typed_pointer("_ptr_f32", types.float32)
-_ptr_i32 = _typed_pointer("_ptr_i32", types.int32)
-_ptr_i8 = _typed_pointer("_ptr_i8", types.int8)
-_ptr_u8 = _typed_pointer("_ptr_u8", types.uint8)
-
-
-@intrinsic
-def _cas_i64(typingctx, addr, expected, new):
-    """Atomic compare-and-swap (acq_rel); returns the old value."""
-    if not (_int_arg(addr) and _int_arg(expected) and _int_arg(new)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        ptr = builder.inttoptr(args[0], _i64.as_pointer())
-        exp = context.cast(builder, args[1], sig.args[1], types.int64)
-        new_ = context.cast(builder, args[2], sig.args[2], types.int64)
-        pair = builder.cmpxchg(ptr, exp, new_, "acq_rel", "monotonic")
-        return builder.extract_value(pair, 0)
-    return types.int64(addr, expected, new), codegen
-
-
-@intrinsic
-def _store_release_i64(typingctx, addr, value):
-    if not (_int_arg(addr) and _int_arg(value)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        v = context.cast(builder, args[1], sig.args[1], types.int64)
-        builder.store_atomic(v, builder.inttoptr(args[0], _i64.as_pointer()), "release", 8)
-    return types.void(addr, value), codegen
-
-
-@intrinsic
-def _call_void0(typingctx, fnaddr):
-    """Call ``int f(void)`` at address fnaddr (used for sched_yield); returns its int result."""
-    if not _int_arg(fnaddr):
-        return None
-
-    def codegen(context, builder, sig, args):
-        fnty = ir.FunctionType(_i32, [])
-        res = builder.call(builder.inttoptr(args[0], fnty.as_pointer()), [])
-        return builder.sext(res, _i64)
-    return types.int64(fnaddr), codegen
-
-
-@intrinsic(prefer_literal=True)
-def _cstr(typingctx, text):
-    """Address of a NUL-terminated constant copy of a string literal, embedded in the compiled code."""
-    if not isinstance(text, types.StringLiteral):
-        return None
-    value = text.literal_value
-
-    def codegen(context, builder, sig, args):
-        return builder.ptrtoint(context.insert_const_string(builder.module, value), _i64)
-    return types.int64(text), codegen
-
-
-@intrinsic
-def _make_error(typingctx, api, errc, message):
-    """api->XLA_FFI_Error_Create(&{struct_size, NULL, message, errc}); returns the XLA_FFI_Error* as an int."""
-    if not (_int_arg(api) and _int_arg(errc) and _int_arg(message)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        from numba.core import cgutils
-
-        api_, errc_, msg_ = args
-        errc_ = context.cast(builder, errc_, sig.args[1], types.int32)
-        msg_ = context.cast(builder, msg_, sig.args[2], types.int64)
-        buf = cgutils.alloca_once(builder, _i64, size=4)  # 32 zeroed bytes >= the 28-byte struct
-        for i in range(4):
-            builder.store(_i64(0), builder.gep(buf, [_i32(i)]))
-        base = builder.ptrtoint(buf, _i64)
-
-        def at(off, ty):
-            return builder.inttoptr(builder.add(base, _i64(off)), ty.as_pointer())
-        builder.store(_i64(ERR_STRUCT_SIZE), at(0, _i64))
-        builder.store(msg_, at(ERR_MESSAGE, _i64))
-        builder.store(errc_, at(ERR_ERRC, _i32))
-        fn_addr = builder.load(builder.inttoptr(builder.add(api_, _i64(API_ERROR_CREATE)), _i64.as_pointer()))
-        fnty = ir.FunctionType(_i8p, [_i8p])
-        res = builder.call(builder.inttoptr(fn_addr, fnty.as_pointer()), [builder.inttoptr(base, _i8p)])
-        return builder.ptrtoint(res, _i64)
-    return types.int64(api, errc, message), codegen
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Lock (process-wide spin lock in the runtime block) and the handler.
-
-_NOJIT = dict(nogil=True, cache=True)
-
-
-@njit(**_NOJIT)
-def _lock(runtime_addr):
-    lock = runtime_addr + 8 * R_LOCK
-    yield_fn = _load_i64(runtime_addr + 8 * R_YIELD)
-    spins = 0
-    while _cas_i64(lock, 0, 1) != 0:
-        spins += 1
-        if spins > 64 and yield_fn != 0:
-            _call_void0(yield_fn)
-
-
-@njit(**_NOJIT)
-def _unlock(runtime_addr):
-    _store_release_i64(runtime_addr + 8 * R_LOCK, 0)
-
-
-@njit(**_NOJIT)
-def _buffer_numel(buf, skip_last):
-    """Product of a buffer's dims (without the last one when skip_last)."""
-    rank = _load_i64(buf + BUF_RANK)
-    dims = _load_i64(buf + BUF_DIMS)
-    n = 1
-    for i in range(rank - (1 if skip_last else 0)):
-        n *= _load_i64(dims + 8 * i)
-    return n
-
-
-@njit(**_NOJIT)
-def _last_dim(buf):
-    rank = _load_i64(buf + BUF_RANK)
-    if rank < 1:
-        return -1
-    return _load_i64(_load_i64(buf + BUF_DIMS) + 8 * (rank - 1))
-
-
-@njit(**_NOJIT)
-def _find_table_attr(frame):
-    """Value of the int64 scalar attribute named "table", or 0 when absent / of the wrong kind."""
-    n = _load_i64(frame + CF_NATTRS)
-    types_ = _load_i64(frame + CF_ATTR_TYPES)
-    names = _load_i64(frame + CF_ATTR_NAMES)
-    values = _load_i64(frame + CF_ATTR_VALUES)
-    for i in range(n):
-        span = _load_i64(names + 8 * i)
-        if _load_i64(span + SPAN_LEN) != 5:
-            continue
-        s = _load_i64(span)
-        if not (_load_u8(s) == 116 and _load_u8(s + 1) == 97 and _load_u8(s + 2) == 98  # t a b
-                and _load_u8(s + 3) == 108 and _load_u8(s + 4) == 101):  # l e
-            continue
-        if _load_i32(types_ + 4 * i) != ATTR_SCALAR:
-            return 0
-        scalar = _load_i64(values + 8 * i)
-        if _load_i32(scalar) != DT_S64:
-            return 0
-        return _load_i64(_load_i64(scalar + SCALAR_VALUE))
-    return 0
-
-
-@njit(**_NOJIT)
+@njit(**NOJIT)
 def _layer_table(header, layer):
     """(n_cold, gate, up, down, bias, scales addresses) of a layer; gate, bias and scales are 0 when absent."""
-    table = _load_i64(header + 8 * H_TABLE) + 8 * T_WIDTH * layer
-    return (_load_i64(table + 8 * T_NCOLD), _load_i64(table + 8 * T_GATE), _load_i64(table + 8 * T_UP),
-            _load_i64(table + 8 * T_DOWN), _load_i64(table + 8 * T_BIAS), _load_i64(table + 8 * T_SCALES))
+    table = load_i64(header + 8 * H_TABLE) + 8 * T_WIDTH * layer
+    return (load_i64(table + 8 * T_NCOLD), load_i64(table + 8 * T_GATE), load_i64(table + 8 * T_UP),
+            load_i64(table + 8 * T_DOWN), load_i64(table + 8 * T_BIAS), load_i64(table + 8 * T_SCALES))
 
 
-@njit(**_NOJIT)
+@njit(**NOJIT)
 def _extras(c, d, up_p, bias_p, scales_p):
     """b_up [c] or [0], scales [3, c, blocks] or [0, c, blocks] (a non-null pointer stands in for the empty
     arrays)."""
-    b_up = carray(_ptr_f32(bias_p if bias_p != 0 else up_p), (c if bias_p != 0 else 0,))
-    scales = carray(_ptr_f32(scales_p if scales_p != 0 else up_p),
+    b_up = carray(ptr_f32(bias_p if bias_p != 0 else up_p), (c if bias_p != 0 else 0,))
+    scales = carray(ptr_f32(scales_p if scales_p != 0 else up_p),
                     (3 if scales_p != 0 else 0, c, (d + kernels.QBLOCK - 1) // kernels.QBLOCK))
     return b_up, scales
 
 
-@njit(**_NOJIT)
+@njit(**NOJIT)
 def _rows_f32(c, d, gate_p, up_p, down_p):
-    return (carray(_ptr_f32(gate_p if gate_p != 0 else up_p), (c if gate_p != 0 else 0, d)),
-            carray(_ptr_f32(up_p), (c, d)), carray(_ptr_f32(down_p), (c, d)))
+    return (carray(ptr_f32(gate_p if gate_p != 0 else up_p), (c if gate_p != 0 else 0, d)),
+            carray(ptr_f32(up_p), (c, d)), carray(ptr_f32(down_p), (c, d)))
 
 
-@njit(**_NOJIT)
+@njit(**NOJIT)
 def _rows_i8(c, d, gate_p, up_p, down_p):
-    return (carray(_ptr_i8(gate_p if gate_p != 0 else up_p), (c if gate_p != 0 else 0, d)),
-            carray(_ptr_i8(up_p), (c, d)), carray(_ptr_i8(down_p), (c, d)))
+    return (carray(ptr_i8(gate_p if gate_p != 0 else up_p), (c if gate_p != 0 else 0, d)),
+            carray(ptr_i8(up_p), (c, d)), carray(ptr_i8(down_p), (c, d)))
 
 
-@njit(**_NOJIT)
+@njit(**NOJIT)
 def _run_layer(header, layer, x, ids, count, out, nt):
     c, gate_p, up_p, down_p, bias_p, scales_p = _layer_table(header, layer)
     d = x.shape[0]
     b_up, scales = _extras(c, d, up_p, bias_p, scales_p)
-    code = _load_i64(header + 8 * H_ACT)
+    code = load_i64(header + 8 * H_ACT)
     if scales_p != 0:  # int8 rows
         w_gate, w_up, w_down_t = _rows_i8(c, d, gate_p, up_p, down_p)
         kernels.cold_ffn_nt(x, w_gate, w_up, w_down_t, b_up, scales, ids, count, code, out, nt)
@@ -484,12 +142,12 @@ def _run_layer(header, layer, x, ids, count, out, nt):
         kernels.cold_ffn_nt(x, w_gate, w_up, w_down_t, b_up, scales, ids, count, code, out, nt)
 
 
-@njit(**_NOJIT)
+@njit(**NOJIT)
 def _run_layer_masked(header, layer, xs, mask, outs, nt):
     c, gate_p, up_p, down_p, bias_p, scales_p = _layer_table(header, layer)
     d = xs.shape[1]
     b_up, scales = _extras(c, d, up_p, bias_p, scales_p)
-    code = _load_i64(header + 8 * H_ACT)
+    code = load_i64(header + 8 * H_ACT)
     if scales_p != 0:  # int8 rows
         w_gate, w_up, w_down_t = _rows_i8(c, d, gate_p, up_p, down_p)
         kernels.cold_ffn_masked_nt(xs, w_gate, w_up, w_down_t, b_up, scales, mask, code, outs, nt)
@@ -498,143 +156,123 @@ def _run_layer_masked(header, layer, xs, mask, outs, nt):
         kernels.cold_ffn_masked_nt(xs, w_gate, w_up, w_down_t, b_up, scales, mask, code, outs, nt)
 
 
-@njit(**_NOJIT)
+@njit(**NOJIT)
 def _header_error(api, header):
     """An XLA_FFI_Error* when `header` is not a live ColdFFN header, else 0."""
     if header == 0:
-        return _make_error(api, ERRC_INVALID_ARGUMENT, _cstr("pjinfer_cold_ffn: missing int64 attribute 'table'"))
-    magic = _load_i64(header + 8 * H_MAGIC)
+        return make_error(api, ERRC_INVALID_ARGUMENT, cstr("pjinfer_cold_ffn: missing int64 attribute 'table'"))
+    magic = load_i64(header + 8 * H_MAGIC)
     if magic == MAGIC_DEAD:
-        return _make_error(api, ERRC_FAILED_PRECONDITION,
-                           _cstr("pjinfer_cold_ffn: the ColdFFN this executable refers to was closed"))
+        return make_error(api, ERRC_FAILED_PRECONDITION,
+                           cstr("pjinfer_cold_ffn: the ColdFFN this executable refers to was closed"))
     if magic != MAGIC_ALIVE:
-        return _make_error(api, ERRC_INVALID_ARGUMENT, _cstr("pjinfer_cold_ffn: 'table' is not a ColdFFN header"))
+        return make_error(api, ERRC_INVALID_ARGUMENT, cstr("pjinfer_cold_ffn: 'table' is not a ColdFFN header"))
     return 0
 
 
-@njit(**_NOJIT)
+@njit(**NOJIT)
 def _execute(frame, api):
     # Two call forms, one result f32 [..., d]:
     # - lists: layer i32 [] or [...], x f32 [..., d], ids i32 [..., K], count i32 [...], and optionally a 5th
     #   operand, the result's storage (input_output_aliases, see ColdFFN.__call__'s out_init; its content is
     #   ignored: the result is always overwritten);
     # - masks: layer i32 [], x f32 [N, d], mask pred [N, n_cold(layer)] (ColdFFN.masked).
-    nargs = _load_i64(frame + CF_NARGS)
-    if (nargs != 3 and nargs != 4 and nargs != 5) or _load_i64(frame + CF_NRETS) != 1:
-        return _make_error(api, ERRC_INVALID_ARGUMENT,
-                           _cstr("pjinfer_cold_ffn: expected 3, 4 or 5 operands and 1 result"))
-    header = _find_table_attr(frame)
+    nargs = load_i64(frame + CF_NARGS)
+    if (nargs != 3 and nargs != 4 and nargs != 5) or load_i64(frame + CF_NRETS) != 1:
+        return make_error(api, ERRC_INVALID_ARGUMENT,
+                           cstr("pjinfer_cold_ffn: expected 3, 4 or 5 operands and 1 result"))
+    header = find_table_attr(frame)
     err = _header_error(api, header)
     if err != 0:
         return err
     if nargs == 3:
         return _execute_masked(frame, api, header)
-    args = _load_i64(frame + CF_ARGS)
-    b_layer = _load_i64(args)
-    b_x = _load_i64(args + 8)
-    b_ids = _load_i64(args + 16)
-    b_count = _load_i64(args + 24)
-    b_out = _load_i64(_load_i64(frame + CF_RETS))
-    if (_load_i32(b_layer + BUF_DTYPE) != DT_S32 or _load_i32(b_x + BUF_DTYPE) != DT_F32
-            or _load_i32(b_ids + BUF_DTYPE) != DT_S32 or _load_i32(b_count + BUF_DTYPE) != DT_S32
-            or _load_i32(b_out + BUF_DTYPE) != DT_F32):
-        return _make_error(api, ERRC_INVALID_ARGUMENT,
-                           _cstr("pjinfer_cold_ffn: dtypes must be (int32, float32, int32, int32) -> float32"))
-    if nargs == 5 and _load_i64(_load_i64(args + 32) + BUF_DATA) != _load_i64(b_out + BUF_DATA):
-        return _make_error(api, ERRC_INVALID_ARGUMENT,
-                           _cstr("pjinfer_cold_ffn: operand 5 must be aliased to the result"))
-    d = _load_i64(header + 8 * H_D)
-    nb = _buffer_numel(b_x, True)
-    n_layer = _buffer_numel(b_layer, False)
-    k = _last_dim(b_ids)
-    if (_last_dim(b_x) != d or _last_dim(b_out) != d or _buffer_numel(b_out, True) != nb or k < 0
-            or _buffer_numel(b_ids, True) != nb or _buffer_numel(b_count, False) != nb
+    args = load_i64(frame + CF_ARGS)
+    b_layer = load_i64(args)
+    b_x = load_i64(args + 8)
+    b_ids = load_i64(args + 16)
+    b_count = load_i64(args + 24)
+    b_out = load_i64(load_i64(frame + CF_RETS))
+    if (load_i32(b_layer + BUF_DTYPE) != DT_S32 or load_i32(b_x + BUF_DTYPE) != DT_F32
+            or load_i32(b_ids + BUF_DTYPE) != DT_S32 or load_i32(b_count + BUF_DTYPE) != DT_S32
+            or load_i32(b_out + BUF_DTYPE) != DT_F32):
+        return make_error(api, ERRC_INVALID_ARGUMENT,
+                           cstr("pjinfer_cold_ffn: dtypes must be (int32, float32, int32, int32) -> float32"))
+    if nargs == 5 and load_i64(load_i64(args + 32) + BUF_DATA) != load_i64(b_out + BUF_DATA):
+        return make_error(api, ERRC_INVALID_ARGUMENT,
+                           cstr("pjinfer_cold_ffn: operand 5 must be aliased to the result"))
+    d = load_i64(header + 8 * H_D)
+    nb = buffer_numel(b_x, True)
+    n_layer = buffer_numel(b_layer, False)
+    k = last_dim(b_ids)
+    if (last_dim(b_x) != d or last_dim(b_out) != d or buffer_numel(b_out, True) != nb or k < 0
+            or buffer_numel(b_ids, True) != nb or buffer_numel(b_count, False) != nb
             or (n_layer != 1 and n_layer != nb)):
-        return _make_error(api, ERRC_INVALID_ARGUMENT,
-                           _cstr("pjinfer_cold_ffn: shapes must be x [..., d], ids [..., K], count [...], layer "
+        return make_error(api, ERRC_INVALID_ARGUMENT,
+                           cstr("pjinfer_cold_ffn: shapes must be x [..., d], ids [..., K], count [...], layer "
                                  "[] or [...], with d equal to the ColdFFN's d_model"))
-    n_layers = _load_i64(header + 8 * H_NLAYERS)
-    layers = carray(_ptr_i32(_load_i64(b_layer + BUF_DATA)), (n_layer,))
+    n_layers = load_i64(header + 8 * H_NLAYERS)
+    layers = carray(ptr_i32(load_i64(b_layer + BUF_DATA)), (n_layer,))
     for b in range(n_layer):
         if layers[b] < 0 or layers[b] >= n_layers:
-            return _make_error(api, ERRC_OUT_OF_RANGE, _cstr("pjinfer_cold_ffn: layer index out of range"))
-    xs = carray(_ptr_f32(_load_i64(b_x + BUF_DATA)), (nb, d))
-    outs = carray(_ptr_f32(_load_i64(b_out + BUF_DATA)), (nb, d))
-    idss = carray(_ptr_i32(_load_i64(b_ids + BUF_DATA)), (nb, k))
-    counts = carray(_ptr_i32(_load_i64(b_count + BUF_DATA)), (nb,))
-    runtime = _load_i64(header + 8 * H_RUNTIME)
-    _lock(runtime)
+            return make_error(api, ERRC_OUT_OF_RANGE, cstr("pjinfer_cold_ffn: layer index out of range"))
+    xs = carray(ptr_f32(load_i64(b_x + BUF_DATA)), (nb, d))
+    outs = carray(ptr_f32(load_i64(b_out + BUF_DATA)), (nb, d))
+    idss = carray(ptr_i32(load_i64(b_ids + BUF_DATA)), (nb, k))
+    counts = carray(ptr_i32(load_i64(b_count + BUF_DATA)), (nb,))
+    runtime = load_i64(header + 8 * H_RUNTIME)
+    lock(runtime)
     # Re-check under the lock: close() marks the header dead while holding it.
-    if _load_i64(header + 8 * H_MAGIC) != MAGIC_ALIVE:
-        _unlock(runtime)
+    if load_i64(header + 8 * H_MAGIC) != MAGIC_ALIVE:
+        unlock(runtime)
         return _header_error(api, header)
-    nt = _load_i64(runtime + 8 * R_THREADS)
+    nt = load_i64(runtime + 8 * R_THREADS)
     for b in range(nb):
         layer = layers[b] if n_layer == nb else layers[0]
         _run_layer(header, layer, xs[b], idss[b], counts[b], outs[b], nt)
-    _store_i64(runtime + 8 * R_EXECUTES, _load_i64(runtime + 8 * R_EXECUTES) + 1)
-    _unlock(runtime)
+    store_i64(runtime + 8 * R_EXECUTES, load_i64(runtime + 8 * R_EXECUTES) + 1)
+    unlock(runtime)
     return 0
 
 
-@njit(**_NOJIT)
+@njit(**NOJIT)
 def _execute_masked(frame, api, header):
-    args = _load_i64(frame + CF_ARGS)
-    b_layer = _load_i64(args)
-    b_x = _load_i64(args + 8)
-    b_mask = _load_i64(args + 16)
-    b_out = _load_i64(_load_i64(frame + CF_RETS))
-    if (_load_i32(b_layer + BUF_DTYPE) != DT_S32 or _load_i32(b_x + BUF_DTYPE) != DT_F32
-            or _load_i32(b_mask + BUF_DTYPE) != DT_PRED or _load_i32(b_out + BUF_DTYPE) != DT_F32):
-        return _make_error(api, ERRC_INVALID_ARGUMENT,
-                           _cstr("pjinfer_cold_ffn: masked form dtypes must be (int32, float32, bool) -> float32"))
-    d = _load_i64(header + 8 * H_D)
-    nb = _buffer_numel(b_x, True)
-    if (_buffer_numel(b_layer, False) != 1 or _last_dim(b_x) != d or _last_dim(b_out) != d
-            or _buffer_numel(b_out, True) != nb or _buffer_numel(b_mask, True) != nb):
-        return _make_error(api, ERRC_INVALID_ARGUMENT,
-                           _cstr("pjinfer_cold_ffn: masked form shapes must be layer [], x [N, d], mask [N, n_cold]"))
-    layer = carray(_ptr_i32(_load_i64(b_layer + BUF_DATA)), (1,))[0]
-    if layer < 0 or layer >= _load_i64(header + 8 * H_NLAYERS):
-        return _make_error(api, ERRC_OUT_OF_RANGE, _cstr("pjinfer_cold_ffn: layer index out of range"))
-    c = _load_i64(_load_i64(header + 8 * H_TABLE) + 8 * (T_WIDTH * layer + T_NCOLD))
-    if _last_dim(b_mask) != c:
-        return _make_error(api, ERRC_INVALID_ARGUMENT,
-                           _cstr("pjinfer_cold_ffn: the mask's last dimension must be the layer's cold count"))
-    xs = carray(_ptr_f32(_load_i64(b_x + BUF_DATA)), (nb, d))
-    outs = carray(_ptr_f32(_load_i64(b_out + BUF_DATA)), (nb, d))
-    mask = carray(_ptr_u8(_load_i64(b_mask + BUF_DATA)), (nb, c))
-    runtime = _load_i64(header + 8 * H_RUNTIME)
-    _lock(runtime)
-    if _load_i64(header + 8 * H_MAGIC) != MAGIC_ALIVE:
-        _unlock(runtime)
+    args = load_i64(frame + CF_ARGS)
+    b_layer = load_i64(args)
+    b_x = load_i64(args + 8)
+    b_mask = load_i64(args + 16)
+    b_out = load_i64(load_i64(frame + CF_RETS))
+    if (load_i32(b_layer + BUF_DTYPE) != DT_S32 or load_i32(b_x + BUF_DTYPE) != DT_F32
+            or load_i32(b_mask + BUF_DTYPE) != DT_PRED or load_i32(b_out + BUF_DTYPE) != DT_F32):
+        return make_error(api, ERRC_INVALID_ARGUMENT,
+                           cstr("pjinfer_cold_ffn: masked form dtypes must be (int32, float32, bool) -> float32"))
+    d = load_i64(header + 8 * H_D)
+    nb = buffer_numel(b_x, True)
+    if (buffer_numel(b_layer, False) != 1 or last_dim(b_x) != d or last_dim(b_out) != d
+            or buffer_numel(b_out, True) != nb or buffer_numel(b_mask, True) != nb):
+        return make_error(api, ERRC_INVALID_ARGUMENT,
+                           cstr("pjinfer_cold_ffn: masked form shapes must be layer [], x [N, d], mask [N, n_cold]"))
+    layer = carray(ptr_i32(load_i64(b_layer + BUF_DATA)), (1,))[0]
+    if layer < 0 or layer >= load_i64(header + 8 * H_NLAYERS):
+        return make_error(api, ERRC_OUT_OF_RANGE, cstr("pjinfer_cold_ffn: layer index out of range"))
+    c = load_i64(load_i64(header + 8 * H_TABLE) + 8 * (T_WIDTH * layer + T_NCOLD))
+    if last_dim(b_mask) != c:
+        return make_error(api, ERRC_INVALID_ARGUMENT,
+                           cstr("pjinfer_cold_ffn: the mask's last dimension must be the layer's cold count"))
+    xs = carray(ptr_f32(load_i64(b_x + BUF_DATA)), (nb, d))
+    outs = carray(ptr_f32(load_i64(b_out + BUF_DATA)), (nb, d))
+    mask = carray(ptr_u8(load_i64(b_mask + BUF_DATA)), (nb, c))
+    runtime = load_i64(header + 8 * H_RUNTIME)
+    lock(runtime)
+    if load_i64(header + 8 * H_MAGIC) != MAGIC_ALIVE:
+        unlock(runtime)
         return _header_error(api, header)
-    _run_layer_masked(header, layer, xs, mask, outs, _load_i64(runtime + 8 * R_BATCH_THREADS))
-    _store_i64(runtime + 8 * R_EXECUTES, _load_i64(runtime + 8 * R_EXECUTES) + 1)
-    _unlock(runtime)
+    _run_layer_masked(header, layer, xs, mask, outs, load_i64(runtime + 8 * R_BATCH_THREADS))
+    store_i64(runtime + 8 * R_EXECUTES, load_i64(runtime + 8 * R_EXECUTES) + 1)
+    unlock(runtime)
     return 0
 
 
-@njit(**_NOJIT)
-def _fill_metadata(api, ext):
-    if _load_i64(ext) < MDX_STRUCT_SIZE:
-        return _make_error(api, ERRC_INVALID_ARGUMENT, _cstr("pjinfer_cold_ffn: metadata extension too small"))
-    md = _load_i64(ext + MDX_METADATA)
-    if md == 0 or _load_i64(md) < MD_STRUCT_SIZE:
-        return _make_error(api, ERRC_INVALID_ARGUMENT, _cstr("pjinfer_cold_ffn: metadata struct too small"))
-    _store_i64(md + MD_VERSION, VERSION_STRUCT_SIZE)  # api_version.struct_size
-    _store_i64(md + MD_VERSION + 8, 0)  # api_version.extension_start
-    _store_i32(md + MD_VERSION_MAJOR, FFI_API_VERSION[0])
-    _store_i32(md + MD_VERSION_MINOR, FFI_API_VERSION[1])
-    _store_i32(md + MD_TRAITS, 0)  # not command-buffer compatible (irrelevant on CPU)
-    return 0
-
-
-_RUNTIME = np.zeros(8, np.int64)  # process-wide, never freed (see module docstring)
-try:
-    _RUNTIME[R_YIELD] = ctypes.cast(ctypes.CDLL(None).sched_yield, ctypes.c_void_p).value or 0
-except (OSError, AttributeError):  # pragma: no cover - no sched_yield: pure spinning
-    _RUNTIME[R_YIELD] = 0
 
 
 def _default_threads() -> int:
@@ -658,56 +296,21 @@ _RUNTIME_ADDR = int(_RUNTIME.ctypes.data)
 
 
 def _handler_py(frame):
-    api = _load_i64(frame + CF_API)
-    ext = _load_i64(frame + CF_EXT)
-    if ext != 0 and _load_i32(ext + EXT_TYPE) == EXTENSION_METADATA:
-        return _fill_metadata(api, ext)
-    if _load_i64(frame) < CF_STRUCT_SIZE:
-        return _make_error(api, ERRC_INVALID_ARGUMENT, _cstr("pjinfer_cold_ffn: XLA_FFI_CallFrame too small"))
-    if _load_i32(frame + CF_STAGE) != STAGE_EXECUTE:
-        return 0  # instantiate / prepare / initialize: nothing to set up
-    return _execute(frame, api)
+    done, result = ffi.prelude(frame)
+    if done:
+        return result
+    return _execute(frame, load_i64(frame + ffi.CF_API))
 
 
-def _purge_stale_cache() -> None:
-    """Numba's on-disk cache keys a function on its own file only, but the bridge's cached functions have the
-    kernels (kernels.py) compiled into them. Drop the bridge's cache entries when kernels.py changed."""
-    import hashlib
-
-    try:
-        cache_dir = _lock._cache.cache_path
-        digest = hashlib.sha256(open(kernels.__file__, "rb").read()).hexdigest()
-        stamp = os.path.join(cache_dir, "bridge.kernels-sha256.txt")
-        old = open(stamp).read().strip() if os.path.exists(stamp) else None
-        if old != digest:
-            for name in os.listdir(cache_dir):
-                if name.startswith("bridge.") and name.endswith((".nbi", ".nbc")):
-                    os.remove(os.path.join(cache_dir, name))
-            with open(stamp, "w") as fh:
-                fh.write(digest + "\n")
-    except (OSError, AttributeError):  # read-only or unusual cache location: Numba still works, maybe stale
-        pass
-
-
-_purge_stale_cache()
+ffi.purge_stale_cache("bridge", kernels, ffi)
 
 # XLA_FFI_Error* handler(XLA_FFI_CallFrame*): pointers travel as pointer-sized integers (same registers on LP64).
 _handler = cfunc(types.intp(types.intp), nopython=True, cache=True)(_handler_py)
 
-_registered = False
-_register_lock = threading.Lock()
-
 
 def register() -> None:
     """Register the FFI target with XLA (CPU platform) once per process; called by ColdFFN."""
-    global _registered
-    with _register_lock:
-        if _registered:
-            return
-        import jax
-
-        jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(_handler.address), platform="cpu")
-        _registered = True
+    ffi.register(TARGET_NAME, _handler)
 
 
 def set_num_threads(n: int) -> None:
@@ -730,11 +333,11 @@ def executions() -> int:
     return int(_RUNTIME[R_EXECUTES])
 
 
-@njit(**_NOJIT)
+@njit(**NOJIT)
 def _locked_call(runtime_addr, x, w_gate, w_up, w_down_t, b_up, scales, ids, count, act_code, out, nt):
-    _lock(runtime_addr)
+    lock(runtime_addr)
     kernels.cold_ffn_nt(x, w_gate, w_up, w_down_t, b_up, scales, ids, count, act_code, out, nt)
-    _unlock(runtime_addr)
+    unlock(runtime_addr)
 
 
 def cold_ffn_locked(x, w_gate, w_up, w_down_t, b_up, scales, ids, count, act_code, out, max_threads=None) -> None:
@@ -743,11 +346,11 @@ def cold_ffn_locked(x, w_gate, w_up, w_down_t, b_up, scales, ids, count, act_cod
     _locked_call(_RUNTIME_ADDR, x, w_gate, w_up, w_down_t, b_up, scales, ids, count, act_code, out, nt)
 
 
-@njit(**_NOJIT)
+@njit(**NOJIT)
 def _retire(runtime_addr, header_addr):
-    _lock(runtime_addr)
-    _store_i64(header_addr + 8 * H_MAGIC, MAGIC_DEAD)
-    _unlock(runtime_addr)
+    lock(runtime_addr)
+    store_i64(header_addr + 8 * H_MAGIC, MAGIC_DEAD)
+    unlock(runtime_addr)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from cpu_offload import bridge, kernels
+from cpu_offload import bridge, ffi, kernels
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
@@ -215,32 +215,32 @@ def test_relu_family_zero_activations_are_exact():
 def test_struct_layout_matches_c_api():
     """Offsets used by the handler (x86-64 / LP64 layout of xla/ffi/api/c_api.h, checked against the header)."""
     assert ctypes.sizeof(ctypes.c_void_p) == 8
-    assert (bridge.CF_EXT, bridge.CF_API, bridge.CF_STAGE) == (8, 16, 32)
-    assert (bridge.CF_NARGS, bridge.CF_ARGS, bridge.CF_NRETS, bridge.CF_RETS) == (56, 72, 96, 112)
-    assert (bridge.CF_NATTRS, bridge.CF_ATTR_TYPES, bridge.CF_ATTR_NAMES, bridge.CF_ATTR_VALUES) == (136, 144, 152, 160)
-    assert bridge.CF_STRUCT_SIZE == 168
-    assert (bridge.BUF_DTYPE, bridge.BUF_DATA, bridge.BUF_RANK, bridge.BUF_DIMS) == (16, 24, 32, 40)
-    assert (bridge.SCALAR_VALUE, bridge.SPAN_LEN, bridge.EXT_TYPE, bridge.MDX_METADATA) == (8, 8, 8, 24)
-    assert (bridge.MD_VERSION, bridge.MD_VERSION_MAJOR, bridge.MD_VERSION_MINOR, bridge.MD_TRAITS) == (8, 24, 28, 32)
-    assert (bridge.MD_STRUCT_SIZE, bridge.MDX_STRUCT_SIZE, bridge.VERSION_STRUCT_SIZE) == (36, 32, 24)
-    assert (bridge.API_ERROR_CREATE, bridge.ERR_MESSAGE, bridge.ERR_ERRC, bridge.ERR_STRUCT_SIZE) == (48, 16, 24, 28)
+    assert (ffi.CF_EXT, ffi.CF_API, ffi.CF_STAGE) == (8, 16, 32)
+    assert (ffi.CF_NARGS, ffi.CF_ARGS, ffi.CF_NRETS, ffi.CF_RETS) == (56, 72, 96, 112)
+    assert (ffi.CF_NATTRS, ffi.CF_ATTR_TYPES, ffi.CF_ATTR_NAMES, ffi.CF_ATTR_VALUES) == (136, 144, 152, 160)
+    assert ffi.CF_STRUCT_SIZE == 168
+    assert (ffi.BUF_DTYPE, ffi.BUF_DATA, ffi.BUF_RANK, ffi.BUF_DIMS) == (16, 24, 32, 40)
+    assert (ffi.SCALAR_VALUE, ffi.SPAN_LEN, ffi.EXT_TYPE, ffi.MDX_METADATA) == (8, 8, 8, 24)
+    assert (ffi.MD_VERSION, ffi.MD_VERSION_MAJOR, ffi.MD_VERSION_MINOR, ffi.MD_TRAITS) == (8, 24, 28, 32)
+    assert (ffi.MD_STRUCT_SIZE, ffi.MDX_STRUCT_SIZE, ffi.VERSION_STRUCT_SIZE) == (36, 32, 24)
+    assert (ffi.API_ERROR_CREATE, ffi.ERR_MESSAGE, ffi.ERR_ERRC, ffi.ERR_STRUCT_SIZE) == (48, 16, 24, 28)
 
 
 def test_handler_answers_metadata_query_and_ignores_other_stages():
-    md = bridge._Metadata(struct_size=bridge.MD_STRUCT_SIZE)
+    md = ffi._Metadata(struct_size=ffi.MD_STRUCT_SIZE)
     md.api_version.major_version = md.api_version.minor_version = -1
     md.traits = 0xFFFF
-    ext = bridge._MetadataExtension()
-    ext.extension_base.struct_size = bridge.MDX_STRUCT_SIZE
-    ext.extension_base.type = bridge.EXTENSION_METADATA
+    ext = ffi._MetadataExtension()
+    ext.extension_base.struct_size = ffi.MDX_STRUCT_SIZE
+    ext.extension_base.type = ffi.EXTENSION_METADATA
     ext.metadata = ctypes.addressof(md)
-    frame = bridge._CallFrame(struct_size=bridge.CF_STRUCT_SIZE, extension_start=ctypes.addressof(ext))
+    frame = ffi._CallFrame(struct_size=ffi.CF_STRUCT_SIZE, extension_start=ctypes.addressof(ext))
     assert bridge._handler.ctypes(ctypes.addressof(frame)) == 0
-    assert (md.api_version.major_version, md.api_version.minor_version) == bridge.FFI_API_VERSION
-    assert md.api_version.struct_size == bridge.VERSION_STRUCT_SIZE and md.traits == 0
+    assert (md.api_version.major_version, md.api_version.minor_version) == ffi.FFI_API_VERSION
+    assert md.api_version.struct_size == ffi.VERSION_STRUCT_SIZE and md.traits == 0
     # instantiate / prepare / initialize stages: nothing to do, no error, arguments not touched (all NULL here)
     for stage in (0, 1, 2):
-        frame = bridge._CallFrame(struct_size=bridge.CF_STRUCT_SIZE, stage=stage)
+        frame = ffi._CallFrame(struct_size=ffi.CF_STRUCT_SIZE, stage=stage)
         assert bridge._handler.ctypes(ctypes.addressof(frame)) == 0
 
 
