@@ -292,7 +292,6 @@ _RUNTIME[R_THREADS] = _default_threads()
 # A many-token call carries milliseconds of work, so waking every Numba thread pays for itself there.
 _RUNTIME[R_BATCH_THREADS] = (_default_threads() if os.environ.get("PJINFER_COLD_THREADS")
                              else numba.config.NUMBA_NUM_THREADS)
-_RUNTIME_ADDR = int(_RUNTIME.ctypes.data)
 
 
 def _handler_py(frame):

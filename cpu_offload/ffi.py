@@ -226,6 +226,7 @@ ptr_f32 = typed_pointer("ptr_f32", types.float32)
 ptr_i32 = typed_pointer("ptr_i32", types.int32)
 ptr_i8 = typed_pointer("ptr_i8", types.int8)
 ptr_u8 = typed_pointer("ptr_u8", types.uint8)
+ptr_f64 = typed_pointer("ptr_f64", types.float64)
 
 
 @intrinsic

@@ -75,7 +75,8 @@ def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: i
         results[name] = {"prefill_tok_s": prompt_len / p, "decode_tok_s": decode, "decode_ms_per_token": 1000 / decode,
                          "generate_s": statistics.median(total_s), "prefill_s": p}
         if name in engines:
-            results[name]["bytes_per_token"] = engine_bytes_per_token(engines[name], cache_len)
+            results[name]["bytes_per_token"] = engine_bytes_per_token(engines[name], cache_len,
+                                                                      prompt_len + new_tokens // 2)
             results[name]["device_weights_mb"] = state_bytes(engines[name]) / 1e6
         else:
             results[name]["bytes_per_token"] = gguf_bytes_per_token(first, prompt_len + new_tokens // 2)
@@ -95,16 +96,19 @@ def state_bytes(engine: Engine) -> int:
     return sum(np.asarray(x).nbytes for x in jax.tree.leaves(engine.state))
 
 
-def engine_bytes_per_token(engine: Engine, cache_len: int) -> float:
+def engine_bytes_per_token(engine: Engine, cache_len: int, mean_position: int) -> float:
     """Bytes one decode step reads: every weight once (a tied embedding once, as the head), the whole
-    KV cache (attention reads every slot and masks), and for a sparse engine only the predicted-active
-    share of the FFN rows, the share measured on the bench prompt."""
+    KV cache (XLA's attention reads every slot and masks), and for a sparse engine only the predicted-active
+    share of the FFN rows, the share measured on the bench prompt. The int8 host decode reads its int8
+    weights and scales, and the cache up to the run's mean position."""
     from flax import nnx
 
     from pjinfer.sparse import SparseFFN, skipped_share
 
     config = engine.config
     model = nnx.merge(engine.graphdef, engine.state)
+    if model.host is not None:
+        return float(model.host.nbytes + 2 * config.n_layers * mean_position * config.n_kv_heads * config.head_dim * 4)
     total = state_bytes(engine)
     kv = 2 * config.n_layers * cache_len * config.n_kv_heads * config.head_dim * 4
     if not isinstance(model.layers[0].ffn, SparseFFN):

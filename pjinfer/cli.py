@@ -41,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--cold-weights", default="float32", choices=("float32", "int8"),
                        help="cold rows in host memory as float32, or int8 with a scale per block of 64 (17/64 the bytes)")
 
+    def weight_options(p, many=False):
+        p.add_argument("--weights", default="float32", type=_weight_list if many else None,
+                       choices=None if many else ("float32", "int8"),
+                       help=("comma-separated dense engines to run side by side, e.g. float32,int8; " if many else "")
+                       + "int8: every matrix int8 with a scale per block of 64, one-token steps on the host's "
+                       "Numba kernels (cpu_offload.host_decode), prefill through XLA on the same values")
+
     p = command("generate", "generate text from a prompt, streamed as it comes")
     sparse_options(p)
     p.add_argument("--prompt", required=True)
@@ -50,18 +57,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    weight_options(p)
 
     p = command("perplexity", "perplexity of a text file (no BOS; consecutive windows from the start)")
     p.add_argument("--text-file", required=True)
     p.add_argument("--windows", type=_positive_int, default=4)
     p.add_argument("--window-len", type=_positive_int, default=256, help="tokens scored per window")
     sparse_options(p)
+    weight_options(p)
 
     p = command("bench", "prefill and decode tokens per second of the jitted generate")
     p.add_argument("--prompt-len", type=_positive_int, default=16)
     p.add_argument("--new-tokens", type=_positive_int, default=128)
     p.add_argument("--runs", type=_positive_int, default=5)
     sparse_options(p)
+    weight_options(p, many=True)
     p.add_argument("--breakdown", action="store_true", help="also time attention, FFN and head of one decode step")
     p.add_argument("--peer", choices=["llama-cpp"],
                    help="also run llama.cpp (llama-cpp-python, `make bench-peer`) on the same GGUF, alternating")
@@ -71,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, help="first N items of each task (MMLU: per subject)")
     p.add_argument("--num-fewshot", type=int, help="shots (MMLU: 5 from its dev split by default)")
     p.add_argument("--output", help="write the results JSON here")
+    weight_options(p)
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print two result files side by side")
     sparse_options(p)
 
@@ -105,7 +116,15 @@ def _say(*parts):
     print(*parts, file=sys.stderr, flush=True)
 
 
-def _load(args, bundle=None):
+def _weight_list(text: str) -> list[str]:
+    formats = [f.strip() for f in text.split(",") if f.strip()]
+    bad = [f for f in formats if f not in ("float32", "int8")]
+    if not formats or bad or len(set(formats)) != len(formats):
+        raise argparse.ArgumentTypeError(f"expected distinct float32 / int8, comma-separated, got {text!r}")
+    return formats
+
+
+def _load(args, bundle=None, weights=None):
     """The model of --model; sparse when `bundle` names a bundle to run with."""
     from pjinfer.engine import Engine
     from pjinfer.progress import Progress
@@ -114,6 +133,7 @@ def _load(args, bundle=None):
     enable_compilation_cache()
     return Engine.load(args.model, bundle=bundle, hot_backend=getattr(args, "hot_backend", "xla"),
                        cold_weights=getattr(args, "cold_weights", "float32"),
+                       weights=weights or getattr(args, "weights", "float32"),
                        progress=Progress("loading tensors", 0))
 
 
@@ -186,9 +206,9 @@ def cmd_bench(args):
         from pjinfer.peer import check_llama_cpp
 
         check_llama_cpp(args.model or default_model_path())
-    engines = {"dense": _load(args)}
+    engines = {("dense" if w == "float32" else f"dense-{w}"): _load(args, weights=w) for w in args.weights}
     if args.bundle:  # sparse against dense, measured in the same run
-        engines["sparse"] = _load(args, args.bundle)
+        engines["sparse"] = _load(args, args.bundle, weights="float32")
     result = bench.run(engines, prompt_len=args.prompt_len, new_tokens=args.new_tokens, runs=args.runs,
                        peer=args.peer, progress=Progress("bench runs", args.runs))
     result["read_bandwidth_gb_s"] = bench.read_bandwidth() / 1e9

@@ -17,20 +17,51 @@ from pjinfer.sampling import Sampling
 from pjinfer.tokenizer import Tokenizer
 
 
+WEIGHTS = ("float32", "int8")
+
+
 class Engine:
-    def __init__(self, config: ModelConfig, weights: dict, tokenizer: Tokenizer, *, source: str = ""):
+    def __init__(self, config: ModelConfig, weights: dict, tokenizer: Tokenizer, *, source: str = "",
+                 weights_format: str = "float32"):
+        """weights_format "int8": every matrix quantized with a scale per block of 64; one-token decode steps
+        run on the host through cpu_offload.host_decode, prefill and scoring through XLA on the same
+        (dequantized) values."""
+        if weights_format not in WEIGHTS:
+            raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights_format!r}")
         self.config = config
         self.tokenizer = tokenizer
         self.source = source
+        self.weights_format = weights_format
         self.bundle = None        # set by use_bundle: the engine then runs the hybrid sparse FFN
-        self.graphdef, self.state = nnx.split(Transformer(config, weights))
+        host = None
+        if weights_format == "int8":
+            from cpu_offload.host_decode import HostDecoder
+
+            try:
+                host = HostDecoder(config, weights)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            weights = host.dequantized(weights)
+        model = Transformer(config, weights)
+        model.host = host
+        self.graphdef, self.state = nnx.split(model)
+
+    @property
+    def host(self):
+        """The HostDecoder running one-token steps (int8 weights), or None."""
+        return nnx.merge(self.graphdef, self.state).host
 
     @classmethod
     def load(cls, path=None, *, bundle=None, hot_backend: str = "xla", cold_weights: str = "float32",
-             progress=None) -> "Engine":
+             weights: str = "float32", progress=None) -> "Engine":
         start = time.perf_counter()
-        config, weights, tokenizer = loader.load(path, progress=progress)
-        engine = cls(config, weights, tokenizer, source=str(path or loader.default_model_path()))
+        if weights not in WEIGHTS:
+            raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+        if weights != "float32" and bundle is not None:
+            raise ConfigError("--weights int8 is the dense host decode; a sparse bundle takes --cold-weights int8")
+        config, tensors, tokenizer = loader.load(path, progress=progress)
+        engine = cls(config, tensors, tokenizer, source=str(path or loader.default_model_path()),
+                     weights_format=weights)
         if bundle is not None:
             engine.use_bundle(bundle, hot_backend=hot_backend, cold_weights=cold_weights)
         engine.load_seconds = time.perf_counter() - start

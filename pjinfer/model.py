@@ -179,6 +179,7 @@ class Transformer(nnx.Module):
         self.layers = nnx.List([Block(config, weights, i) for i in range(config.n_layers)])
         self.final_norm = Norm(weights, "final_norm", config.norm_eps)
         self.lm_head = None if config.tie_embeddings else _param(weights, "lm_head")
+        self.host = None  # a cpu_offload.host_decode.HostDecoder: one-token steps then run its int8 kernels
         expected = (config.vocab_size, config.d_model)
         if self.embed.shape != expected:
             raise ConfigError(f"embedding shape {self.embed.shape} does not match the config's {expected}")
@@ -187,6 +188,8 @@ class Transformer(nnx.Module):
         """tokens [B, T] at positions start..start+T-1 -> final hidden states [B, T, d], updated cache.
 
         With capture=True also returns every layer's FFN input [B, T, d] (for the profiler)."""
+        if self.host is not None and tokens.shape == (1, 1) and not capture:
+            return self._host_step(tokens, start, cache)
         x = self.embed[...][tokens]
         if self.pos_embed is not None:
             x = x + jax.lax.dynamic_slice_in_dim(self.pos_embed[...], start, tokens.shape[1])[None]
@@ -199,6 +202,16 @@ class Transformer(nnx.Module):
         out = self.final_norm(x), KVCache(k=ks, v=vs)
         return (*out, ffn_inputs) if capture else out
 
+    def _host_step(self, token, start, cache: KVCache):
+        """One token through the host's int8 layers (the same model: XLA holds their dequantized values)."""
+        x = self.embed[...][token]
+        ks, vs = [], []
+        for l, (k, v) in enumerate(zip(cache.k, cache.v)):
+            x, k, v = self.host.layer(l, x, start, k, v)
+            ks.append(k)
+            vs.append(v)
+        return self.final_norm(x), KVCache(k=ks, v=vs)
+
     def forward_sequence(self, tokens, *, capture: bool = False):
         """A whole sequence [B, T] from position 0, nothing cached for later: the final hidden states
         [B, T, d], and with capture=True also every layer's FFN input (scoring and profiling)."""
@@ -206,6 +219,8 @@ class Transformer(nnx.Module):
         return (hidden, ffn_inputs[0]) if capture else hidden
 
     def logits(self, hidden):
+        if self.host is not None and hidden.ndim == 1:
+            return self.host.head(hidden)
         head = self.embed if self.lm_head is None else self.lm_head
         return linear(hidden, head[...])
 

@@ -25,6 +25,9 @@ def assert_clean_error(result, fragment):
     (["generate", "--prompt", "x", "--max-new-tokens", "0"], "must be >= 1"),
     (["generate"], "--prompt"),
     (["generate", "--prompt", "x", "--bundle", "b", "--cold-weights", "int4"], "invalid choice"),
+    (["generate", "--prompt", "x", "--weights", "int4"], "invalid choice"),
+    (["bench", "--weights", "float32,int4"], "expected distinct float32 / int8"),
+    (["generate", "--prompt", "x", "--weights", "int8", "--bundle", "b"], "a sparse bundle takes --cold-weights int8"),
     (["perplexity", "--text-file", "/nonexistent.txt"], "text file not found"),
     (["generate", "--prompt", "x", "--model", "/nonexistent.gguf"], "model not found"),
 ])

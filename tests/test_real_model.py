@@ -59,3 +59,22 @@ def test_llama_cpp_peer_runs_the_same_greedy_decode(engine):
     tokens = whole()
     assert len(tokens) == 12 and tokens[0] == prefill()
     assert engine.tokenizer.decode(tokens).startswith(" Paris.\n\nThe United States")  # shared/DESIGN.md
+
+
+def test_int8_host_decode_equals_xla_on_the_same_values():
+    """--weights int8: the host's int8 decode step against XLA's float32 step on the dequantized values."""
+    import copy
+
+    from flax import nnx
+
+    from pjinfer.engine import Engine
+
+    int8 = Engine.load(weights="int8")
+    prompt = int8.tokenizer.encode("The capital of France is", add_special=False)
+    got = int8.generate(prompt, max_new_tokens=12)
+    assert int8.tokenizer.decode(got).startswith(" Paris.")
+    xla = copy.copy(int8)
+    model = nnx.merge(int8.graphdef, int8.state)
+    model.host = None
+    xla.graphdef, xla.state = nnx.split(model)
+    assert xla.generate(prompt, max_new_tokens=12) == got

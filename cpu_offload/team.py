@@ -1,0 +1,202 @@
+"""A fixed team of host threads that split one FFI call's work: the calling thread plus workers that wait by
+spinning, so handing them a stage costs about a microsecond.
+
+Why not Numba's ``prange``: a parallel launch through the workqueue layer measured ~170 us on this 2-vCPU VM (and
+the OpenMP layer spins for milliseconds when XLA's threads compete, shared/DESIGN.md). A decode layer has five
+stages that each last 50-300 us, so a launch per stage would cost more than the second thread saves.
+
+Protocol (all words int64 in one control block that is never freed):
+- ``run(ctrl, fn, arg)`` (Numba, caller holds the ffi lock): stores the task (``fn``: the address of a cfunc
+  ``void(int64 arg, int64 tid, int64 n)``, and ``arg``), bumps the generation word with release order, runs
+  ``fn(arg, 0, n)`` itself, then waits until every worker has stored the new generation in its done word.
+- worker ``w`` (1..n-1, a daemon Python thread inside a nogil Numba loop): waits for a new generation, runs
+  ``fn(arg, w, n)``, stores the generation in its done word. It spins with ``pause`` for a while, then yields
+  the core with ``sched_yield``, and after ~20 ms without work sleeps 200 us between looks, so an idle team
+  costs almost nothing while back-to-back decode steps find it awake.
+- Tasks split their work by ``tid`` and ``n`` and write disjoint outputs; ``run`` returns once all are done.
+
+The team size is fixed when the team starts (``PJINFER_HOST_THREADS``, default: the CPUs this process may use).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import numpy as np
+
+from . import ffi
+from .ffi import NOJIT, RUNTIME, R_YIELD, call_void0, load_i64, store_i64
+
+from llvmlite import ir  # noqa: E402
+from numba import njit, types  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
+
+C_GEN, C_FN, C_ARG, C_SIZE, C_STOP, C_USLEEP, C_YIELD = range(7)
+LINE = 8  # int64 words per 64-byte cache line: each worker's done word sits on its own line
+SPINS = 4000  # pause rounds before yielding (~100-500 us)
+YIELDS = 20000  # sched_yield rounds before sleeping (~20 ms when nothing else wants the core)
+SLEEP_US = 200
+
+
+@intrinsic
+def _load_acquire_i64(typingctx, addr):
+    if not isinstance(addr, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load_atomic(builder.inttoptr(args[0], ir.IntType(64).as_pointer()), "acquire", 8)
+    return types.int64(addr), codegen
+
+
+@intrinsic
+def _pause(typingctx):
+    """The x86 spin-wait hint: lets the sibling hyperthread run and saves power while spinning."""
+    def codegen(context, builder, sig, args):
+        fn = builder.module.declare_intrinsic("llvm.x86.sse2.pause", fnty=ir.FunctionType(ir.VoidType(), []))
+        builder.call(fn, [])
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@intrinsic
+def _call_task(typingctx, fnaddr, arg, tid, n):
+    """Call ``void f(int64, int64, int64)`` at address fnaddr."""
+    if not all(isinstance(t, types.Integer) for t in (fnaddr, arg, tid, n)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        fnty = ir.FunctionType(ir.VoidType(), [i64, i64, i64])
+        vals = [context.cast(builder, a, t, types.int64) for a, t in zip(args[1:], sig.args[1:])]
+        builder.call(builder.inttoptr(args[0], fnty.as_pointer()), vals)
+        return context.get_dummy_value()
+    return types.void(fnaddr, arg, tid, n), codegen
+
+
+@intrinsic
+def _call_usleep(typingctx, fnaddr, us):
+    if not (isinstance(fnaddr, types.Integer) and isinstance(us, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(i32, [i32])
+        builder.call(builder.inttoptr(args[0], fnty.as_pointer()), [context.cast(builder, args[1], sig.args[1],
+                                                                                 types.int32)])
+        return context.get_dummy_value()
+    return types.void(fnaddr, us), codegen
+
+
+@intrinsic
+def _store_release(typingctx, addr, value):
+    if not (isinstance(addr, types.Integer) and isinstance(value, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[1], sig.args[1], types.int64)
+        builder.store_atomic(v, builder.inttoptr(args[0], ir.IntType(64).as_pointer()), "release", 8)
+    return types.void(addr, value), codegen
+
+
+@njit(**NOJIT)
+def _wait_round(rounds, yield_fn, usleep_fn):
+    """One round of waiting: pause, then yield, then sleep, as the rounds add up."""
+    if rounds < SPINS:
+        _pause()
+    elif rounds < SPINS + YIELDS or usleep_fn == 0:
+        if yield_fn != 0:
+            call_void0(yield_fn)
+    else:
+        _call_usleep(usleep_fn, SLEEP_US)
+
+
+@njit(**NOJIT)
+def _worker(ctrl, w):
+    yield_fn = load_i64(ctrl + 8 * C_YIELD)
+    usleep_fn = load_i64(ctrl + 8 * C_USLEEP)
+    seen = _load_acquire_i64(ctrl + 8 * LINE * w)  # the last generation this worker finished (0 at start)
+    rounds = 0
+    while True:
+        g = _load_acquire_i64(ctrl + 8 * C_GEN)
+        if g == seen:
+            _wait_round(rounds, yield_fn, usleep_fn)
+            rounds += 1
+            continue
+        seen = g
+        rounds = 0
+        if load_i64(ctrl + 8 * C_STOP) != 0:
+            _store_release(ctrl + 8 * LINE * w, g)
+            return
+        _call_task(load_i64(ctrl + 8 * C_FN), load_i64(ctrl + 8 * C_ARG), w, load_i64(ctrl + 8 * C_SIZE))
+        _store_release(ctrl + 8 * LINE * w, g)
+
+
+@njit(**NOJIT)
+def run(ctrl, fn, arg):
+    """Run task fn(arg, tid, n) on the whole team (tid 0 on this thread); returns when every part is done."""
+    n = load_i64(ctrl + 8 * C_SIZE)
+    if n <= 1:
+        _call_task(fn, arg, 0, 1)
+        return
+    store_i64(ctrl + 8 * C_FN, fn)
+    store_i64(ctrl + 8 * C_ARG, arg)
+    g = load_i64(ctrl + 8 * C_GEN) + 1
+    _store_release(ctrl + 8 * C_GEN, g)
+    _call_task(fn, arg, 0, n)
+    yield_fn = load_i64(ctrl + 8 * C_YIELD)
+    for w in range(1, n):
+        rounds = 0
+        while _load_acquire_i64(ctrl + 8 * LINE * w) != g:
+            _wait_round(rounds, yield_fn, 0)  # never sleep here: the worker is due any moment
+            rounds += 1
+
+
+ffi.purge_stale_cache("team", ffi)
+
+
+def default_size() -> int:
+    env = os.environ.get("PJINFER_HOST_THREADS")
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"PJINFER_HOST_THREADS must be a positive integer, got {env!r}")
+        return int(env)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+_BLOCKS: list[np.ndarray] = []  # every team's control block; never freed (its workers read it until exit)
+
+
+class Team:
+    """The caller plus size-1 worker threads (started here, daemons, never stopped before exit)."""
+
+    def __init__(self, size: int):
+        self.size = int(size)
+        self.ctrl = np.zeros(LINE * max(self.size, 1), np.int64)  # line 0: control words; line w: worker w's done
+        self.ctrl[C_SIZE] = self.size
+        # Addresses travel in the block, never as Numba globals: cached machine code would keep another
+        # process's values.
+        self.ctrl[C_YIELD] = RUNTIME[R_YIELD]
+        try:
+            self.ctrl[C_USLEEP] = ctypes.cast(ctypes.CDLL(None).usleep, ctypes.c_void_p).value or 0
+        except (OSError, AttributeError):  # pragma: no cover - no usleep: workers yield instead of sleeping
+            self.ctrl[C_USLEEP] = 0
+        _BLOCKS.append(self.ctrl)
+        self.address = int(self.ctrl.ctypes.data)
+        self.threads = [threading.Thread(target=_worker, args=(self.address, w), daemon=True,
+                                         name=f"pjinfer-host-{w}") for w in range(1, self.size)]
+        for t in self.threads:
+            t.start()
+
+
+_team: Team | None = None
+_team_lock = threading.Lock()
+
+
+def shared() -> Team:
+    """The process's team (started on first use; its control block lives as long as the process)."""
+    global _team
+    with _team_lock:
+        if _team is None:
+            _team = Team(default_size())
+        return _team

@@ -1,0 +1,146 @@
+"""cpu_offload.host_decode: the int8 decode step on the host, against numpy and against XLA on the same values."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cpu_offload import host_decode as hd
+from cpu_offload import kernels, team
+from tests.conftest import random_weights, tiny_config
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+@pytest.mark.parametrize("rows,cols", [(1, 64), (3, 64), (5, 192), (37, 128), (130, 576)])
+def test_gemv_matches_numpy_on_its_rows_only(rows, cols):
+    rng = np.random.default_rng(rows * 1000 + cols)
+    q, s = hd.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.1, 3, (rows, 1)))
+    x = rng.standard_normal(cols).astype(np.float32)
+    want = kernels.dequantize_rows(q, s) @ x
+    for lo, hi in [(0, rows), (0, 0), (rows // 2, rows), (1 % rows, max(1 % rows, rows - 1))]:
+        y = np.full(rows, np.nan, np.float32)
+        hd._gemv(q, s, x, y, lo, hi)
+        np.testing.assert_allclose(y[lo:hi], want[lo:hi], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        assert np.isnan(y[:lo]).all() and np.isnan(y[hi:]).all()
+
+
+def test_team_runs_every_share_exactly_once():
+    from numba import cfunc, types
+
+    from cpu_offload.ffi import load_i64, store_i64
+
+    @cfunc(types.void(types.int64, types.int64, types.int64))
+    def task(arg, tid, n):  # counts[tid] += 1; sizes[tid] = n
+        store_i64(arg + 8 * tid, load_i64(arg + 8 * tid) + 1)
+        store_i64(arg + 8 * (8 + tid), n)
+
+    for size in (1, 2, 3):
+        crew = team.Team(size)
+        words = np.zeros(16, np.int64)
+        for _ in range(50):
+            team.run(crew.address, task.address, words.ctypes.data)
+        assert words[:size].tolist() == [50] * size and not words[size:8].any()
+        assert words[8:8 + size].tolist() == [size] * size
+
+
+def _attention_reference(q, k, v, pos, group):
+    """q [H, hd], k/v [S, KV, hd] -> [H, hd] over positions 0..pos."""
+    out = np.zeros_like(q)
+    for h in range(q.shape[0]):
+        scores = k[:pos + 1, h // group] @ q[h] / np.sqrt(q.shape[1])
+        p = np.exp(scores - scores.max())
+        out[h] = (p / p.sum()) @ v[:pos + 1, h // group]
+    return out
+
+
+@pytest.mark.parametrize("pos", [0, 1, 6, 15])
+def test_attend_matches_numpy(pos):
+    rng = np.random.default_rng(pos)
+    H, KV, hd_, S = 4, 2, 64, 16
+    q = rng.standard_normal((H, hd_)).astype(np.float32)
+    k = rng.standard_normal((S, KV, hd_)).astype(np.float32)
+    v = rng.standard_normal((S, KV, hd_)).astype(np.float32)
+    want = _attention_reference(q, k, v, pos, H // KV)
+    for h in range(H):
+        out = np.full(hd_, np.nan, np.float32)
+        hd._attend(q[h], k.reshape(-1), v.reshape(-1), h // (H // KV), KV, hd_, pos,
+                   np.full(S, np.nan, np.float32), out)
+        np.testing.assert_allclose(out, want[h], rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ whole model
+def _models(config, seed=0):
+    """(host-decode model, XLA reference on the same dequantized weights, the HostDecoder)."""
+    from pjinfer.model import Transformer
+
+    weights = random_weights(config, seed)
+    host = hd.HostDecoder(config, weights)
+    values = host.dequantized(weights)
+    model = Transformer(config, values)
+    model.host = host
+    return model, Transformer(config, values), host
+
+
+def _decode(model, tokens, cache_len):
+    """Logits [T, vocab] and the final caches of one-token decode steps through jit (cache donated)."""
+    from flax import nnx
+
+    from pjinfer import generate as gen
+    from pjinfer.model import KVCache
+
+    graphdef, state = nnx.split(model)
+    step = jax.jit(lambda s, t, p, c: gen._step(nnx.merge(graphdef, s), t, p, c), donate_argnums=(3,))
+    cache = KVCache.create(model.config, 1, cache_len)
+    out = []
+    for pos, token in enumerate(tokens):
+        logits, cache = step(state, jnp.int32(token), jnp.int32(pos), cache)
+        out.append(np.asarray(logits))
+    return np.stack(out), cache
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "reglu", "drelu"])
+def test_host_decode_equals_xla_on_the_same_values(activation):
+    config = tiny_config(activation=activation, d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=192,
+                         tie_embeddings=activation != "reglu")
+    model, reference, host = _models(config)
+    tokens = np.random.default_rng(1).integers(0, config.vocab_size, 9)
+    got, got_cache = _decode(model, tokens, 16)
+    want, want_cache = _decode(reference, tokens, 16)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    # The quantization is real: the original weights give other logits.
+    from pjinfer.model import Transformer
+
+    original, _ = _decode(Transformer(config, random_weights(config)), tokens, 16)
+    assert np.abs(original - want).max() > 1e-3
+
+
+def test_last_cache_slot_and_positions_past_the_cache():
+    config = tiny_config(d_model=64, n_heads=2, n_kv_heads=1, head_dim=32, d_ff=128)
+    model, reference, host = _models(config)
+    tokens = np.arange(16) % config.vocab_size
+    got, _ = _decode(model, tokens, 16)  # the last step writes slot 15 of 16
+    want, _ = _decode(reference, tokens, 16)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    from pjinfer.model import KVCache
+
+    cache = KVCache.create(config, 1, 16)
+    with pytest.raises(Exception, match="position outside the cache"):
+        jax.block_until_ready(jax.jit(lambda x, k, v: host.layer(0, x, 16, k, v))(
+            jnp.ones((1, 1, 64)), cache.k[0], cache.v[0]))
+    with pytest.raises(ValueError, match="layer 2 out of range"):
+        host.layer(2, jnp.ones((1, 1, 64)), 0, cache.k[0], cache.v[0])
+
+
+@pytest.mark.parametrize("changes,fragment", [
+    (dict(arch="opt", activation="relu"), "Llama-family"),
+    (dict(d_model=48), "d_model to be a multiple of 64"),
+    (dict(d_model=64, n_heads=2, n_kv_heads=1, head_dim=32, d_ff=72), "d_ff to be a multiple of 64"),
+])
+def test_unsupported_models_are_refused(changes, fragment):
+    config = tiny_config(**changes)
+    with pytest.raises(ValueError, match=fragment):
+        hd.HostDecoder(config, random_weights(config))
