@@ -3,6 +3,8 @@
 - ``cpu_offload.kernels``: ``cold_ffn`` (Numba, one token) and numpy references.
 - ``cpu_offload.bridge``: ``ColdFFN``, host-resident cold weights per layer, callable inside ``jax.jit`` through an
   XLA FFI target whose handler is a Numba ``cfunc`` (no ``pure_callback``).
+- ``cpu_offload.host_decode``: ``HostDecoder``, the dense decode step with int8 weights, one FFI call per layer,
+  its stages split over ``cpu_offload.team``'s spinning threads. ``cpu_offload.ffi``: the shared FFI plumbing.
 
 Threading layer: Numba's default on this machine (OpenMP) spins 4-16 ms per parallel call on 2 vCPUs; the
 ``workqueue`` layer does not. Importing this package therefore defaults ``NUMBA_THREADING_LAYER`` to ``workqueue``
