@@ -51,9 +51,9 @@ from numba import carray, cfunc, njit, types  # noqa: E402
 TARGET_NAME = "pjinfer_host_decode"
 MAGIC = 0x706A686F7374_0001  # "pjhost" + 1
 
-# Header slots (int64; eps and rope theta as float64 bit patterns).
-(H_MAGIC, H_NLAYERS, H_D, H_HEADS, H_KV, H_HD, H_FF, H_VOCAB, H_ACT, H_EPS, H_THETA, H_MAXLEN, H_TABLE,
- H_HEAD, H_HEAD_SCALES, H_FINAL_NORM, H_INV_FREQ, H_SCRATCH, H_TASK, H_TEAM, H_STAGE, H_RUNTIME) = range(22)
+# Header slots (int64; eps as a float64 bit pattern).
+(H_MAGIC, H_NLAYERS, H_D, H_HEADS, H_KV, H_HD, H_FF, H_VOCAB, H_ACT, H_EPS, H_MAXLEN, H_TABLE, H_HEAD,
+ H_HEAD_SCALES, H_INV_FREQ, H_SCRATCH, H_TASK, H_TEAM, H_STAGE, H_RUNTIME) = range(20)
 H_WIDTH = 24
 # Layer table slots: (int8 rows, float32 block scales) per matrix, then the two norm scales.
 (L_QKV, L_QKV_S, L_O, L_O_S, L_GATE, L_GATE_S, L_UP, L_UP_S, L_DOWN, L_DOWN_S, L_ATTN_NORM,
@@ -241,14 +241,13 @@ def _stage_py(header, tid, n):
         lo, hi = _share(qkv.shape[0], tid, n, 4)
         _gemv(w, s, h, qkv, lo, hi)
     elif stage == ST_ATTN:
-        pos = load_i64(task + 8 * K_POS)
-        length = load_i64(header + 8 * H_MAXLEN)
+        pos = load_i64(task + 8 * K_POS)  # < the cache length <= max_len, checked by the handler
         kc = _f32(load_i64(task + 8 * K_KCACHE), (pos + 1) * nkv * hd)
         vc = _f32(load_i64(task + 8 * K_VCACHE), (pos + 1) * nkv * hd)
         lo, hi = _share(nh, tid, n, 1)
         for q_head in range(lo, hi):
             _attend(qkv[q_head * hd:(q_head + 1) * hd], kc, vc, q_head // (nh // nkv), nkv, hd, pos,
-                    scores[q_head, :min(length, pos + 1)], att[q_head * hd:(q_head + 1) * hd])
+                    scores[q_head, :pos + 1], att[q_head * hd:(q_head + 1) * hd])
     elif stage == ST_O:
         w, s = _matrix(header, layer, L_O, d, nh * hd)
         lo, hi = _share(d, tid, n, 4)
@@ -476,10 +475,9 @@ class HostDecoder:
         header[[H_NLAYERS, H_D, H_HEADS, H_KV, H_HD, H_FF, H_VOCAB, H_ACT, H_MAXLEN]] = [
             c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size,
             kernels.act_code(c.activation), c.max_seq_len]
-        header.view(np.float64)[[H_EPS, H_THETA]] = [c.norm_eps, c.rope_theta]
-        header[[H_TABLE, H_HEAD, H_HEAD_SCALES, H_FINAL_NORM, H_INV_FREQ, H_SCRATCH, H_TASK, H_TEAM]] = [
-            self._hold(table), self._hold(head_q), self._hold(head_s),
-            self._hold(np.asarray(weights["final_norm.scale"], np.float32)), self._hold(inv_freq),
+        header.view(np.float64)[H_EPS] = c.norm_eps
+        header[[H_TABLE, H_HEAD, H_HEAD_SCALES, H_INV_FREQ, H_SCRATCH, H_TASK, H_TEAM]] = [
+            self._hold(table), self._hold(head_q), self._hold(head_s), self._hold(inv_freq),
             self._hold(scratch), self._hold(np.zeros(8, np.int64)), self.team.address]
         # Addresses travel in the header, never as Numba globals: cached machine code would keep another
         # process's values.
