@@ -19,6 +19,7 @@ The team size is fixed when the team starts (``PJINFER_HOST_THREADS``, default: 
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import threading
@@ -164,11 +165,11 @@ def default_size() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-_BLOCKS: list[np.ndarray] = []  # every team's control block; never freed (its workers read it until exit)
+_TEAMS: list["Team"] = []  # every team, kept until exit: its workers read its control block until stopped
 
 
 class Team:
-    """The caller plus size-1 worker threads (started here, daemons, never stopped before exit)."""
+    """The caller plus size-1 worker threads (started here, daemons, stopped at exit)."""
 
     def __init__(self, size: int):
         self.size = int(size)
@@ -181,12 +182,26 @@ class Team:
             self.ctrl[C_USLEEP] = ctypes.cast(ctypes.CDLL(None).usleep, ctypes.c_void_p).value or 0
         except (OSError, AttributeError):  # pragma: no cover - no usleep: workers yield instead of sleeping
             self.ctrl[C_USLEEP] = 0
-        _BLOCKS.append(self.ctrl)
+        _TEAMS.append(self)
         self.address = int(self.ctrl.ctypes.data)
         self.threads = [threading.Thread(target=_worker, args=(self.address, w), daemon=True,
                                          name=f"pjinfer-host-{w}") for w in range(1, self.size)]
         for t in self.threads:
             t.start()
+
+    def stop(self, timeout: float = 1.0) -> None:
+        """Let the workers return (they wake within SLEEP_US even when asleep). Called for every team at exit:
+        a worker still reading the control block while the interpreter frees it would crash the process."""
+        self.ctrl[C_STOP] = 1
+        self.ctrl[C_GEN] += 1  # x86 keeps stores in order: a worker that sees the new generation sees STOP
+        for t in self.threads:
+            t.join(timeout)
+
+
+@atexit.register
+def _stop_all() -> None:
+    for crew in _TEAMS:
+        crew.stop()
 
 
 _team: Team | None = None
