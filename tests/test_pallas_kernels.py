@@ -6,6 +6,7 @@ Every kernel run goes through `run_poisoned`, which hands the kernels NaN-filled
 from __future__ import annotations
 
 import functools
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -91,7 +92,8 @@ CASES = [  # activation, d, H, count
 
 @pytest.mark.parametrize("activation,d,H,count", CASES)
 def test_random_subset_matches_reference(activation, d, H, count):
-    rng, x, w_gate, w_up, w_down_t, b_up = make_layer(hash((activation, d, H)) % 2**32, d, H,
+    # A seed fixed per case: Python's hash() of strings changes from process to process.
+    rng, x, w_gate, w_up, w_down_t, b_up = make_layer(zlib.crc32(f"{activation}-{d}-{H}".encode()), d, H,
                                                       activation)
     ids = random_ids(rng, H, count, pad="random")
     y, ref = check(x, w_gate, w_up, w_down_t, ids, count, activation, b_up)
