@@ -245,6 +245,16 @@ def cas_i64(typingctx, addr, expected, new):
 
 
 @intrinsic
+def load_acquire_i64(typingctx, addr):
+    if not _int_arg(addr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load_atomic(builder.inttoptr(args[0], _i64.as_pointer()), "acquire", 8)
+    return types.int64(addr), codegen
+
+
+@intrinsic
 def store_release_i64(typingctx, addr, value):
     if not (_int_arg(addr) and _int_arg(value)):
         return None

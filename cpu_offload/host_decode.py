@@ -36,8 +36,6 @@ weights live as long as the HostDecoder (a jitted function holding the model hol
 """
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
 from . import ffi, kernels, team

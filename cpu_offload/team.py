@@ -27,7 +27,8 @@ import threading
 import numpy as np
 
 from . import ffi
-from .ffi import NOJIT, RUNTIME, R_YIELD, call_void0, load_i64, store_i64
+from .ffi import (NOJIT, RUNTIME, R_YIELD, call_void0, load_acquire_i64, load_i64, store_i64,
+                  store_release_i64)
 
 from llvmlite import ir  # noqa: E402
 from numba import njit, types  # noqa: E402
@@ -38,16 +39,6 @@ LINE = 8  # int64 words per 64-byte cache line: each worker's done word sits on 
 SPINS = 4000  # pause rounds before yielding (~100-500 us)
 YIELDS = 20000  # sched_yield rounds before sleeping (~20 ms when nothing else wants the core)
 SLEEP_US = 200
-
-
-@intrinsic
-def _load_acquire_i64(typingctx, addr):
-    if not isinstance(addr, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.load_atomic(builder.inttoptr(args[0], ir.IntType(64).as_pointer()), "acquire", 8)
-    return types.int64(addr), codegen
 
 
 @intrinsic
@@ -89,17 +80,6 @@ def _call_usleep(typingctx, fnaddr, us):
     return types.void(fnaddr, us), codegen
 
 
-@intrinsic
-def _store_release(typingctx, addr, value):
-    if not (isinstance(addr, types.Integer) and isinstance(value, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        v = context.cast(builder, args[1], sig.args[1], types.int64)
-        builder.store_atomic(v, builder.inttoptr(args[0], ir.IntType(64).as_pointer()), "release", 8)
-    return types.void(addr, value), codegen
-
-
 @njit(**NOJIT)
 def _wait_round(rounds, yield_fn, usleep_fn):
     """One round of waiting: pause, then yield, then sleep, as the rounds add up."""
@@ -116,10 +96,10 @@ def _wait_round(rounds, yield_fn, usleep_fn):
 def _worker(ctrl, w):
     yield_fn = load_i64(ctrl + 8 * C_YIELD)
     usleep_fn = load_i64(ctrl + 8 * C_USLEEP)
-    seen = _load_acquire_i64(ctrl + 8 * LINE * w)  # the last generation this worker finished (0 at start)
+    seen = load_acquire_i64(ctrl + 8 * LINE * w)  # the last generation this worker finished (0 at start)
     rounds = 0
     while True:
-        g = _load_acquire_i64(ctrl + 8 * C_GEN)
+        g = load_acquire_i64(ctrl + 8 * C_GEN)
         if g == seen:
             _wait_round(rounds, yield_fn, usleep_fn)
             rounds += 1
@@ -127,10 +107,10 @@ def _worker(ctrl, w):
         seen = g
         rounds = 0
         if load_i64(ctrl + 8 * C_STOP) != 0:
-            _store_release(ctrl + 8 * LINE * w, g)
+            store_release_i64(ctrl + 8 * LINE * w, g)
             return
         _call_task(load_i64(ctrl + 8 * C_FN), load_i64(ctrl + 8 * C_ARG), w, load_i64(ctrl + 8 * C_SIZE))
-        _store_release(ctrl + 8 * LINE * w, g)
+        store_release_i64(ctrl + 8 * LINE * w, g)
 
 
 @njit(**NOJIT)
@@ -143,12 +123,12 @@ def run(ctrl, fn, arg):
     store_i64(ctrl + 8 * C_FN, fn)
     store_i64(ctrl + 8 * C_ARG, arg)
     g = load_i64(ctrl + 8 * C_GEN) + 1
-    _store_release(ctrl + 8 * C_GEN, g)
+    store_release_i64(ctrl + 8 * C_GEN, g)
     _call_task(fn, arg, 0, n)
     yield_fn = load_i64(ctrl + 8 * C_YIELD)
     for w in range(1, n):
         rounds = 0
-        while _load_acquire_i64(ctrl + 8 * LINE * w) != g:
+        while load_acquire_i64(ctrl + 8 * LINE * w) != g:
             _wait_round(rounds, yield_fn, 0)  # never sleep here: the worker is due any moment
             rounds += 1
 

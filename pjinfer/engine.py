@@ -46,11 +46,6 @@ class Engine:
         model.host = host
         self.graphdef, self.state = nnx.split(model)
 
-    @property
-    def host(self):
-        """The HostDecoder running one-token steps (int8 weights), or None."""
-        return nnx.merge(self.graphdef, self.state).host
-
     @classmethod
     def load(cls, path=None, *, bundle=None, hot_backend: str = "xla", cold_weights: str = "float32",
              weights: str = "float32", progress=None) -> "Engine":
