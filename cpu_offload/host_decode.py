@@ -1,14 +1,16 @@
-"""The dense decode step on the host CPU with int8 weights: one XLA FFI call per layer and one for the head.
+"""The dense decode step on the host CPU with quantized weights: one XLA FFI call per layer and one for the head.
 
 Why: at batch 1 a decode step reads every weight once. XLA on the CPU keeps weights in float32 (a jitted dot on
 int8 weights converted to float32 measured slower, not faster) and spends ~1000 thunks on one token's small ops.
-Here every matrix of a Llama-family layer is int8 with a float32 scale per block of 64 inputs
-(``kernels.quantize_rows``: 17/64 of the float32 bytes), and one Numba call does the whole layer.
+Here every matrix of a Llama-family layer is stored quantized and one Numba call does the whole layer. Two
+formats (``FORMATS``): "int8", a float32 scale per block of 64 inputs (``kernels.quantize_rows``: 17/64 of the
+float32 bytes), and "q4_1", the GGUF's own 4-bit blocks (``q4.py``: 5/32 of the bytes; for a Q4_1 GGUF it is the
+file's model exactly). The output head is int8 in both.
 
 Usage::
 
-    host = HostDecoder(config, weights)            # canonical float32 weights (pjinfer.model's names)
-    weights = host.dequantized(weights)            # what the int8 weights stand for: XLA runs these for
+    host = HostDecoder(config, weights, "q4_1")    # canonical float32 weights (pjinfer.model's names)
+    weights = host.dequantized(weights)            # what the stored weights stand for: XLA runs these for
                                                    # prefill and scoring, so every path computes one model
     x, k, v = host.layer(l, x, pos, k_cache, v_cache)    # inside jit; x [..., d] with d elements
     logits = host.head(hidden)                     # hidden [d] -> [vocab]
@@ -26,7 +28,8 @@ The team (``team.py``) is this thread plus workers that wait spinning, so a stag
 KV cache arrays are operands aliased to results: XLA donates them and the layer writes position ``pos`` in place.
 
 Matrices are stored one row per output (w_down as [d, d_ff], not pjinfer.model's transposed w_down_t), so every
-stage is a GEMV over contiguous rows: ``_gemv`` takes four rows at a time against one pass over x.
+stage is a GEMV over contiguous rows: ``_gemv`` (int8) takes four rows at a time against one pass over x; ``q4.gemv``
+takes one row at a time against x prepared once per stage by the caller thread (``_prepare``).
 
 Supported: the Llama family (RMSNorm, RoPE, grouped-query attention, gated FFN, no biases) with d_model,
 n_heads*head_dim and d_ff multiples of 64. Anything else is refused with a ConfigError-style ValueError.
@@ -38,10 +41,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import ffi, kernels, team
+from . import ffi, kernels, q4, team
 from .ffi import (BUF_DATA, BUF_DIMS, BUF_DTYPE, BUF_RANK, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F32, DT_S32, ERRC_INVALID_ARGUMENT,
                   ERRC_OUT_OF_RANGE, NOJIT, RUNTIME_ADDR, buffer_numel, cstr, find_table_attr, last_dim, load_i32,
-                  load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i8, ptr_i32, store_i64, unlock)
+                  load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i8, ptr_i32, ptr_u8, store_i64, unlock)
 from .kernels import QBLOCK, _act, _prefetch
 
 from numba import carray, cfunc, njit, types  # noqa: E402
@@ -51,9 +54,12 @@ MAGIC = 0x706A686F7374_0001  # "pjhost" + 1
 
 # Header slots (int64; eps as a float64 bit pattern).
 (H_MAGIC, H_NLAYERS, H_D, H_HEADS, H_KV, H_HD, H_FF, H_VOCAB, H_ACT, H_EPS, H_MAXLEN, H_TABLE, H_HEAD,
- H_HEAD_SCALES, H_INV_FREQ, H_SCRATCH, H_TASK, H_TEAM, H_STAGE, H_RUNTIME) = range(20)
+ H_HEAD_SCALES, H_INV_FREQ, H_SCRATCH, H_TASK, H_TEAM, H_STAGE, H_RUNTIME, H_FORMAT) = range(21)
 H_WIDTH = 24
-# Layer table slots: (int8 rows, float32 block scales) per matrix, then the two norm scales.
+# How the layers' matrices are stored (the head is int8 in both).
+FORMATS = {"int8": 0, "q4_1": 1}
+F_INT8, F_Q4_1 = FORMATS["int8"], FORMATS["q4_1"]
+# Layer table slots: (int8 rows, float32 block scales) or (Q4_1 blocks, 0) per matrix, then the two norm scales.
 (L_QKV, L_QKV_S, L_O, L_O_S, L_GATE, L_GATE_S, L_UP, L_UP_S, L_DOWN, L_DOWN_S, L_ATTN_NORM,
  L_FFN_NORM) = range(12)
 L_WIDTH = 12
@@ -199,7 +205,7 @@ def _dims(header):
 @njit(**NOJIT)
 def _scratch(header):
     """The float32 working vectors: h [d], qkv [(H + 2 KV) hd], att [H hd], o [d], gate [F], up [F], down [d],
-    scores [H, max_len]."""
+    scores [H, max_len], then (Q4_1 only) the prepared GEMV input xp [q4.prepared_size(max(d, H hd, F))]."""
     d, nh, nkv, hd, ff = _dims(header)
     base = load_i64(header + 8 * H_SCRATCH)
     nqkv = (nh + 2 * nkv) * hd
@@ -214,10 +220,39 @@ def _scratch(header):
 
 
 @njit(**NOJIT)
+def _prepared(header, cols):
+    """The Q4_1 GEMV input scratch, sized for an input of cols (after _scratch's views)."""
+    d, nh, nkv, hd, ff = _dims(header)
+    off = load_i64(header + 8 * H_SCRATCH) + 4 * (3 * d + (nh + 2 * nkv) * hd + nh * hd + 2 * ff
+                                                  + nh * load_i64(header + 8 * H_MAXLEN))
+    return _f32(off, q4.prepared_size(cols))
+
+
+@njit(**NOJIT)
+def _prepare(header, x):
+    """Q4_1 layers read their input through q4.prepare's form: done once per input vector, by the caller."""
+    if load_i64(header + 8 * H_FORMAT) == F_Q4_1:
+        q4.prepare(x, _prepared(header, x.shape[0]))
+
+
+@njit(**NOJIT)
 def _matrix(header, layer, slot, rows, cols):
     table = load_i64(header + 8 * H_TABLE) + 8 * L_WIDTH * layer
     return (_i8(load_i64(table + 8 * slot), rows, cols),
             _f32_2d(load_i64(table + 8 * (slot + 1)), rows, cols // QBLOCK))
+
+
+@njit(**NOJIT)
+def _matvec(header, layer, slot, rows, x, y, lo, hi):
+    """y[lo:hi] = rows lo..hi-1 of the layer's matrix in slot times x (Q4_1: x prepared by _prepare)."""
+    cols = x.shape[0]
+    if load_i64(header + 8 * H_FORMAT) == F_Q4_1:
+        blocks = carray(ptr_u8(load_i64(load_i64(header + 8 * H_TABLE) + 8 * (L_WIDTH * layer + slot))),
+                        (rows, q4.row_bytes(cols)))
+        q4.gemv(blocks, _prepared(header, cols), y, lo, hi)
+    else:
+        w, s = _matrix(header, layer, slot, rows, cols)
+        _gemv(w, s, x, y, lo, hi)
 
 
 @njit(**NOJIT)
@@ -235,9 +270,8 @@ def _stage_py(header, tid, n):
     d, nh, nkv, hd, ff = _dims(header)
     h, qkv, att, o, gate, up, down, scores = _scratch(header)
     if stage == ST_QKV:
-        w, s = _matrix(header, layer, L_QKV, qkv.shape[0], d)
         lo, hi = _share(qkv.shape[0], tid, n, 4)
-        _gemv(w, s, h, qkv, lo, hi)
+        _matvec(header, layer, L_QKV, qkv.shape[0], h, qkv, lo, hi)
     elif stage == ST_ATTN:
         pos = load_i64(task + 8 * K_POS)  # < the cache length <= max_len, checked by the handler
         kc = _f32(load_i64(task + 8 * K_KCACHE), (pos + 1) * nkv * hd)
@@ -247,22 +281,18 @@ def _stage_py(header, tid, n):
             _attend(qkv[q_head * hd:(q_head + 1) * hd], kc, vc, q_head // (nh // nkv), nkv, hd, pos,
                     scores[q_head, :pos + 1], att[q_head * hd:(q_head + 1) * hd])
     elif stage == ST_O:
-        w, s = _matrix(header, layer, L_O, d, nh * hd)
         lo, hi = _share(d, tid, n, 4)
-        _gemv(w, s, att, o, lo, hi)
+        _matvec(header, layer, L_O, d, att, o, lo, hi)
     elif stage == ST_GATE_UP:
         lo, hi = _share(ff, tid, n, 4)
-        w, s = _matrix(header, layer, L_GATE, ff, d)
-        _gemv(w, s, h, gate, lo, hi)
-        w, s = _matrix(header, layer, L_UP, ff, d)
-        _gemv(w, s, h, up, lo, hi)
+        _matvec(header, layer, L_GATE, ff, h, gate, lo, hi)
+        _matvec(header, layer, L_UP, ff, h, up, lo, hi)
         code = load_i64(header + 8 * H_ACT)
         for i in range(lo, hi):
             gate[i] = _act(gate[i], up[i], code)
     elif stage == ST_DOWN:
-        w, s = _matrix(header, layer, L_DOWN, d, ff)
         lo, hi = _share(d, tid, n, 4)
-        _gemv(w, s, gate, down, lo, hi)
+        _matvec(header, layer, L_DOWN, d, gate, down, lo, hi)
     elif stage == ST_HEAD:
         vocab = load_i64(header + 8 * H_VOCAB)
         w = _i8(load_i64(header + 8 * H_HEAD), vocab, d)
@@ -271,7 +301,7 @@ def _stage_py(header, tid, n):
         _gemv(w, s, h, _f32(load_i64(task + 8 * K_OUT), vocab), lo, hi)
 
 
-ffi.purge_stale_cache("host_decode", kernels, ffi, team)
+ffi.purge_stale_cache("host_decode", kernels, ffi, q4, team)
 
 # void stage(int64 header, int64 tid, int64 n): what the team runs.
 _stage = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True, cache=True)(_stage_py)
@@ -297,6 +327,7 @@ def _layer(header, layer, pos, x, k_ptr, v_ptr):
     store_i64(task + 8 * K_VCACHE, v_ptr)
 
     _rmsnorm(x, _f32(load_i64(table + 8 * L_ATTN_NORM), d), eps, h)
+    _prepare(header, h)
     _run(header, ST_QKV)
     inv_freq = _f32(load_i64(header + 8 * H_INV_FREQ), hd // 2)
     _rope(qkv[:nh * hd], nh, hd, inv_freq, pos)
@@ -308,11 +339,14 @@ def _layer(header, layer, pos, x, k_ptr, v_ptr):
         kc[j] = qkv[nh * hd + j]
         vc[j] = qkv[nh * hd + kv + j]
     _run(header, ST_ATTN)
+    _prepare(header, att)
     _run(header, ST_O)
     for j in range(d):
         x[j] += o[j]
     _rmsnorm(x, _f32(load_i64(table + 8 * L_FFN_NORM), d), eps, h)
+    _prepare(header, h)
     _run(header, ST_GATE_UP)
+    _prepare(header, gate)
     _run(header, ST_DOWN)
     for j in range(d):
         x[j] += down[j]
@@ -424,28 +458,38 @@ def quantize(w) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(q), np.ascontiguousarray(s)
 
 
+def _dequantize(stored: tuple, cols: int) -> np.ndarray:
+    """What a stored matrix stands for: (int8, scales) or (Q4_1 blocks,)."""
+    return kernels.dequantize_rows(*stored) if len(stored) == 2 else q4.dequantize(stored[0], cols)
+
+
 class HostDecoder:
-    """A Llama-family model's decode step on the host with int8 weights (see the module docstring).
+    """A Llama-family model's decode step on the host with quantized weights (see the module docstring).
 
-    config: pjinfer.model's ModelConfig. weights: the canonical float32 weights (dict of arrays)."""
+    config: pjinfer.model's ModelConfig. weights: the canonical float32 weights (dict of arrays).
+    fmt: how the layers' matrices are stored: "int8" (a float32 scale per 64) or "q4_1" (the GGUF's 4-bit
+    blocks, cpu_offload/q4.py). The output head is int8 in both: the GGUF keeps it at 8 bits too (Q8_0)."""
 
-    def __init__(self, config, weights: dict):
+    def __init__(self, config, weights: dict, fmt: str = "int8"):
         c = config
+        if fmt not in FORMATS:
+            raise ValueError(f"host decode weights must be one of {', '.join(FORMATS)}, got {fmt!r}")
         if not (c.uses_rope and c.gated):
-            raise ValueError(f"int8 host decode supports Llama-family models, not {c.arch!r}")
+            raise ValueError(f"host decode supports Llama-family models, not {c.arch!r}")
         biases = [k for k in weights if k.rsplit(".", 1)[-1] in ("bq", "bk", "bv", "bo", "b_up", "b_down", "bias")]
         if biases:
-            raise ValueError(f"int8 host decode supports models without biases, this one has {biases[0]!r}")
+            raise ValueError(f"host decode supports models without biases, this one has {biases[0]!r}")
         for name, n in (("d_model", c.d_model), ("n_heads * head_dim", c.n_heads * c.head_dim), ("d_ff", c.d_ff)):
             if n % QBLOCK:
-                raise ValueError(f"int8 host decode needs {name} to be a multiple of {QBLOCK}, got {n}")
+                raise ValueError(f"host decode needs {name} to be a multiple of {QBLOCK}, got {n}")
         if c.head_dim % 2:
-            raise ValueError(f"int8 host decode needs an even head_dim, got {c.head_dim}")
+            raise ValueError(f"host decode needs an even head_dim, got {c.head_dim}")
         self.config = c
+        self.format = fmt
         self.team = team.shared()
         self._keep = []  # every array the header points at
         table = np.zeros((c.n_layers, L_WIDTH), np.int64)
-        self._quantized = {}  # canonical name -> (int8, scales) in the canonical layout's rows
+        self._quantized = {}  # (layer, slot) -> (int8, scales) or (Q4_1 blocks,), one row per output
         for l in range(c.n_layers):
             p = f"layers.{l}"
             mats = {
@@ -456,9 +500,9 @@ class HostDecoder:
                 L_DOWN: np.asarray(weights[f"{p}.w_down_t"]).T,
             }
             for slot, w in mats.items():
-                q, s = quantize(w)
-                table[l, slot], table[l, slot + 1] = self._hold(q), self._hold(s)
-                self._quantized[(l, slot)] = (q, s)
+                stored = quantize(w) if fmt == "int8" else (q4.quantize(w),)
+                table[l, slot:slot + len(stored)] = [self._hold(a) for a in stored]
+                self._quantized[(l, slot)] = stored
             table[l, L_ATTN_NORM] = self._hold(np.asarray(weights[f"{p}.attn_norm.scale"], np.float32))
             table[l, L_FFN_NORM] = self._hold(np.asarray(weights[f"{p}.ffn_norm.scale"], np.float32))
         head_name = "embed" if c.tie_embeddings else "lm_head"
@@ -467,8 +511,9 @@ class HostDecoder:
         inv_freq = (1.0 / (np.float32(c.rope_theta) ** (np.arange(0, c.head_dim, 2, dtype=np.float32)
                                                         / np.float32(c.head_dim)))).astype(np.float32)
         nqkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+        widest = max(c.d_model, c.n_heads * c.head_dim, c.d_ff)
         scratch = np.zeros(3 * c.d_model + nqkv + c.n_heads * c.head_dim + 2 * c.d_ff
-                           + c.n_heads * c.max_seq_len, np.float32)
+                           + c.n_heads * c.max_seq_len + q4.prepared_size(widest), np.float32)
         header = np.zeros(H_WIDTH, np.int64)
         header[[H_NLAYERS, H_D, H_HEADS, H_KV, H_HD, H_FF, H_VOCAB, H_ACT, H_MAXLEN]] = [
             c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size,
@@ -480,6 +525,7 @@ class HostDecoder:
         # Addresses travel in the header, never as Numba globals: cached machine code would keep another
         # process's values.
         header[[H_STAGE, H_RUNTIME]] = [_stage.address, RUNTIME_ADDR]
+        header[H_FORMAT] = FORMATS[fmt]
         header[H_MAGIC] = MAGIC
         _HEADERS.append(header)
         self.address = int(header.ctypes.data)
@@ -492,24 +538,25 @@ class HostDecoder:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of weights a decode step reads: every int8 matrix with its scales (norms are noise)."""
-        return int(sum(q.nbytes + s.nbytes for q, s in [*self._quantized.values(), self._head]))
+        """Bytes of weights a decode step reads: every stored matrix with its scales (norms are noise)."""
+        return int(sum(a.nbytes for stored in [*self._quantized.values(), self._head] for a in stored))
 
     def dequantized(self, weights: dict) -> dict:
-        """The canonical float32 weights with every quantized matrix replaced by what its int8 copy stands for."""
+        """The canonical float32 weights with every quantized matrix replaced by what its stored copy stands for."""
         out = dict(weights)
         c = self.config
-        deq = lambda qs: kernels.dequantize_rows(*qs)
+        attn = c.n_heads * c.head_dim
+        deq = lambda l, slot, cols: _dequantize(self._quantized[(l, slot)], cols)
         for l in range(c.n_layers):
             p = f"layers.{l}"
-            qkv = deq(self._quantized[(l, L_QKV)])
-            q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-            out[f"{p}.wq"], out[f"{p}.wk"], out[f"{p}.wv"] = np.split(qkv, [q_rows, q_rows + kv_rows])
-            out[f"{p}.wo"] = deq(self._quantized[(l, L_O)])
-            out[f"{p}.w_gate"] = deq(self._quantized[(l, L_GATE)])
-            out[f"{p}.w_up"] = deq(self._quantized[(l, L_UP)])
-            out[f"{p}.w_down_t"] = np.ascontiguousarray(deq(self._quantized[(l, L_DOWN)]).T)
-        out[self._head_name] = deq(self._head)
+            qkv = deq(l, L_QKV, c.d_model)
+            kv_rows = c.n_kv_heads * c.head_dim
+            out[f"{p}.wq"], out[f"{p}.wk"], out[f"{p}.wv"] = np.split(qkv, [attn, attn + kv_rows])
+            out[f"{p}.wo"] = deq(l, L_O, attn)
+            out[f"{p}.w_gate"] = deq(l, L_GATE, c.d_model)
+            out[f"{p}.w_up"] = deq(l, L_UP, c.d_model)
+            out[f"{p}.w_down_t"] = np.ascontiguousarray(deq(l, L_DOWN, c.d_ff).T)
+        out[self._head_name] = _dequantize(self._head, c.d_model)
         return out
 
     # ------------------------------------------------------------ calls from inside jit
@@ -530,7 +577,7 @@ class HostDecoder:
                     table=np.int64(self.address))
 
     def head(self, hidden):
-        """hidden [d] -> logits [vocab] from the int8 output head."""
+        """hidden [d] -> logits [vocab] from the output head (int8 in both formats)."""
         import jax
         import jax.numpy as jnp
 

@@ -99,8 +99,8 @@ def state_bytes(engine: Engine) -> int:
 def engine_bytes_per_token(engine: Engine, cache_len: int, mean_position: int) -> float:
     """Bytes one decode step reads: every weight once (a tied embedding once, as the head), the whole
     KV cache (XLA's attention reads every slot and masks), and for a sparse engine only the predicted-active
-    share of the FFN rows, the share measured on the bench prompt. The int8 host decode reads its int8
-    weights and scales, and the cache up to the run's mean position."""
+    share of the FFN rows, the share measured on the bench prompt. A host decode (int8, q4_1) reads
+    its stored weights and scales, and the cache up to the run's mean position."""
     from flax import nnx
 
     from pjinfer.sparse import SparseFFN, skipped_share

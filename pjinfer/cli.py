@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from pjinfer.config import ConfigError
+from pjinfer.config import WEIGHT_FORMATS, ConfigError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -43,10 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     def weight_options(p, many=False):
         p.add_argument("--weights", default="float32", type=_weight_list if many else None,
-                       choices=None if many else ("float32", "int8"),
-                       help=("comma-separated dense engines to run side by side, e.g. float32,int8; " if many else "")
-                       + "int8: every matrix int8 with a scale per block of 64, one-token steps on the host's "
-                       "Numba kernels (cpu_offload.host_decode), prefill through XLA on the same values")
+                       choices=None if many else WEIGHT_FORMATS,
+                       help=("comma-separated dense engines to run side by side, e.g. float32,q4_1; " if many else "")
+                       + "int8 (a scale per block of 64) or q4_1 (the GGUF's 4-bit blocks, head int8): one-token "
+                       "steps on the host's Numba kernels (cpu_offload.host_decode), prefill through XLA on the "
+                       "same values")
 
     p = command("generate", "generate text from a prompt, streamed as it comes")
     sparse_options(p)
@@ -118,9 +119,10 @@ def _say(*parts):
 
 def _weight_list(text: str) -> list[str]:
     formats = [f.strip() for f in text.split(",") if f.strip()]
-    bad = [f for f in formats if f not in ("float32", "int8")]
+    bad = [f for f in formats if f not in WEIGHT_FORMATS]
     if not formats or bad or len(set(formats)) != len(formats):
-        raise argparse.ArgumentTypeError(f"expected distinct float32 / int8, comma-separated, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected distinct {' / '.join(WEIGHT_FORMATS)}, comma-separated, "
+                                         f"got {text!r}")
     return formats
 
 

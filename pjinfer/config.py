@@ -6,6 +6,9 @@ import dataclasses
 ARCHITECTURES = ("llama", "opt")
 # Gated FFNs compute act(gate) * up (drelu: relu(gate) * relu(up)); "relu" is OPT's plain fc1 + ReLU.
 ACTIVATIONS = {"llama": ("swiglu", "geglu", "reglu", "drelu"), "opt": ("relu",)}
+# How a dense engine holds its weights: float32 through XLA, or quantized with one-token steps on the host
+# (cpu_offload/host_decode.py): int8 with a scale per 64, or the GGUF's 4-bit Q4_1 blocks (head int8).
+WEIGHT_FORMATS = ("float32", "int8", "q4_1")
 
 
 class ConfigError(ValueError):

@@ -11,34 +11,31 @@ from flax import nnx
 
 from pjinfer import generate as gen
 from pjinfer import loader
-from pjinfer.config import ConfigError, ModelConfig
+from pjinfer.config import WEIGHT_FORMATS, ConfigError, ModelConfig
 from pjinfer.model import Transformer
 from pjinfer.sampling import Sampling
 from pjinfer.tokenizer import Tokenizer
 
 
-WEIGHTS = ("float32", "int8")
-
-
 class Engine:
     def __init__(self, config: ModelConfig, weights: dict, tokenizer: Tokenizer, *, source: str = "",
                  weights_format: str = "float32"):
-        """weights_format "int8": every matrix quantized with a scale per block of 64; one-token decode steps
-        run on the host through cpu_offload.host_decode, prefill and scoring through XLA on the same
-        (dequantized) values."""
-        if weights_format not in WEIGHTS:
-            raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights_format!r}")
+        """weights_format "int8" (every matrix quantized with a scale per block of 64) or "q4_1" (the layers in
+        the GGUF's 4-bit blocks, the head int8): one-token decode steps run on the host through
+        cpu_offload.host_decode, prefill and scoring through XLA on the same (dequantized) values."""
+        if weights_format not in WEIGHT_FORMATS:
+            raise ConfigError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights_format!r}")
         self.config = config
         self.tokenizer = tokenizer
         self.source = source
         self.weights_format = weights_format
         self.bundle = None        # set by use_bundle: the engine then runs the hybrid sparse FFN
         host = None
-        if weights_format == "int8":
+        if weights_format != "float32":
             from cpu_offload.host_decode import HostDecoder
 
             try:
-                host = HostDecoder(config, weights)
+                host = HostDecoder(config, weights, weights_format)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
             weights = host.dequantized(weights)
@@ -50,10 +47,10 @@ class Engine:
     def load(cls, path=None, *, bundle=None, hot_backend: str = "xla", cold_weights: str = "float32",
              weights: str = "float32", progress=None) -> "Engine":
         start = time.perf_counter()
-        if weights not in WEIGHTS:
-            raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+        if weights not in WEIGHT_FORMATS:
+            raise ConfigError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
         if weights != "float32" and bundle is not None:
-            raise ConfigError("--weights int8 is the dense host decode; a sparse bundle takes --cold-weights int8")
+            raise ConfigError(f"--weights {weights} is the dense host decode; a sparse bundle takes --cold-weights int8")
         config, tensors, tokenizer = loader.load(path, progress=progress)
         engine = cls(config, tensors, tokenizer, source=str(path or loader.default_model_path()),
                      weights_format=weights)

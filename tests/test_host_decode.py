@@ -1,11 +1,12 @@
-"""cpu_offload.host_decode: the int8 decode step on the host, against numpy and against XLA on the same values."""
+"""cpu_offload.host_decode and q4: the quantized decode step on the host, against numpy and against XLA on the same
+values."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from cpu_offload import host_decode as hd
-from cpu_offload import kernels, team
+from cpu_offload import kernels, q4, team
 from tests.conftest import random_weights, tiny_config
 
 jax = pytest.importorskip("jax")
@@ -23,6 +24,50 @@ def test_gemv_matches_numpy_on_its_rows_only(rows, cols):
         y = np.full(rows, np.nan, np.float32)
         hd._gemv(q, s, x, y, lo, hi)
         np.testing.assert_allclose(y[lo:hi], want[lo:hi], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        assert np.isnan(y[:lo]).all() and np.isnan(y[hi:]).all()
+
+
+def _q4_matrix(rng, rows, cols):
+    """A random matrix with a spread of block ranges, a constant block and a block of one outlier."""
+    w = rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.1, 3, (rows, 1)).astype(np.float32)
+    w[0, :32] = 0.25
+    if rows > 1:
+        w[1, :32] = 0.0
+        w[1, 5] = -7.0
+    return w
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 32), (3, 64), (5, 96), (37, 576), (130, 1536)])
+def test_q4_quantize_rounds_to_the_nearest_step_and_round_trips(rows, cols):
+    rng = np.random.default_rng(rows * 1000 + cols)
+    w = _q4_matrix(rng, rows, cols)
+    blocks = q4.quantize(w)
+    assert blocks.shape == (rows, cols // 32 * 20) and blocks.dtype == np.uint8
+    back = q4.dequantize(blocks, cols)
+    b = w.reshape(rows, -1, 32)
+    step = (b.max(-1) - b.min(-1)) / 15
+    # Half a step, plus float16's rounding of d (times q <= 15) and of the block minimum.
+    slack = step / 2 + 15 * step * 2.0 ** -11 + np.abs(b.min(-1)) * 2.0 ** -11 + 1e-7
+    assert (np.abs(back - w).reshape(rows, -1, 32).max(-1) <= slack).all()
+    np.testing.assert_array_equal(back[0, :32], 0.25)  # a constant block is exact (d = 0)
+    np.testing.assert_array_equal(q4.quantize(back), blocks)  # the values it stands for quantize to themselves
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q4.quantize(np.zeros((2, 48), np.float32))
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 32), (3, 64), (5, 96), (37, 576), (130, 1536)])
+def test_q4_gemv_matches_numpy_on_its_rows_only(rows, cols):
+    rng = np.random.default_rng(rows * 7 + cols)
+    blocks = q4.quantize(_q4_matrix(rng, rows, cols))
+    x = rng.standard_normal(cols).astype(np.float32)
+    want = q4.dequantize(blocks, cols).astype(np.float64) @ x
+    xp = np.full(q4.prepared_size(cols), np.nan, np.float32)
+    q4.prepare(x, xp)
+    assert not np.isnan(xp).any()
+    for lo, hi in [(0, rows), (0, 0), (rows // 2, rows), (1 % rows, max(1 % rows, rows - 1))]:
+        y = np.full(rows, np.nan, np.float32)
+        q4.gemv(blocks, xp, y, lo, hi)
+        np.testing.assert_allclose(y[lo:hi], want[lo:hi], rtol=1e-5, atol=2e-6 * np.abs(want).max() * np.sqrt(cols))
         assert np.isnan(y[:lo]).all() and np.isnan(y[hi:]).all()
 
 
@@ -71,12 +116,12 @@ def test_attend_matches_numpy(pos):
 
 
 # ------------------------------------------------------------------------------------------------ whole model
-def _models(config, seed=0):
+def _models(config, seed=0, fmt="int8"):
     """(host-decode model, XLA reference on the same dequantized weights, the HostDecoder)."""
     from pjinfer.model import Transformer
 
     weights = random_weights(config, seed)
-    host = hd.HostDecoder(config, weights)
+    host = hd.HostDecoder(config, weights, fmt)
     values = host.dequantized(weights)
     model = Transformer(config, values)
     model.host = host
@@ -100,11 +145,12 @@ def _decode(model, tokens, cache_len):
     return np.stack(out), cache
 
 
+@pytest.mark.parametrize("fmt", ["int8", "q4_1"])
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "reglu", "drelu"])
-def test_host_decode_equals_xla_on_the_same_values(activation):
+def test_host_decode_equals_xla_on_the_same_values(activation, fmt):
     config = tiny_config(activation=activation, d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=192,
                          tie_embeddings=activation != "reglu")
-    model, reference, host = _models(config)
+    model, reference, host = _models(config, fmt=fmt)
     tokens = np.random.default_rng(1).integers(0, config.vocab_size, 9)
     got, got_cache = _decode(model, tokens, 16)
     want, want_cache = _decode(reference, tokens, 16)
@@ -118,9 +164,10 @@ def test_host_decode_equals_xla_on_the_same_values(activation):
     assert np.abs(original - want).max() > 1e-3
 
 
-def test_last_cache_slot_and_positions_past_the_cache():
+@pytest.mark.parametrize("fmt", ["int8", "q4_1"])
+def test_last_cache_slot_and_positions_past_the_cache(fmt):
     config = tiny_config(d_model=64, n_heads=2, n_kv_heads=1, head_dim=32, d_ff=128)
-    model, reference, host = _models(config)
+    model, reference, host = _models(config, fmt=fmt)
     tokens = np.arange(16) % config.vocab_size
     got, _ = _decode(model, tokens, 16)  # the last step writes slot 15 of 16
     want, _ = _decode(reference, tokens, 16)
@@ -144,3 +191,9 @@ def test_unsupported_models_are_refused(changes, fragment):
     config = tiny_config(**changes)
     with pytest.raises(ValueError, match=fragment):
         hd.HostDecoder(config, random_weights(config))
+
+
+def test_unknown_formats_are_refused():
+    config = tiny_config(d_model=64, n_heads=2, n_kv_heads=1, head_dim=32, d_ff=128)
+    with pytest.raises(ValueError, match="one of int8, q4_1, got 'q4_0'"):
+        hd.HostDecoder(config, random_weights(config), "q4_0")

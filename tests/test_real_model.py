@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from pjinfer import data
@@ -61,20 +62,48 @@ def test_llama_cpp_peer_runs_the_same_greedy_decode(engine):
     assert engine.tokenizer.decode(tokens).startswith(" Paris.\n\nThe United States")  # shared/DESIGN.md
 
 
-def test_int8_host_decode_equals_xla_on_the_same_values():
-    """--weights int8: the host's int8 decode step against XLA's float32 step on the dequantized values."""
+@pytest.mark.parametrize("fmt", ["int8", "q4_1"])
+def test_host_decode_equals_xla_on_the_same_values(fmt):
+    """--weights int8 / q4_1: the host's quantized decode step against XLA's float32 step on the dequantized
+    values."""
     import copy
 
     from flax import nnx
 
     from pjinfer.engine import Engine
 
-    int8 = Engine.load(weights="int8")
-    prompt = int8.tokenizer.encode("The capital of France is", add_special=False)
-    got = int8.generate(prompt, max_new_tokens=12)
-    assert int8.tokenizer.decode(got).startswith(" Paris.")
-    xla = copy.copy(int8)
-    model = nnx.merge(int8.graphdef, int8.state)
+    host = Engine.load(weights=fmt)
+    prompt = host.tokenizer.encode("The capital of France is", add_special=False)
+    got = host.generate(prompt, max_new_tokens=12)
+    assert host.tokenizer.decode(got).startswith(" Paris.")
+    xla = copy.copy(host)
+    model = nnx.merge(host.graphdef, host.state)
     model.host = None
     xla.graphdef, xla.state = nnx.split(model)
     assert xla.generate(prompt, max_new_tokens=12) == got
+
+
+def test_q4_1_blocks_are_the_gguf_files_own():
+    """Re-quantizing what the loader dequantized gives back every Q4_1 tensor's bytes: --weights q4_1 decodes
+    the file's model, not a further approximation of it."""
+    import gguf
+
+    from cpu_offload import q4
+    from pjinfer import loader
+
+    path = loader.default_model_path()
+    config, weights, _ = loader.load(path)
+    names = {"attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo", "ffn_gate": "w_gate",
+             "ffn_up": "w_up", "ffn_down": "w_down_t"}
+    checked = 0
+    for t in gguf.GGUFReader(str(path)).tensors:
+        if t.tensor_type.name != "Q4_1":
+            continue
+        _, layer, kind, _ = t.name.split(".")
+        w = np.asarray(weights[f"layers.{layer}.{names[kind]}"])
+        rows = np.asarray(t.data).reshape(w.shape[1] if kind == "ffn_down" else w.shape[0], -1)
+        if kind in ("attn_q", "attn_k"):  # the loader un-permutes these rows; blocks run along each row
+            rows = loader._unpermute_rope(rows, config.n_heads if kind == "attn_q" else config.n_kv_heads)
+        np.testing.assert_array_equal(q4.quantize(w.T if kind == "ffn_down" else w), rows, err_msg=t.name)
+        checked += 1
+    assert checked == 7 * config.n_layers
