@@ -36,9 +36,9 @@ $(PEER_STAMP): $(STAMP)
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PY) -m pip install --quiet llama-cpp-python==0.3.36
 	touch $(PEER_STAMP)
 bench-peer: $(PEER_STAMP)
-	$(VENV)/bin/pjinfer bench --peer llama-cpp --prompt-len 16 --new-tokens 256 --runs 5 --weights float32,int8 \
+	$(VENV)/bin/pjinfer bench --peer llama-cpp --prompt-len 16 --new-tokens 256 --runs 5 --weights float32,int8,q4_1 \
 		$(if $(wildcard $(BUNDLE)/manifest.json),--bundle $(BUNDLE) --cold-weights int8)
-	$(VENV)/bin/pjinfer bench --peer llama-cpp --prompt-len 512 --new-tokens 16 --runs 3 --weights float32,int8
+	$(VENV)/bin/pjinfer bench --peer llama-cpp --prompt-len 512 --new-tokens 128 --runs 3 --weights float32,int8,q4_1
 
 perplexity: setup
 	$(PY) -c "from pjinfer import data; open('/tmp/pjinfer-wiki.txt','w').write(data.wiki_eval_text())"

@@ -31,7 +31,10 @@ from numba import njit, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
+from . import ffi, kernels  # noqa: E402
 from .kernels import _prefetch  # noqa: E402
+
+ffi.purge_stale_cache("q4", kernels)  # _prefetch is compiled into this module's cached functions
 
 BLOCK = 32          # weights per block
 BLOCK_BYTES = 20    # float16 d, float16 m, 16 bytes of nibbles

@@ -70,6 +70,8 @@ def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: i
     for name, (prefill_s, total_s) in times.items():
         p = statistics.median(prefill_s)
         # generate = prefill + (new_tokens - 1) decode steps; the decode rate is what remains after prefill.
+        # So after a long prompt, ask for enough new tokens that decoding outlasts the prefill's noise (16
+        # tokens after 512 gave rates above the memory bandwidth; 128 do not).
         decode_runs[name] = [(new_tokens - 1) / max(t - p, 1e-9) for t in total_s]
         decode = statistics.median(decode_runs[name])
         results[name] = {"prefill_tok_s": prompt_len / p, "decode_tok_s": decode, "decode_ms_per_token": 1000 / decode,

@@ -110,9 +110,19 @@ def test_attend_matches_numpy(pos):
     want = _attention_reference(q, k, v, pos, H // KV)
     for h in range(H):
         out = np.full(hd_, np.nan, np.float32)
-        hd._attend(q[h], k.reshape(-1), v.reshape(-1), h // (H // KV), KV, hd_, pos,
-                   np.full(S, np.nan, np.float32), out)
+        hd._attend(q[h], k, v, h // (H // KV), pos, np.full(S, np.nan, np.float32), out)
         np.testing.assert_allclose(out, want[h], rtol=1e-4, atol=1e-5)
+
+
+def test_exp_matches_numpy_down_to_the_clamp():
+    x = np.concatenate([-np.linspace(0, 100, 20001), [-1e-30, -88.5, -np.inf]]).astype(np.float32)
+    got = x.copy()
+    total = hd._exp_shifted(got, np.float32(0))
+    want = np.exp(x.astype(np.float64))
+    kept = x >= -87  # below, it returns exp(-87) = 1.6e-38: noise next to the maximum's 1
+    np.testing.assert_allclose(got[kept], want[kept], rtol=1e-6)
+    assert (got[~kept] <= 2e-38).all() and (got[~kept] >= 0).all()
+    np.testing.assert_allclose(total, want.sum(), rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------ whole model
