@@ -246,11 +246,9 @@ def _scratch(header):
 
 @njit(**NOJIT)
 def _prepared(header, cols):
-    """The Q4_1 GEMV input scratch, sized for an input of cols (after _scratch's views)."""
-    d, nh, nkv, hd, ff = _dims(header)
-    off = load_i64(header + 8 * H_SCRATCH) + 4 * (3 * d + (nh + 2 * nkv) * hd + nh * hd + 2 * ff
-                                                  + nh * load_i64(header + 8 * H_MAXLEN))
-    return _f32(off, q4.prepared_size(cols))
+    """The Q4_1 GEMV input scratch, sized for an input of cols: right after _scratch's last view."""
+    scores = _scratch(header)[7]
+    return _f32(scores.ctypes.data + 4 * scores.size, q4.prepared_size(cols))
 
 
 @njit(**NOJIT)
