@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -14,15 +15,17 @@ class Sampling:
     temperature: float = 0.0   # 0 means greedy
     top_k: int = 0             # 0 means no top-k filter
     top_p: float = 1.0         # 1 means no nucleus filter
-    seed: int = 0
+    seed: int = 0              # any value in [0, 2**32): the PRNG key takes 32 bits
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ConfigError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if self.top_k < 0:
             raise ConfigError(f"top-k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top-p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(f"seed must be in [0, 2**32), got {self.seed}")
 
     @property
     def greedy(self) -> bool:

@@ -41,8 +41,9 @@ def test_low_temperature_sharpens():
     assert counts[1] > 0.75
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(temperature=float("nan")), dict(top_k=-2),
-                                    dict(top_p=0.0), dict(top_p=1.5)])
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(temperature=float("nan")),
+                                    dict(temperature=float("inf")), dict(top_k=-2), dict(top_p=0.0),
+                                    dict(top_p=1.5), dict(seed=-1), dict(seed=2**32), dict(seed=10**20)])
 def test_invalid_settings_are_refused(kwargs):
     with pytest.raises(ConfigError):
         Sampling(**kwargs)
