@@ -245,7 +245,9 @@ def cmd_eval(args):
     from pjinfer import evaluate
 
     if args.compare:
-        a, b = (_read_json(f) for f in args.compare)
+        a, b = (evaluate.check_results(_read_json(f), f) for f in args.compare)
+        for line in evaluate.count_mismatches(a, b):
+            _say(f"pjinfer: warning: {line}")
         print(evaluate.compare_table(a, b))
         return
     if not args.tasks:
@@ -254,6 +256,8 @@ def cmd_eval(args):
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     evaluate.check_tasks(tasks)  # before the model loads
+    if args.output:
+        _check_writable(args.output)  # before the evaluation runs, not after
     engine = _load(args, args.bundle)
     results = evaluate.evaluate(engine, tasks, limit=args.limit, num_fewshot=args.num_fewshot)
     if args.output:
@@ -272,13 +276,42 @@ def _read_json(path) -> dict:
         raise ConfigError(f"{path} is not a results JSON file ({e})") from None
 
 
-def _write_json(path, obj) -> None:
+def _check_writable(path) -> None:
+    """Refuses, in one line, an output path that a later write would fail on."""
     import os
+    import tempfile
+    from pathlib import Path
 
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)  # never a half-written results file
+    target = Path(path)
+    if target.is_dir():
+        raise ConfigError(f"--output {path} is a directory; give a file name")
+    parent = target.parent
+    if not parent.is_dir():
+        raise ConfigError(f"--output {path}: directory {parent} does not exist")
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{target.name}.", suffix=".tmp"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--output {path} is not writable ({e.strerror})") from None
+    if target.exists() and not os.access(target, os.W_OK):
+        raise ConfigError(f"--output {path} is not writable")
+
+
+def _write_json(path, obj) -> None:
+    """Atomic: a temporary file beside `path`, renamed over it; never a half-written results file or a stray temp."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1)
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def cmd_profile(args):
