@@ -60,6 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     weight_options(p)
 
+    p = command("chat", "talk with the model: multi-turn, replies streamed (/reset, /exit, Ctrl-C stops a reply)")
+    p.add_argument("--system", help="system message that opens the conversation")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=256, help="the longest reply")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 keeps every token")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    weight_options(p)
+
     p = command("perplexity", "perplexity of a text file (no BOS; consecutive windows from the start)")
     p.add_argument("--text-file", required=True)
     p.add_argument("--windows", type=_positive_int, default=4)
@@ -177,6 +186,15 @@ def cmd_generate(args):
         _say(f"load {timing['load_s']:.1f} s, compile {timing['compile_s']:.1f} s "
              f"({stats.executables} executables, {stats.cache_hits} from the disk cache), "
              f"{len(out)} tokens in {elapsed:.1f} s{rate}")
+
+
+def cmd_chat(args):
+    from pjinfer.chat import Conversation, repl
+    from pjinfer.sampling import Sampling
+
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    engine = _load(args)
+    repl(Conversation(engine, system=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling))
 
 
 def cmd_perplexity(args):
@@ -347,7 +365,7 @@ def cmd_solve(args):
                       batch=args.batch, hardware=hardware)
 
 
-COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "bench": cmd_bench, "eval": cmd_eval,
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "perplexity": cmd_perplexity, "bench": cmd_bench, "eval": cmd_eval,
             "profile": cmd_profile,
             "train-predictors": cmd_train_predictors, "solve": cmd_solve}
 
