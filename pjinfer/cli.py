@@ -1,4 +1,6 @@
-"""Command line: `pjinfer generate | perplexity | bench`. Every subcommand defaults to the embedded model."""
+"""Command line: `pjinfer generate | chat | perplexity | bench | eval | profile | train-predictors | solve`.
+
+Every subcommand defaults to the embedded model (SmolLM2-135M-Instruct)."""
 from __future__ import annotations
 
 import argparse
@@ -49,24 +51,33 @@ def build_parser() -> argparse.ArgumentParser:
                        "steps on the host's Numba kernels (cpu_offload.host_decode), prefill through XLA on the "
                        "same values")
 
+    def sampling_options(p):
+        p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+        p.add_argument("--top-k", type=int, default=0, help="0 keeps every token")
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--min-p", type=float, default=0.0, help="keep tokens at least this share as likely as the "
+                       "most likely one (0 keeps every token)")
+        p.add_argument("--repeat-penalty", type=float, default=1.0, help="penalty on the last 64 tokens' ids "
+                       "(1 is none; llama.cpp's --repeat-penalty)")
+        p.add_argument("--seed", type=int, default=0, help="in [0, 2**32)")
+        p.add_argument("--threads", type=_positive_int, help="host threads of the CPU kernels (default: every CPU)")
+
     p = command("generate", "generate text from a prompt, streamed as it comes")
     sparse_options(p)
-    p.add_argument("--prompt", required=True)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the prompt text")
+    source.add_argument("--prompt-file", help="read the prompt from this file (UTF-8); - reads standard input")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 keeps every token")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="stop before this text (repeatable); the model's end-of-text tokens always stop")
+    sampling_options(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     weight_options(p)
 
     p = command("chat", "talk with the model: multi-turn, replies streamed (/reset, /exit, Ctrl-C stops a reply)")
     p.add_argument("--system", help="system message that opens the conversation")
     p.add_argument("--max-new-tokens", type=_positive_int, default=256, help="the longest reply")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 keeps every token")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    sampling_options(p)
     weight_options(p)
 
     p = command("perplexity", "perplexity of a text file (no BOS; consecutive windows from the start)")
@@ -148,51 +159,113 @@ def _load(args, bundle=None, weights=None):
                        progress=Progress("loading tensors", 0))
 
 
+def _sampling(args):
+    """The sampling settings of generate and chat, checked before the model loads; --threads applied."""
+    import os
+
+    from pjinfer.sampling import Sampling
+
+    if args.threads:
+        os.environ["PJINFER_HOST_THREADS"] = os.environ["PJINFER_COLD_THREADS"] = str(args.threads)
+    return Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                    min_p=args.min_p, repeat_penalty=args.repeat_penalty)
+
+
+def _prompt_text(args) -> str:
+    """--prompt, or --prompt-file (- for standard input), as text; refuses what is not UTF-8 or is empty."""
+    if args.prompt is not None:
+        text = args.prompt
+        try:
+            text.encode("utf-8")    # argv that was not UTF-8 arrives with surrogate escapes
+        except UnicodeEncodeError:
+            raise ConfigError("the prompt is not valid UTF-8") from None
+    else:
+        name = "standard input" if args.prompt_file == "-" else args.prompt_file
+        try:
+            data = sys.stdin.buffer.read() if args.prompt_file == "-" else open(args.prompt_file, "rb").read()
+            text = data.decode("utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"prompt file not found: {args.prompt_file}") from None
+        except IsADirectoryError:
+            raise ConfigError(f"prompt file {args.prompt_file} is a directory") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"the prompt in {name} is not valid UTF-8") from None
+    if not text.strip():
+        raise ConfigError("the prompt is empty")
+    return text
+
+
 def cmd_generate(args):
     from pjinfer.runtime import CompileStats
-    from pjinfer.sampling import Sampling
     from pjinfer.tokenizer import StreamDecoder
 
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling = _sampling(args)
+    prompt = _prompt_text(args)
+    if any(not stop for stop in args.stop):
+        raise ConfigError("--stop needs a non-empty string")
     engine = _load(args, args.bundle)
     tok = engine.tokenizer
     if args.chat:
-        ids = tok.encode(tok.apply_chat([{"role": "user", "content": args.prompt}]), add_special=False)
+        ids = tok.encode(tok.apply_chat([{"role": "user", "content": prompt}]), add_special=False)
     else:
-        ids = tok.encode(args.prompt)
+        ids = tok.encode(prompt)
     engine.plan(len(ids), args.max_new_tokens)  # refuse an over-long prompt before compiling anything
 
+    # Streamed token by token, --json too: stop strings are checked between tokens, Ctrl-C keeps what was made.
+    # The tail that could still become a stop string is held back until it cannot.
     stats = CompileStats()
-    start = time.perf_counter()
-    if args.json:
-        out = engine.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling)
-    else:
-        out, decoder = [], StreamDecoder(tok)
+    out, text, printed, stopped_by, interrupted = [], "", 0, None, False
+    decoder, hold = StreamDecoder(tok), max((len(s) - 1 for s in args.stop), default=0)
+    marks = [time.perf_counter()]                 # start, then after each token
+    try:
         for token in engine.stream(ids, max_new_tokens=args.max_new_tokens, sampling=sampling):
-            if len(out) == 1:  # the second token has paid for the decode step's compilation
-                second = time.perf_counter()
             out.append(token)
-            sys.stdout.write(decoder.push(token))
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-    elapsed = time.perf_counter() - start
-    timing = {"load_s": round(engine.load_seconds, 3), "compile_s": round(stats.seconds, 3),
-              "executables": stats.executables, "from_disk_cache": stats.cache_hits,
-              "generate_s": round(elapsed, 3), "prompt_tokens": len(ids), "new_tokens": len(out)}
+            text += decoder.push(token)
+            marks.append(time.perf_counter())
+            hits = [(text.find(s), s) for s in args.stop if s in text]
+            if hits:
+                cut, stopped_by = min(hits)
+                text = text[:cut]
+            if not args.json:
+                upto = len(text) if stopped_by else max(printed, len(text) - hold)
+                sys.stdout.write(text[printed:upto])
+                sys.stdout.flush()
+                printed = upto
+            if stopped_by:
+                break
+    except KeyboardInterrupt:
+        interrupted = True
+    if not args.json:
+        sys.stdout.write(text[printed:] + "\n")
+    timing = _generate_timing(engine, stats, marks, len(ids), len(out))
     if args.json:
-        print(json.dumps({"text": tok.decode(out), "token_ids": out, **timing}))
+        print(json.dumps({"text": text, "token_ids": out, "stop": stopped_by, "interrupted": interrupted,
+                          "weights": engine.weights_format, "sparse": engine.bundle is not None, **timing}))
     else:
-        rate = f", {(len(out) - 2) / (time.perf_counter() - second):.1f} tok/s" if len(out) > 2 else ""
+        decode = f", decode {timing['decode_tok_s']:.1f} tok/s" if timing["decode_tok_s"] else ""
         _say(f"load {timing['load_s']:.1f} s, compile {timing['compile_s']:.1f} s "
              f"({stats.executables} executables, {stats.cache_hits} from the disk cache), "
-             f"{len(out)} tokens in {elapsed:.1f} s{rate}")
+             f"prefill {len(ids)} tokens {timing['prefill_s']:.2f} s, {len(out)} tokens{decode} "
+             f"[weights {engine.weights_format}{', sparse' if engine.bundle is not None else ''}]")
+    if interrupted:
+        raise KeyboardInterrupt
+
+
+def _generate_timing(engine, stats, marks, prompt_tokens, new_tokens) -> dict:
+    """prefill_s: start to the first token (prefill and, on a cold cache, its compilation); decode_tok_s: from the
+    second token on, past the decode step's compilation (None with fewer than three tokens)."""
+    decode = (new_tokens - 2) / (marks[-1] - marks[2]) if new_tokens > 2 and marks[-1] > marks[2] else None
+    return {"load_s": round(engine.load_seconds, 3), "compile_s": round(stats.seconds, 3),
+            "executables": stats.executables, "from_disk_cache": stats.cache_hits,
+            "prefill_s": round(marks[1] - marks[0], 3) if new_tokens else None,
+            "decode_tok_s": round(decode, 2) if decode else None,
+            "generate_s": round(marks[-1] - marks[0], 3), "prompt_tokens": prompt_tokens, "new_tokens": new_tokens}
 
 
 def cmd_chat(args):
     from pjinfer.chat import Conversation, repl
-    from pjinfer.sampling import Sampling
 
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling = _sampling(args)
     engine = _load(args)
     repl(Conversation(engine, system=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling))
 
