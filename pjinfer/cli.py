@@ -276,8 +276,13 @@ def cmd_perplexity(args):
     text = data.read_text(args.text_file)
     engine = _load(args, args.bundle)
     ids = engine.tokenizer.encode(text, add_special=False)
+    start = time.perf_counter()
     ppl, n = engine.perplexity(ids, windows=args.windows, window_len=args.window_len)
-    result = {"perplexity": ppl, "tokens": n}
+    seconds = time.perf_counter() - start
+    result = {"perplexity": ppl, "tokens": n, "weights": engine.weights_format, "load_s": round(engine.load_seconds, 3),
+              "seconds": round(seconds, 3), "tok_s": round(n / seconds, 1)}
+    _say(f"load {engine.load_seconds:.1f} s; scored {n} tokens in {seconds:.1f} s ({n / seconds:.0f} tok/s, "
+         f"compilation included) [weights {engine.weights_format}{', sparse' if engine.bundle is not None else ''}]")
     if engine.bundle is not None:
         from pjinfer.sparse import skipped_share
 
