@@ -212,31 +212,26 @@ def cmd_generate(args):
     engine.plan(len(ids), args.max_new_tokens)  # refuse an over-long prompt before compiling anything
 
     # Streamed token by token, --json too: stop strings are checked between tokens, Ctrl-C keeps what was made.
-    # The tail that could still become a stop string is held back until it cannot.
     stats = CompileStats()
-    out, text, printed, stopped_by, interrupted = [], "", 0, None, False
-    decoder, hold = StreamDecoder(tok), max((len(s) - 1 for s in args.stop), default=0)
+    out, interrupted = [], False
+    decoder = StreamDecoder(tok, args.stop)
     marks = [time.perf_counter()]                 # start, then after each token
     try:
         for token in engine.stream(ids, max_new_tokens=args.max_new_tokens, sampling=sampling):
             out.append(token)
-            text += decoder.push(token)
+            piece = decoder.push(token)
             marks.append(time.perf_counter())
-            hits = [(text.find(s), s) for s in args.stop if s in text]
-            if hits:
-                cut, stopped_by = min(hits)
-                text = text[:cut]
             if not args.json:
-                upto = len(text) if stopped_by else max(printed, len(text) - hold)
-                sys.stdout.write(text[printed:upto])
+                sys.stdout.write(piece)
                 sys.stdout.flush()
-                printed = upto
-            if stopped_by:
+            if decoder.stop is not None:
                 break
     except KeyboardInterrupt:
         interrupted = True
+    rest = decoder.flush()
     if not args.json:
-        sys.stdout.write(text[printed:] + "\n")
+        sys.stdout.write(rest + "\n")
+    text, stopped_by = decoder.text, decoder.stop
     timing = _generate_timing(engine, stats, marks, len(ids), len(out))
     if args.json:
         print(json.dumps({"text": text, "token_ids": out, "stop": stopped_by, "interrupted": interrupted,
