@@ -1,4 +1,4 @@
-"""Command line: `pjinfer generate | chat | perplexity | bench | eval | profile | train-predictors | solve`.
+"""Command line: `pjinfer generate | chat | serve | perplexity | bench | eval | profile | train-predictors | solve`.
 
 Every subcommand defaults to the embedded model (SmolLM2-135M-Instruct)."""
 from __future__ import annotations
@@ -23,6 +23,13 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
     return value
 
 
@@ -78,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", help="system message that opens the conversation")
     p.add_argument("--max-new-tokens", type=_positive_int, default=256, help="the longest reply")
     sampling_options(p)
+    weight_options(p)
+
+    p = command("serve", "an OpenAI-compatible HTTP server (completions, chat completions, streaming)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=_port, default=8080)
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 requests")
+    p.add_argument("--max-batch", type=_positive_int, default=8, help="requests decoding at once; more wait")
     weight_options(p)
 
     p = command("perplexity", "perplexity of a text file (no BOS; consecutive windows from the start)")
@@ -265,6 +279,19 @@ def cmd_chat(args):
     repl(Conversation(engine, system=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling))
 
 
+def cmd_serve(args):
+    import logging
+
+    from pjinfer.server import Server, serve
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    logging.getLogger("pjinfer").setLevel(logging.INFO)     # one line per request
+    server = Server(_load(args), api_key=args.api_key, max_active=args.max_batch)
+    _say(f"pjinfer: serving {server.name} on http://{args.host}:{args.port}/v1 "
+         f"[weights {server.engine.weights_format}]")
+    serve(server, host=args.host, port=args.port)
+
+
 def cmd_perplexity(args):
     from pjinfer import data
 
@@ -438,7 +465,7 @@ def cmd_solve(args):
                       batch=args.batch, hardware=hardware)
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "perplexity": cmd_perplexity, "bench": cmd_bench, "eval": cmd_eval,
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "perplexity": cmd_perplexity, "bench": cmd_bench, "eval": cmd_eval,
             "profile": cmd_profile,
             "train-predictors": cmd_train_predictors, "solve": cmd_solve}
 
