@@ -1,10 +1,31 @@
 """Shared fixtures: the real default model (loaded once per session) and tiny random models."""
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 import numpy as np
 import pytest
 
 from pjinfer.config import ModelConfig
+
+_CACHE_HOME = None
+
+
+def pytest_configure(config):
+    """A private XDG_CACHE_HOME for the session: command-line tests run `pjinfer.cli.main` in this process, and
+    the CLI turns on JAX's persistent compilation cache (pjinfer/runtime.py) for the rest of the process; this
+    keeps those executables (and the CLI subprocesses') out of the user's ~/.cache and keeps one run's cache
+    from speeding up or otherwise affecting the next."""
+    global _CACHE_HOME
+    _CACHE_HOME = tempfile.mkdtemp(prefix="pjinfer-tests-cache-")
+    os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
+
+
+def pytest_unconfigure(config):
+    if _CACHE_HOME:
+        shutil.rmtree(_CACHE_HOME, ignore_errors=True)
 
 
 def tiny_config(arch: str = "llama", activation: str = "swiglu", **changes) -> ModelConfig:
