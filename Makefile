@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 export NUMBA_THREADING_LAYER ?= workqueue
 
-.PHONY: setup run test bench bench-peer bench-serve perplexity bundle clean
+.PHONY: setup run test mutants bench bench-peer bench-serve perplexity bundle clean
 
 # Idempotent: re-runs pip only when pyproject.toml changed.
 setup: $(STAMP)
@@ -23,6 +23,10 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# A check that the suite can fail: deliberate faults, one at a time in a temporary copy (tests/mutants.py).
+mutants: setup
+	$(PY) tests/mutants.py
 
 bench: setup
 	$(VENV)/bin/pjinfer bench --prompt-len 16 --new-tokens 128

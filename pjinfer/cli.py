@@ -209,6 +209,23 @@ def _prompt_text(args) -> str:
     return text
 
 
+def _check_bundle(args, path) -> None:
+    """Before any weights load: the model file exists and the bundle at `path` is a pjinfer bundle made for it
+    (manifest and model hash; the stages themselves are read when the engine takes the bundle)."""
+    from pathlib import Path
+
+    from pjinfer.bundle import Bundle
+    from pjinfer.loader import default_model_path, model_identity
+
+    weights = getattr(args, "weights", "float32")
+    if isinstance(weights, str) and weights != "float32":  # as Engine.load refuses it
+        raise ConfigError(f"--weights {weights} is the dense host decode; a sparse bundle takes --cold-weights int8")
+    model = Path(args.model) if args.model else default_model_path()
+    if not model.exists():
+        raise ConfigError(f"model not found: {model}")
+    Bundle.open(path).check_model(model_identity(model))
+
+
 def cmd_generate(args):
     from pjinfer.runtime import CompileStats
     from pjinfer.tokenizer import StreamDecoder
@@ -217,6 +234,8 @@ def cmd_generate(args):
     prompt = _prompt_text(args)
     if any(not stop for stop in args.stop):
         raise ConfigError("--stop needs a non-empty string")
+    if args.bundle:
+        _check_bundle(args, args.bundle)
     engine = _load(args, args.bundle)
     tok = engine.tokenizer
     if args.chat:
@@ -296,6 +315,8 @@ def cmd_perplexity(args):
     from pjinfer import data
 
     text = data.read_text(args.text_file)
+    if args.bundle:
+        _check_bundle(args, args.bundle)
     engine = _load(args, args.bundle)
     ids = engine.tokenizer.encode(text, add_special=False)
     start = time.perf_counter()
@@ -326,6 +347,8 @@ def cmd_bench(args):
         from pjinfer.peer import check_llama_cpp
 
         check_llama_cpp(args.model or default_model_path())
+    if args.bundle:
+        _check_bundle(args, args.bundle)
     engines = {("dense" if w == "float32" else f"dense-{w}"): _load(args, weights=w) for w in args.weights}
     if args.bundle:  # sparse against dense, measured in the same run
         engines["sparse"] = _load(args, args.bundle, weights="float32")
@@ -376,6 +399,8 @@ def cmd_eval(args):
     evaluate.check_tasks(tasks)  # before the model loads
     if args.output:
         _check_writable(args.output)  # before the evaluation runs, not after
+    if args.bundle:
+        _check_bundle(args, args.bundle)
     engine = _load(args, args.bundle)
     results = evaluate.evaluate(engine, tasks, limit=args.limit, num_fewshot=args.num_fewshot)
     if args.output:
@@ -435,8 +460,11 @@ def _write_json(path, obj) -> None:
 def cmd_profile(args):
     from pjinfer import offline
     from pjinfer.profile import EXACT_ACTIVATIONS
+    from pjinfer import data
     from pjinfer.progress import Progress
 
+    if args.text_file:
+        data.read_text(args.text_file)  # a missing or empty file fails before the model loads
     engine = _load(args)
     sparsity = None if engine.config.activation in EXACT_ACTIVATIONS else args.sparsity
     offline.run_profile(engine, args.bundle, text_file=args.text_file, tokens=args.tokens, sparsity=sparsity,
@@ -447,6 +475,9 @@ def cmd_train_predictors(args):
     from pjinfer import offline
     from pjinfer.progress import Progress
 
+    if not 0 < args.recall < 1:
+        raise ConfigError(f"--recall must be in (0, 1), got {args.recall}")
+    _check_bundle(args, args.bundle)
     offline.run_train(_load(args), args.bundle, recall=args.recall, max_rank=args.max_rank, epochs=args.epochs,
                       progress=Progress("training predictors", 0, " layers"))
 
@@ -461,6 +492,7 @@ def cmd_solve(args):
     if not args.sync_us >= 0:
         raise ConfigError("--sync-us must be >= 0")
     hardware = policy.Hardware(args.cpu_bandwidth, args.device_bandwidth, args.sync_us * 1e-6)
+    _check_bundle(args, args.bundle)
     offline.run_solve(_load(args), args.bundle, device_memory=device_memory, kv_tokens=args.kv_tokens,
                       batch=args.batch, hardware=hardware)
 
@@ -471,11 +503,16 @@ COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "per
 
 
 def main(argv=None) -> int:
+    """Run one subcommand; returns the exit status. Bad arguments exit 2 from the parser. An expected failure (a
+    ConfigError, or any OSError or ValueError: a missing or unreadable file, a malformed checkpoint) prints one
+    line `pjinfer: error: ...` on stderr and returns 2; any other exception propagates with its traceback, so
+    bugs stay visible."""
     args = build_parser().parse_args(argv)
     try:
         COMMANDS[args.command](args)
-    except ConfigError as e:
-        _say(f"pjinfer: error: {e}")
+    except (OSError, ValueError) as e:  # ConfigError is a ValueError
+        message = " ".join(str(e).split()) or type(e).__name__
+        _say(f"pjinfer: error: {message}")
         return 2
     except KeyboardInterrupt:
         _say("pjinfer: interrupted")

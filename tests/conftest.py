@@ -1,10 +1,31 @@
 """Shared fixtures: the real default model (loaded once per session) and tiny random models."""
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 import numpy as np
 import pytest
 
 from pjinfer.config import ModelConfig
+
+_CACHE_HOME = None
+
+
+def pytest_configure(config):
+    """A private XDG_CACHE_HOME for the session: command-line tests run `pjinfer.cli.main` in this process, and
+    the CLI turns on JAX's persistent compilation cache (pjinfer/runtime.py) for the rest of the process; this
+    keeps those executables (and the CLI subprocesses') out of the user's ~/.cache and keeps one run's cache
+    from speeding up or otherwise affecting the next."""
+    global _CACHE_HOME
+    _CACHE_HOME = tempfile.mkdtemp(prefix="pjinfer-tests-cache-")
+    os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
+
+
+def pytest_unconfigure(config):
+    if _CACHE_HOME:
+        shutil.rmtree(_CACHE_HOME, ignore_errors=True)
 
 
 def tiny_config(arch: str = "llama", activation: str = "swiglu", **changes) -> ModelConfig:
@@ -50,3 +71,41 @@ def engine():
     from pjinfer.engine import Engine
 
     return Engine.load()
+
+
+class SmallBundle:
+    """A sparse bundle of the real model built once per session with small settings (seconds, not `make
+    bundle`'s minutes): profile 2048 calibration tokens at target sparsity 0.5 keeping 1024 for training;
+    predictors at recall 0.9, rank <= 32, 2 epochs; placement in 400 MiB (about a third of the FFN hot).
+    `lines` holds each stage's printed table."""
+    PROFILE = dict(tokens=2048, sparsity=0.5, train_tokens=1024)
+    TRAIN = dict(recall=0.9, max_rank=32, epochs=2)
+    DEVICE_MEMORY = "400MiB"
+
+    def __init__(self, engine, path):
+        from pjinfer import offline, policy
+
+        self.path = path
+        self.lines = {"profile": [], "train": [], "solve": []}
+        offline.run_profile(engine, path, **self.PROFILE, out=self.lines["profile"].append)
+        offline.run_train(engine, path, **self.TRAIN, out=self.lines["train"].append)
+        offline.run_solve(engine, path, device_memory=policy.parse_bytes(self.DEVICE_MEMORY), kv_tokens=2048,
+                          batch=64, hardware=policy.Hardware(), out=self.lines["solve"].append)
+        self.bundle = offline.open_bundle(engine, path)
+
+
+@pytest.fixture(scope="session")
+def small_bundle(engine, tmp_path_factory):
+    """The real model's SmallBundle, shared by the profile, offline and sparse tests."""
+    return SmallBundle(engine, tmp_path_factory.mktemp("small-bundle") / "b")
+
+
+@pytest.fixture(scope="session")
+def sparse_engine(engine, small_bundle):
+    """The real model running the hybrid sparse FFN with the small bundle (XLA hot backend, float32 cold rows).
+    A shallow copy of `engine`: use_bundle rebinds its own graphdef/state, the dense engine is left as it was."""
+    import copy
+
+    sparse = copy.copy(engine)
+    sparse.use_bundle(small_bundle.path)
+    return sparse

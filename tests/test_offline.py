@@ -1,28 +1,18 @@
 """The offline pipeline's train and solve stages on the real model, with a short profile so CI stays fast
 (`make bundle` is the full run)."""
-import subprocess
-import sys
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pjinfer import offline, policy
+from pjinfer import data, offline, policy
+from pjinfer import profile as prof
 from pjinfer.config import ConfigError
+from train.predictor import split_indices
 
 
-@pytest.fixture(scope="module")
-def bundle(engine, tmp_path_factory):
-    path = tmp_path_factory.mktemp("pipeline") / "b"
-    offline.run_profile(engine, path, tokens=2048, sparsity=0.5, train_tokens=1024, out=lambda *_: None)
-    lines = []
-    offline.run_train(engine, path, recall=0.9, max_rank=32, epochs=2, out=lines.append)
-    return path, lines
-
-
-def test_training_records_per_layer_figures_and_predictors_reload(engine, bundle):
-    path, lines = bundle
-    b = offline.open_bundle(engine, path)
+def test_training_records_per_layer_figures_and_predictors_reload(engine, small_bundle):
+    b = small_bundle.bundle
+    lines = small_bundle.lines["train"]
     record = b.require("predictors")
     L = engine.config.n_layers
     assert len(record["ranks"]) == L and all(16 <= r <= 32 for r in record["ranks"])
@@ -30,21 +20,42 @@ def test_training_records_per_layer_figures_and_predictors_reload(engine, bundle
     assert "recall" in lines[0] and len(lines) == L + 2
     predictors = offline.load_predictors(engine, b)
     training = offline.load_training_data(b)
-    # The reloaded predictor reproduces the stored figures' regime on its own training data:
-    # it keeps most active neurons (recall was calibrated on held-out tokens of this data).
-    for l in (0, 29):
+    # The stored per-layer recall is the held-back one: recomputed here on the test split (tokens the weights
+    # and the threshold never saw) with the reloaded predictors, it is the same number.
+    _, _, test = split_indices(training.inputs.shape[1])
+    for l in range(L):
         x, y = training.layer(l)
-        predicted = np.asarray(predictors[l].active(jnp.asarray(x)))
-        assert predicted.shape == y.shape
-        assert (predicted & y).sum() / y.sum() > 0.85
+        predicted = np.asarray(predictors[l].active(jnp.asarray(x[test])))
+        recall = (predicted & y[test]).sum() / y[test].sum()
+        assert recall == pytest.approx(record["layers"][l]["recall"], abs=2e-3), l
+    assert record["recall_min"] == min(m["recall"] for m in record["layers"])
+    # Calibrated on validation at the 0.9 target (+0.005): measured 0.86-0.93 held back across layers.
+    assert record["recall_min"] > 0.8 and np.mean([m["recall"] for m in record["layers"]]) > 0.88
 
 
-def test_solver_places_what_fits_on_the_real_profile(engine, bundle):
-    path, _ = bundle
-    lines = []
-    offline.run_solve(engine, path, device_memory=policy.parse_bytes("400MiB"), kv_tokens=2048, batch=64,
-                      hardware=policy.Hardware(), out=lines.append)
-    b = offline.open_bundle(engine, path)
+def test_predictors_keep_their_recall_on_unseen_text(engine, small_bundle):
+    # Wiki's evaluation slice is not in the calibration set: layer inputs and labels (contribution above the
+    # profile's threshold) the predictors never saw in any split.
+    stats = offline.load_stats(small_bundle.bundle)
+    predictors = offline.load_predictors(engine, small_bundle.bundle)
+    ids = engine.tokenizer.encode(data.wiki_eval_text(), add_special=False)[:prof.BATCH * prof.WINDOW]
+    inputs, contrib = prof.layer_activity(engine.graphdef, engine.state,
+                                          jnp.asarray(np.asarray(ids, np.int32).reshape(prof.BATCH, prof.WINDOW)))
+    recalls, skipped = [], []
+    for l, predictor in enumerate(predictors):
+        y = np.asarray(contrib[l]) > stats.thresholds[l]
+        predicted = np.asarray(predictor.active(inputs[l]))
+        recalls.append((predicted & y).sum() / y.sum())
+        skipped.append(1 - predicted.mean())
+    recalls, skipped = np.array(recalls), np.array(skipped)
+    # Measured: recall 0.83-0.95 per layer (mean 0.89) against 0.86-0.93 on the held-back split.
+    assert recalls.min() > 0.78 and recalls.mean() > 0.85, recalls.round(3)
+    assert 0.02 < skipped.mean() < 0.3
+
+
+def test_solver_places_what_fits_on_the_real_profile(engine, small_bundle):
+    lines = small_bundle.lines["solve"]
+    b = small_bundle.bundle
     record = b.require("placement")
     hot = b.load_stage("placement")["hot"]
     assert hot.shape == (engine.config.n_layers, engine.config.d_ff)
@@ -60,18 +71,8 @@ def test_solver_places_what_fits_on_the_real_profile(engine, bundle):
     assert any("ILP (optimal" in l for l in lines)
 
 
-def test_budget_below_the_dense_part_is_a_clear_error(engine, bundle):
-    path, _ = bundle
+def test_budget_below_the_dense_part_is_a_clear_error(engine, small_bundle):
+    path = small_bundle.path
     with pytest.raises(ConfigError, match="cannot hold the dense part"):
         offline.run_solve(engine, path, device_memory=policy.parse_bytes("100MiB"), kv_tokens=2048, batch=64,
                           hardware=policy.Hardware(), out=lambda *_: None)
-
-
-def test_cli_stages_fail_cleanly(tmp_path):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "pjinfer.cli", *a], capture_output=True, text=True,
-                                    timeout=300)
-    r = run("solve", "--bundle", str(tmp_path / "none"), "--device-memory", "1GiB")
-    assert r.returncode == 2 and "not a pjinfer bundle" in r.stderr and "Traceback" not in r.stderr
-    r = run("solve", "--bundle", str(tmp_path), "--device-memory", "lots")
-    assert r.returncode == 2 and "pjinfer: error:" in r.stderr and "Traceback" not in r.stderr
-    assert not any(tmp_path.iterdir())  # nothing half-written

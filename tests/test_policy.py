@@ -146,3 +146,39 @@ def test_neuron_budget():
     for dense in [2**30, 3 * 2**30]:
         with pytest.raises(ConfigError, match=r"device memory 1\.0 GiB cannot hold the dense part \(.*GiB: attention"):
             neuron_budget(2**30, dense)
+
+
+def exhaustive_optimum(freq, neuron_bytes, budget_bytes, hw):
+    """Best activation mass over every subset of neurons (batch 1), by enumeration: no sorting, no ordering rows,
+    nothing the ILP assumes. A layer with any hot neuron must save at least one synchronisation."""
+    layers, neurons = freq.shape
+    flat = freq.reshape(-1)
+    best = 0.0
+    for mask in range(1 << flat.size):
+        chosen = np.array([(mask >> i) & 1 for i in range(flat.size)], bool)
+        if chosen.sum() * neuron_bytes > budget_bytes:
+            continue
+        per_layer = chosen.reshape(layers, neurons)
+        if all(not row.any() or pays_for_sync(freq[l, row], neuron_bytes, hw) for l, row in enumerate(per_layer)):
+            best = max(best, float(flat[chosen].sum()))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_ilp_equals_exhaustive_search(seed):
+    # Up to 12 binaries: x per neuron (batch 1) plus y per layer. Budgets from none to all; synchronisation
+    # costs from free to more than a layer's whole mass, so the communication rows bind in some instances.
+    rng = np.random.default_rng(100 + seed)
+    layers, neurons = [(1, 11), (2, 5), (3, 3), (4, 2)][seed % 4]
+    freq = np.round(rng.uniform(0, 1, (layers, neurons)) ** 2, 3)
+    neuron_bytes = int(rng.integers(1, 5))
+    budget = int(rng.integers(0, layers * neurons + 1)) * neuron_bytes + int(rng.integers(0, neuron_bytes))
+    # seconds_saved(m) = m * neuron_bytes here; a synchronisation worth 20-90% of the heaviest layer's mass
+    # (none in every fourth instance) makes some optima leave a layer out that the budget alone would take.
+    sync = rng.uniform(0.2, 0.9) * freq.sum(axis=1).max() if seed % 4 else 0.0
+    hw = unit_hw(sync * neuron_bytes)
+    p = solve(freq, neuron_bytes, budget, batch=1, hardware=hw)
+    assert p.status == "optimal" and p.bytes_used == p.hot.sum() * neuron_bytes <= budget
+    for l in range(layers):
+        assert not p.hot[l].any() or pays_for_sync(freq[l, p.hot[l]], neuron_bytes, hw)
+    assert p.objective == pytest.approx(exhaustive_optimum(freq, neuron_bytes, budget, hw), abs=1e-9)

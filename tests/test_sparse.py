@@ -97,16 +97,41 @@ def test_relu_family_oracle_is_exact(arch, activation):
     np.testing.assert_allclose(logits(model, ids), dense, rtol=2e-5, atol=2e-5)
 
 
-def test_pallas_interpret_backend_matches_xla():
+def decode_steps(model, tokens, cache_len=16):
+    """Logits [T, vocab] of one-token decode steps (the path `generate`'s loop takes) from an empty cache, and
+    the jaxpr of one step."""
+    import jax
+
+    from pjinfer import generate as gen
+
+    graphdef, state = nnx.split(model)
+    step = jax.jit(lambda s, t, p, c: gen._step(nnx.merge(graphdef, s), t, p, c))
+    cache = KVCache.create(model.config, 1, cache_len)
+    jaxpr = str(jax.make_jaxpr(step)(state, jnp.int32(tokens[0]), jnp.int32(0), cache))
+    out = []
+    for pos, token in enumerate(tokens):
+        logits, cache = step(state, jnp.int32(token), jnp.int32(pos), cache)
+        out.append(np.asarray(logits))
+    return np.stack(out), jaxpr
+
+
+def test_pallas_interpret_backend_matches_xla_on_decode_steps():
+    # One token per step, so the hot rows go through `_hot` (the per-token gather), where hot_backend applies;
+    # predictors that skip about half the neurons make the active sets partial. The jaxpr shows that the
+    # Pallas kernel is really inside the pallas-interpret step and not inside the XLA one.
     config = tiny_config("llama", "swiglu")
     weights = random_weights(config, seed=9)
-    ids = np.random.default_rng(10).integers(0, config.vocab_size, 5)
-    out = {}
+    tokens = np.random.default_rng(10).integers(0, config.vocab_size, 5)
+    out, jaxprs = {}, {}
     for backend in ("xla", "pallas-interpret"):
         model = Transformer(config, weights)
-        sparsify(model, placements(config)["mixed"], predictors=None, hot_backend=backend)
-        out[backend] = logits(model, ids)
+        predictors = [Predictor(config.d_model, config.d_ff, 8, rngs=nnx.Rngs(l)) for l in range(config.n_layers)]
+        sparsify(model, placements(config)["mixed"], predictors, hot_backend=backend)
+        out[backend], jaxprs[backend] = decode_steps(model, tokens)
+    assert "pallas_call" in jaxprs["pallas-interpret"] and "pallas_call" not in jaxprs["xla"]
     np.testing.assert_allclose(out["pallas-interpret"], out["xla"], rtol=2e-5, atol=2e-5)
+    dense, _ = decode_steps(Transformer(config, weights), tokens)
+    assert np.abs(out["xla"] - dense).max() > 1e-3  # the predictors do skip neurons
 
 
 def test_sparse_generate_equals_dense_generate_when_all_active():
@@ -144,30 +169,136 @@ def test_bad_placement_and_backend():
         sparsify(Transformer(config, random_weights(config)), placements(config)["mixed"], None, hot_backend="tpu")
 
 
-def test_bad_bundles_are_clear_errors(engine, tmp_path):
-    import subprocess
-    import sys
+def test_bad_bundles_are_clear_errors(engine, tmp_path, capsys):
+    import copy
 
     from pjinfer import offline
     from pjinfer.bundle import Bundle
-
-    def generate(bundle):
-        return subprocess.run([sys.executable, "-m", "pjinfer.cli", "generate", "--prompt", "Hi", "--bundle",
-                               str(bundle), "--max-new-tokens", "2"], capture_output=True, text=True, timeout=300)
+    from tests.test_cli import assert_clean_error, run_cli
 
     other = Bundle.create(tmp_path / "other", model={"identity": "0123456789abcdef", "name": "another model"})
     other.save_stage("profile", {"freq": np.zeros((2, 2), np.float32)}, {})
+    # Refused before the model loads (the manifest and the model's hash are read, no weights).
+    for bundle, fragment in ((tmp_path / "none", "not a pjinfer bundle"), (other.path, "made for another model")):
+        assert_clean_error(run_cli(capsys, "generate", "--prompt", "Hi", "--bundle", str(bundle)), fragment)
+    # Unreadable stage data shows only when the engine reads it.
     corrupt = Bundle.create(tmp_path / "corrupt", model=offline.model_record(engine))
     corrupt.save_stage("predictors", {"0": {"x": np.zeros(2, np.float32)}}, {"ranks": [16] * engine.config.n_layers})
     corrupt.save_stage("placement", {"hot": np.zeros((2, 2), bool)}, {})
     for f in (corrupt.path / "predictors").rglob("*"):
         if f.is_file():
             f.write_bytes(b"\x00 not an orbax file")
-    for bundle, fragment in ((tmp_path / "none", "not a pjinfer bundle"),
-                             (other.path, "made for another model"),
-                             (corrupt.path, "cannot read predictors")):
-        r = generate(bundle)
-        assert r.returncode == 2, r.stderr
-        lines = [l for l in r.stderr.splitlines() if l.startswith("pjinfer:")]
-        assert len(lines) == 1 and fragment in lines[0], r.stderr
-        assert "Traceback" not in r.stderr and r.stdout == ""
+    with pytest.raises(ConfigError, match="cannot read predictors"):
+        copy.copy(engine).use_bundle(corrupt.path)
+
+
+# ------------------------------------------------------------------ the real model with a real (small) bundle
+# tests/conftest.py's SmallBundle: trained predictors (recall 0.9, rank <= 32) and an ILP placement that keeps
+# about a third of each layer's neurons hot. The reference is the dense model with each FFN's output limited
+# to the neurons the same predictors pick: what the hybrid engine must compute, whatever the hot/cold split.
+
+class MaskedFFN(nnx.Module):
+    """The dense FFN with only the predictor's active neurons kept (plain XLA, no split, no host kernels)."""
+
+    def __init__(self, ffn, predictor):
+        self.ffn, self.predictor = ffn, predictor
+
+    def __call__(self, x):
+        y = (self.ffn.neurons(x) * self.predictor.active(x)) @ self.ffn.w_down_t[...]
+        return y if self.ffn.b_down is None else y + self.ffn.b_down[...]
+
+
+@pytest.fixture(scope="module")
+def masked_reference(engine, small_bundle):
+    import copy
+
+    from pjinfer import offline
+
+    predictors = offline.load_predictors(engine, small_bundle.bundle)
+    model = nnx.merge(engine.graphdef, engine.state)
+    for layer, predictor in zip(model.layers, predictors):
+        layer.ffn = MaskedFFN(layer.ffn, predictor)
+    ref = copy.copy(engine)
+    ref.graphdef, ref.state = nnx.split(model)
+    return ref
+
+
+@pytest.fixture(scope="module")
+def wiki_window(engine):
+    from pjinfer import data
+
+    return engine.tokenizer.encode(data.wiki_eval_text(), add_special=False)[:257]
+
+
+def test_sparse_layers_equal_the_masked_model_on_the_same_inputs(sparse_engine, masked_reference, wiki_window):
+    # Each layer's hybrid FFN (hot rows as one masked product, cold rows through the FFI's Numba kernel) against
+    # the masked dense FFN, on the FFN inputs the sparse model itself produces for a real window: the same
+    # predictor decisions, other summation orders only, so float32 rounding (measured <= 1.1e-6 of each
+    # layer's largest output).
+    from pjinfer.sparse import SparseFFN
+
+    model = nnx.merge(sparse_engine.graphdef, sparse_engine.state)
+    reference = nnx.merge(masked_reference.graphdef, masked_reference.state)
+    assert all(isinstance(layer.ffn, SparseFFN) for layer in model.layers)
+    hot = np.asarray(sparse_engine.bundle.load_stage("placement")["hot"])
+    assert 0.2 < hot.mean() < 0.45 and hot.any(axis=1).all() and (~hot).any(axis=1).all()  # both paths run
+    _, inputs = model.forward_sequence(jnp.asarray([wiki_window], jnp.int32), capture=True)
+    for l, (layer, ref_layer, x) in enumerate(zip(model.layers, reference.layers, inputs)):
+        x = x.reshape(-1, x.shape[-1])
+        want = np.asarray(ref_layer.ffn(x))
+        np.testing.assert_allclose(np.asarray(layer.ffn(x)), want, rtol=0, atol=1e-5 * np.abs(want).max(),
+                                   err_msg=f"layer {l}")
+
+
+def test_sparse_perplexity_is_the_masked_models_and_stays_near_dense(engine, sparse_engine, masked_reference,
+                                                                     wiki_window):
+    tokens = np.asarray([wiki_window], np.int32)
+    sparse, reference, dense = (e.token_logprobs(tokens)[0] for e in (sparse_engine, masked_reference, engine))
+    ppl = lambda logp: float(np.exp(-logp.mean()))
+    # End to end the rounding differences flip a few predictor decisions that sit at the threshold, and a flip
+    # in an early layer moves later ones: measured 21.18 against 21.02 (0.8%); most tokens agree to 1e-4 nats.
+    assert ppl(sparse) == pytest.approx(ppl(reference), rel=0.03)
+    assert np.median(np.abs(sparse - reference)) < 1e-4
+    # Quality: this quick bundle skips about a tenth of the neurons and misses 10-15% of the active ones, which
+    # costs about 60% perplexity here (measured 13.18 dense, 21.2 sparse on this window; `make bundle`'s
+    # predictors keep task accuracy, see README). The bound is 2x dense; and the sparse model is not dense.
+    assert 1.05 * ppl(dense) < ppl(sparse) < 2.0 * ppl(dense)
+
+
+def test_skipped_share_is_what_the_predictors_skip(sparse_engine, small_bundle, wiki_window):
+    from pjinfer.sparse import skipped_share
+
+    skipped = skipped_share(sparse_engine, wiki_window)
+    record = small_bundle.bundle.require("predictors")
+    # Measured 0.10 on this window; the predictors' held-back split predicted 0.11 on calibration text.
+    assert 0.05 < skipped < 0.2
+    assert skipped == pytest.approx(record["predicted_sparsity_mean"], abs=0.05)
+
+
+def test_sparse_greedy_generate_follows_the_masked_model(sparse_engine, masked_reference, wiki_window):
+    # The jitted generate (prefill, then the while_loop of one-token steps: per-token hot gather and the cold
+    # rows through the FFI): every token it picks is the masked reference's argmax given the tokens before it
+    # (scored in one pass; padded to the window's length, whose scoring is already compiled: causal, so the
+    # padding does not change earlier positions).
+    prompt = sparse_engine.tokenizer.encode("The capital of France is", add_special=False)
+    got = sparse_engine.generate(prompt, max_new_tokens=8, stop_ids=[])
+    assert len(got) == 8
+    tokens = np.zeros((1, len(wiki_window)), np.int32)
+    tokens[0, :len(prompt) + 8] = prompt + got
+    _, greedy = masked_reference.token_logprobs(tokens, with_greedy=True)
+    assert greedy[0, len(prompt) - 1:len(prompt) + 7].all(), greedy[0, len(prompt) - 1:len(prompt) + 7]
+
+
+def test_real_model_pallas_interpret_decode_step(engine, small_bundle):
+    # The Pallas hot kernel (interpret mode) inside the real model's one-token decode steps, against XLA's
+    # gather on the same bundle.
+    import copy
+
+    tokens = engine.tokenizer.encode(" Paris is the capital", add_special=False)[:3]
+    out, jaxprs = {}, {}
+    for backend in ("xla", "pallas-interpret"):
+        sparse = copy.copy(engine)
+        sparse.use_bundle(small_bundle.path, hot_backend=backend)
+        out[backend], jaxprs[backend] = decode_steps(nnx.merge(sparse.graphdef, sparse.state), tokens)
+    assert "pallas_call" in jaxprs["pallas-interpret"] and "pallas_call" not in jaxprs["xla"]
+    np.testing.assert_allclose(out["pallas-interpret"], out["xla"], rtol=1e-4, atol=1e-4)

@@ -1,0 +1,129 @@
+"""`make mutants`: a check that the test suite can fail.
+
+Each fault below is one deliberate bug, applied as a plain text substitution to a copy of the source tree in a
+temporary directory. Only the test files that should catch it run against that copy (pytest -x: the first failure
+is enough). A fault is *caught* when those tests fail, *missed* when they pass. The script prints one line per
+fault and exits 1 if any fault is missed; 2 if a fault's target text is no longer in the source exactly once
+(the code moved on: update the fault, do not drop it), so a stale fault never passes silently.
+
+    python tests/mutants.py              # every fault
+    python tests/mutants.py --list       # their names
+    python tests/mutants.py -k top-p     # the faults whose name contains "top-p"
+
+Not collected by pytest (its name does not start with test_).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    name: str
+    path: str          # relative to the repository root
+    old: str           # must occur exactly once in the file
+    new: str
+    tests: tuple       # test files (or node ids) that must catch it
+
+
+FAULTS = [
+    Fault("the sparse path never skips (every neuron predicted active)", "pjinfer/sparse.py",
+          "        return self.predictor.active(x)\n",
+          "        return jnp.ones((x.shape[0], self.hot_ids.shape[0] + self.cold_ids.shape[0]), bool)\n",
+          ("tests/test_sparse.py",)),
+    Fault("the host attention scale is off by one head dimension (1/sqrt(hd + 1))", "cpu_offload/host_decode.py",
+          "np.float32(1.0 / np.sqrt(hd))", "np.float32(1.0 / np.sqrt(hd + 1))",
+          ("tests/test_host_decode.py",)),
+    Fault("the Q4_1 GEMV drops the min term (m * block sum)", "cpu_offload/q4.py",
+          "builder.fmul(m, s)", "builder.fmul(ir.Constant(_f32, 0.0), s)",
+          ("tests/test_host_decode.py",)),
+    Fault("the placement ILP ignores the memory budget", "pjinfer/policy.py",
+          "<= budget_bytes // neuron_bytes", "<= 2**62",
+          ("tests/test_policy.py",)),
+    Fault("the sampler ignores top-p", "pjinfer/sampling.py",
+          "cutoff = jnp.maximum(cutoff, ordered[last_kept])", "cutoff = cutoff",
+          ("tests/test_sampling.py",)),
+]
+
+IGNORE = shutil.ignore_patterns(".git", ".venv", "out", ".pytest_cache", "*.egg-info", "build")
+
+
+def check(fault: Fault, tree: Path) -> str:
+    """The file's text; ValueError unless the fault's target occurs in it exactly once."""
+    text = (tree / fault.path).read_text()
+    count = text.count(fault.old)
+    if count != 1:
+        raise ValueError(f"{fault.path}: the target text of fault {fault.name!r} occurs {count} times "
+                         f"(expected once): {fault.old!r}")
+    return text
+
+
+def apply(fault: Fault, tree: Path) -> None:
+    """Substitute the fault's text in the copy at `tree`."""
+    (tree / fault.path).write_text(check(fault, tree).replace(fault.old, fault.new))
+
+
+def run(fault: Fault, workdir: Path) -> tuple[bool, str, float]:
+    """(caught, last line of pytest's output, seconds) for one fault, in a fresh copy of the tree."""
+    tree = workdir / "tree"
+    shutil.rmtree(tree, ignore_errors=True)
+    # copy2 keeps modification times, so Numba's on-disk caches stay valid for every file but the mutated one.
+    shutil.copytree(ROOT, tree, symlinks=True, ignore=IGNORE)
+    apply(fault, tree)
+    env = {**os.environ, "PYTHONPATH": str(tree), "NUMBA_THREADING_LAYER": os.environ.get("NUMBA_THREADING_LAYER",
+                                                                                           "workqueue")}
+    where = subprocess.run([sys.executable, "-c", "import pjinfer, cpu_offload; print(pjinfer.__file__); "
+                            "print(cpu_offload.__file__)"], cwd=tree, env=env, capture_output=True, text=True)
+    if where.returncode or any(not line.startswith(str(tree)) for line in where.stdout.split()):
+        raise RuntimeError(f"the copy's packages are not the ones imported: {where.stdout} {where.stderr}")
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *fault.tests],
+                            cwd=tree, env=env, capture_output=True, text=True)
+    lines = [l for l in result.stdout.splitlines() if l.strip()]
+    summary = next((l for l in reversed(lines) if " passed" in l or " failed" in l or "error" in l),
+                   lines[-1] if lines else result.stderr.strip()[-200:]).strip("= ")
+    first = next((l.split(" - ")[0] for l in lines if l.startswith(("FAILED", "ERROR"))), None)
+    return result.returncode != 0, summary + (f"; {first}" if first else ""), time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-k", help="only the faults whose name contains this text")
+    parser.add_argument("--list", action="store_true")
+    args = parser.parse_args(argv)
+    faults = [f for f in FAULTS if not args.k or args.k in f.name]
+    if args.list or not faults:
+        for f in FAULTS:
+            print(f"{f.name}  [{f.path}; {', '.join(f.tests)}]")
+        return 0 if faults else 2
+    for fault in faults:  # every target is checked before anything runs
+        try:
+            check(fault, ROOT)
+        except ValueError as e:
+            print(f"mutants: {e}", file=sys.stderr)
+            return 2
+    missed = []
+    with tempfile.TemporaryDirectory(prefix="pjinfer-mutants-") as tmp:
+        for fault in faults:
+            caught, summary, seconds = run(fault, Path(tmp))
+            print(f"{'caught' if caught else 'MISSED'}  {fault.name}  ({', '.join(fault.tests)}: {summary}; "
+                  f"{seconds:.0f} s)", flush=True)
+            if not caught:
+                missed.append(fault.name)
+    print(f"{len(faults) - len(missed)} of {len(faults)} faults caught" + (f"; missed: {', '.join(missed)}"
+                                                                          if missed else ""))
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
