@@ -24,24 +24,26 @@ PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", 
            "Water boils at", "My favourite animal is", "In 1492,", "The opposite of hot is"]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _wait(base: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+def wait_healthy(base: str, proc: subprocess.Popen | None = None, timeout: float = 300) -> None:
+    """Returns once GET base/health answers 200; fails if `proc` (the server) exits or `timeout` passes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"pjinfer: error: the server exited with {proc.returncode}")
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
         try:
             if httpx.get(f"{base}/health", timeout=2).status_code == 200:
                 return
         except httpx.TransportError:
             pass
         time.sleep(0.3)
-    raise SystemExit("pjinfer: error: the server did not come up")
+    raise RuntimeError(f"the server at {base} did not come up in {timeout:.0f} s")
 
 
 def _one(base: str, prompt: str, tokens: int) -> dict:
@@ -115,14 +117,17 @@ def main(argv=None) -> int:
     p.add_argument("--weights", default="q4_1")
     p.add_argument("--model")
     args = p.parse_args(argv)
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "pjinfer.cli", "serve", "--port", str(port), "--weights", args.weights,
            "--max-batch", str(args.clients)] + (["--model", args.model] if args.model else [])
     proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, env=os.environ.copy())
     try:
-        _wait(base, proc)
+        wait_healthy(base, proc)
         result = run(base, requests=args.requests, clients=args.clients, tokens=args.tokens)
+    except RuntimeError as e:
+        print(f"pjinfer: error: {e}", file=sys.stderr)
+        return 2
     finally:
         proc.terminate()
         proc.wait(timeout=60)

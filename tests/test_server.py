@@ -2,7 +2,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -13,27 +12,10 @@ import openai
 import pytest
 import uvicorn
 
+from pjinfer.bench_serve import free_port, wait_healthy
 from pjinfer.server import Server
 
 KEY = "test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(base: str, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{base} did not come up")
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +142,7 @@ def test_sigterm_ends_open_streams_cleanly_and_exits_zero():
     proc = subprocess.Popen([sys.executable, "-m", "pjinfer.cli", "serve", "--port", str(port), "--weights", "q4_1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
     try:
-        wait_healthy(base)
+        wait_healthy(base, proc)
         with httpx.stream("POST", f"{base}/v1/completions", timeout=60,
                           json={"prompt": "Once upon a time", "max_tokens": 4000, "stream": True}) as r:
             lines = r.iter_lines()
