@@ -237,7 +237,8 @@ class Server:
 
     async def _stream(self, job: Job, events: asyncio.Queue, reply: "_Reply", include_usage: bool):
         try:
-            yield _sse(reply.chunk(role=True))
+            if reply.chat:
+                yield _sse(reply.chunk(role=True))
             while True:
                 kind, value = await events.get()
                 if kind == "text":
@@ -319,9 +320,10 @@ class _Uvicorn(uvicorn.Server):
 
 
 def serve(server: Server, *, host: str = "127.0.0.1", port: int = 8080) -> None:
-    """Serves until SIGINT/SIGTERM, then returns once open requests have ended."""
+    """Serves until SIGINT/SIGTERM, then returns once open requests have ended (a step being compiled may delay
+    that; after 60 s open connections are cut)."""
     config = uvicorn.Config(server.app, host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=10)
+                            timeout_graceful_shutdown=60)
     _Uvicorn(config, server.scheduler).run()
     server.scheduler.close()
     server.scheduler.join(timeout=10)

@@ -146,7 +146,7 @@ def test_sigterm_ends_open_streams_cleanly_and_exits_zero():
         with httpx.stream("POST", f"{base}/v1/completions", timeout=60,
                           json={"prompt": "Once upon a time", "max_tokens": 4000, "stream": True}) as r:
             lines = r.iter_lines()
-            first = next(l for l in lines if l.startswith("data:"))
+            first = next(l for l in lines if l.startswith("data:"))   # a token: compiling is over
             proc.send_signal(signal.SIGTERM)
             rest = [l for l in lines if l]
         assert json.loads(first[5:])["object"] == "text_completion"
