@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 export NUMBA_THREADING_LAYER ?= workqueue
 
-.PHONY: setup run test mutants bench bench-peer perplexity bundle clean
+.PHONY: setup run test mutants bench bench-peer bench-serve perplexity bundle clean
 
 # Idempotent: re-runs pip only when pyproject.toml changed.
 setup: $(STAMP)
@@ -43,6 +43,10 @@ bench-peer: $(PEER_STAMP)
 	$(VENV)/bin/pjinfer bench --peer llama-cpp --prompt-len 16 --new-tokens 256 --runs 5 --weights float32,int8,q4_1 \
 		$(if $(wildcard $(BUNDLE)/manifest.json),--bundle $(BUNDLE) --cold-weights int8)
 	$(VENV)/bin/pjinfer bench --peer llama-cpp --prompt-len 512 --new-tokens 128 --runs 3 --weights float32,int8,q4_1
+
+# A bounded load test of `pjinfer serve` on loopback: 64 streaming requests from 8 clients, 64 tokens each.
+bench-serve: setup
+	$(PY) -m pjinfer.bench_serve --requests 64 --clients 8 --tokens 64 --weights q4_1
 
 perplexity: setup
 	$(PY) -c "from pjinfer import data; open('/tmp/pjinfer-wiki.txt','w').write(data.wiki_eval_text())"

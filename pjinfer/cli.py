@@ -1,4 +1,6 @@
-"""Command line: `pjinfer generate | perplexity | bench`. Every subcommand defaults to the embedded model."""
+"""Command line: `pjinfer generate | chat | serve | perplexity | bench | eval | profile | train-predictors | solve`.
+
+Every subcommand defaults to the embedded model (SmolLM2-135M-Instruct)."""
 from __future__ import annotations
 
 import argparse
@@ -21,6 +23,13 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
     return value
 
 
@@ -49,15 +58,40 @@ def build_parser() -> argparse.ArgumentParser:
                        "steps on the host's Numba kernels (cpu_offload.host_decode), prefill through XLA on the "
                        "same values")
 
+    def sampling_options(p):
+        p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+        p.add_argument("--top-k", type=int, default=0, help="0 keeps every token")
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--min-p", type=float, default=0.0, help="keep tokens at least this share as likely as the "
+                       "most likely one (0 keeps every token)")
+        p.add_argument("--repeat-penalty", type=float, default=1.0, help="penalty on the last 64 tokens' ids "
+                       "(1 is none; llama.cpp's --repeat-penalty)")
+        p.add_argument("--seed", type=int, default=0, help="in [0, 2**32)")
+        p.add_argument("--threads", type=_positive_int, help="host threads of the CPU kernels (default: every CPU)")
+
     p = command("generate", "generate text from a prompt, streamed as it comes")
     sparse_options(p)
-    p.add_argument("--prompt", required=True)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the prompt text")
+    source.add_argument("--prompt-file", help="read the prompt from this file (UTF-8); - reads standard input")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 keeps every token")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="stop before this text (repeatable); the model's end-of-text tokens always stop")
+    sampling_options(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    weight_options(p)
+
+    p = command("chat", "talk with the model: multi-turn, replies streamed (/reset, /exit, Ctrl-C stops a reply)")
+    p.add_argument("--system", help="system message that opens the conversation")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=256, help="the longest reply")
+    sampling_options(p)
+    weight_options(p)
+
+    p = command("serve", "an OpenAI-compatible HTTP server (completions, chat completions, streaming)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=_port, default=8080)
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 requests")
+    p.add_argument("--max-batch", type=_positive_int, default=8, help="requests decoding at once; more wait")
     weight_options(p)
 
     p = command("perplexity", "perplexity of a text file (no BOS; consecutive windows from the start)")
@@ -156,46 +190,125 @@ def _check_bundle(args, path) -> None:
     Bundle.open(path).check_model(model_identity(model))
 
 
+def _sampling(args):
+    """The sampling settings of generate and chat, checked before the model loads; --threads applied."""
+    import os
+
+    from pjinfer.sampling import Sampling
+
+    if args.threads:
+        os.environ["PJINFER_HOST_THREADS"] = os.environ["PJINFER_COLD_THREADS"] = str(args.threads)
+    return Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                    min_p=args.min_p, repeat_penalty=args.repeat_penalty)
+
+
+def _prompt_text(args) -> str:
+    """--prompt, or --prompt-file (- for standard input), as text; refuses what is not UTF-8 or is empty."""
+    if args.prompt is not None:
+        text = args.prompt
+        try:
+            text.encode("utf-8")    # argv that was not UTF-8 arrives with surrogate escapes
+        except UnicodeEncodeError:
+            raise ConfigError("the prompt is not valid UTF-8") from None
+    else:
+        name = "standard input" if args.prompt_file == "-" else args.prompt_file
+        try:
+            data = sys.stdin.buffer.read() if args.prompt_file == "-" else open(args.prompt_file, "rb").read()
+            text = data.decode("utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"prompt file not found: {args.prompt_file}") from None
+        except IsADirectoryError:
+            raise ConfigError(f"prompt file {args.prompt_file} is a directory") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"the prompt in {name} is not valid UTF-8") from None
+    if not text.strip():
+        raise ConfigError("the prompt is empty")
+    return text
+
+
 def cmd_generate(args):
     from pjinfer.runtime import CompileStats
-    from pjinfer.sampling import Sampling
     from pjinfer.tokenizer import StreamDecoder
 
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling = _sampling(args)
+    prompt = _prompt_text(args)
+    if any(not stop for stop in args.stop):
+        raise ConfigError("--stop needs a non-empty string")
     if args.bundle:
         _check_bundle(args, args.bundle)
     engine = _load(args, args.bundle)
     tok = engine.tokenizer
     if args.chat:
-        ids = tok.encode(tok.apply_chat([{"role": "user", "content": args.prompt}]), add_special=False)
+        ids = tok.encode(tok.apply_chat([{"role": "user", "content": prompt}]), add_special=False)
     else:
-        ids = tok.encode(args.prompt)
+        ids = tok.encode(prompt)
     engine.plan(len(ids), args.max_new_tokens)  # refuse an over-long prompt before compiling anything
 
+    # Streamed token by token, --json too: stop strings are checked between tokens, Ctrl-C keeps what was made.
     stats = CompileStats()
-    start = time.perf_counter()
-    if args.json:
-        out = engine.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling)
-    else:
-        out, decoder = [], StreamDecoder(tok)
+    out, interrupted = [], False
+    decoder = StreamDecoder(tok, args.stop)
+    marks = [time.perf_counter()]                 # start, then after each token
+    try:
         for token in engine.stream(ids, max_new_tokens=args.max_new_tokens, sampling=sampling):
-            if len(out) == 1:  # the second token has paid for the decode step's compilation
-                second = time.perf_counter()
             out.append(token)
-            sys.stdout.write(decoder.push(token))
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-    elapsed = time.perf_counter() - start
-    timing = {"load_s": round(engine.load_seconds, 3), "compile_s": round(stats.seconds, 3),
-              "executables": stats.executables, "from_disk_cache": stats.cache_hits,
-              "generate_s": round(elapsed, 3), "prompt_tokens": len(ids), "new_tokens": len(out)}
+            piece = decoder.push(token)
+            marks.append(time.perf_counter())
+            if not args.json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            if decoder.stop is not None:
+                break
+    except KeyboardInterrupt:
+        interrupted = True
+    rest = decoder.flush()
+    if not args.json:
+        sys.stdout.write(rest + "\n")
+    text, stopped_by = decoder.text, decoder.stop
+    timing = _generate_timing(engine, stats, marks, len(ids), len(out))
     if args.json:
-        print(json.dumps({"text": tok.decode(out), "token_ids": out, **timing}))
+        print(json.dumps({"text": text, "token_ids": out, "stop": stopped_by, "interrupted": interrupted,
+                          "weights": engine.weights_format, "sparse": engine.bundle is not None, **timing}))
     else:
-        rate = f", {(len(out) - 2) / (time.perf_counter() - second):.1f} tok/s" if len(out) > 2 else ""
+        decode = f", decode {timing['decode_tok_s']:.1f} tok/s" if timing["decode_tok_s"] else ""
         _say(f"load {timing['load_s']:.1f} s, compile {timing['compile_s']:.1f} s "
              f"({stats.executables} executables, {stats.cache_hits} from the disk cache), "
-             f"{len(out)} tokens in {elapsed:.1f} s{rate}")
+             f"prefill {len(ids)} tokens {timing['prefill_s']:.2f} s, {len(out)} tokens{decode} "
+             f"[weights {engine.weights_format}{', sparse' if engine.bundle is not None else ''}]")
+    if interrupted:
+        raise KeyboardInterrupt
+
+
+def _generate_timing(engine, stats, marks, prompt_tokens, new_tokens) -> dict:
+    """prefill_s: start to the first token (prefill and, on a cold cache, its compilation); decode_tok_s: from the
+    second token on, past the decode step's compilation (None with fewer than three tokens)."""
+    decode = (new_tokens - 2) / (marks[-1] - marks[2]) if new_tokens > 2 and marks[-1] > marks[2] else None
+    return {"load_s": round(engine.load_seconds, 3), "compile_s": round(stats.seconds, 3),
+            "executables": stats.executables, "from_disk_cache": stats.cache_hits,
+            "prefill_s": round(marks[1] - marks[0], 3) if new_tokens else None,
+            "decode_tok_s": round(decode, 2) if decode else None,
+            "generate_s": round(marks[-1] - marks[0], 3), "prompt_tokens": prompt_tokens, "new_tokens": new_tokens}
+
+
+def cmd_chat(args):
+    from pjinfer.chat import Conversation, repl
+
+    sampling = _sampling(args)
+    engine = _load(args)
+    repl(Conversation(engine, system=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling))
+
+
+def cmd_serve(args):
+    import logging
+
+    from pjinfer.server import Server, serve
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    logging.getLogger("pjinfer").setLevel(logging.INFO)     # one line per request
+    server = Server(_load(args), api_key=args.api_key, max_active=args.max_batch)
+    _say(f"pjinfer: serving {server.name} on http://{args.host}:{args.port}/v1 "
+         f"[weights {server.engine.weights_format}]")
+    serve(server, host=args.host, port=args.port)
 
 
 def cmd_perplexity(args):
@@ -206,8 +319,13 @@ def cmd_perplexity(args):
         _check_bundle(args, args.bundle)
     engine = _load(args, args.bundle)
     ids = engine.tokenizer.encode(text, add_special=False)
+    start = time.perf_counter()
     ppl, n = engine.perplexity(ids, windows=args.windows, window_len=args.window_len)
-    result = {"perplexity": ppl, "tokens": n}
+    seconds = time.perf_counter() - start
+    result = {"perplexity": ppl, "tokens": n, "weights": engine.weights_format, "load_s": round(engine.load_seconds, 3),
+              "seconds": round(seconds, 3), "tok_s": round(n / seconds, 1)}
+    _say(f"load {engine.load_seconds:.1f} s; scored {n} tokens in {seconds:.1f} s ({n / seconds:.0f} tok/s, "
+         f"compilation included) [weights {engine.weights_format}{', sparse' if engine.bundle is not None else ''}]")
     if engine.bundle is not None:
         from pjinfer.sparse import skipped_share
 
@@ -268,7 +386,9 @@ def cmd_eval(args):
     from pjinfer import evaluate
 
     if args.compare:
-        a, b = (_read_json(f) for f in args.compare)
+        a, b = (evaluate.check_results(_read_json(f), f) for f in args.compare)
+        for line in evaluate.count_mismatches(a, b):
+            _say(f"pjinfer: warning: {line}")
         print(evaluate.compare_table(a, b))
         return
     if not args.tasks:
@@ -279,6 +399,8 @@ def cmd_eval(args):
     evaluate.check_tasks(tasks)  # before the model loads
     if args.bundle:
         _check_bundle(args, args.bundle)
+    if args.output:
+        _check_writable(args.output)  # before the evaluation runs, not after
     engine = _load(args, args.bundle)
     results = evaluate.evaluate(engine, tasks, limit=args.limit, num_fewshot=args.num_fewshot)
     if args.output:
@@ -297,13 +419,42 @@ def _read_json(path) -> dict:
         raise ConfigError(f"{path} is not a results JSON file ({e})") from None
 
 
-def _write_json(path, obj) -> None:
+def _check_writable(path) -> None:
+    """Refuses, in one line, an output path that a later write would fail on."""
     import os
+    import tempfile
+    from pathlib import Path
 
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)  # never a half-written results file
+    target = Path(path)
+    if target.is_dir():
+        raise ConfigError(f"--output {path} is a directory; give a file name")
+    parent = target.parent
+    if not parent.is_dir():
+        raise ConfigError(f"--output {path}: directory {parent} does not exist")
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{target.name}.", suffix=".tmp"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--output {path} is not writable ({e.strerror})") from None
+    if target.exists() and not os.access(target, os.W_OK):
+        raise ConfigError(f"--output {path} is not writable")
+
+
+def _write_json(path, obj) -> None:
+    """Atomic: a temporary file beside `path`, renamed over it; never a half-written results file or a stray temp."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1)
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def cmd_profile(args):
@@ -346,7 +497,7 @@ def cmd_solve(args):
                       batch=args.batch, hardware=hardware)
 
 
-COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "bench": cmd_bench, "eval": cmd_eval,
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "perplexity": cmd_perplexity, "bench": cmd_bench, "eval": cmd_eval,
             "profile": cmd_profile,
             "train-predictors": cmd_train_predictors, "solve": cmd_solve}
 

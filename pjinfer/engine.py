@@ -13,7 +13,7 @@ from pjinfer import generate as gen
 from pjinfer import loader
 from pjinfer.config import WEIGHT_FORMATS, ConfigError, ModelConfig
 from pjinfer.model import Transformer
-from pjinfer.sampling import Sampling
+from pjinfer.sampling import Sampling, recent_window
 from pjinfer.tokenizer import Tokenizer
 
 
@@ -115,9 +115,10 @@ class Engine:
         params = sampling.params()
         key = jax.random.key(sampling.seed)
         key, sub = jax.random.split(key)
-        token, cache = gen.prefill(self.graphdef, self.state, self.pad_prompt(prompt_ids, padded),
-                                   jnp.int32(len(prompt_ids)), sub, params,
+        tokens = self.pad_prompt(prompt_ids, padded)
+        token, cache = gen.prefill(self.graphdef, self.state, tokens, jnp.int32(len(prompt_ids)), sub, params,
                                    cache_len=cache_len, greedy=sampling.greedy)
+        recent = np.asarray(recent_window(tokens[0], len(prompt_ids)))   # kept on the host: no device op per token
         for n in range(max_new_tokens):
             value = int(token)
             if value in stops:
@@ -126,8 +127,9 @@ class Engine:
             if n + 1 == max_new_tokens:
                 return
             key, sub = jax.random.split(key)
+            recent = np.append(recent[1:], np.int32(value))
             token, cache = gen.decode_step(self.graphdef, self.state, token, jnp.int32(len(prompt_ids) + n),
-                                           cache, sub, params, greedy=sampling.greedy)
+                                           cache, sub, params, recent, greedy=sampling.greedy)
 
     # ------------------------------------------------------------ scoring
     def token_logprobs(self, tokens: np.ndarray, *, with_greedy: bool = False):

@@ -184,6 +184,39 @@ def _model_name(engine) -> str:
     return getattr(engine.config, "name", "") or getattr(engine, "source", "") or "model"
 
 
+def _model_identity(engine) -> str | None:
+    from pathlib import Path
+
+    from pjinfer.loader import model_identity
+
+    source = getattr(engine, "source", "")
+    return model_identity(Path(source)) if source and Path(source).exists() else None
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pjinfer")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def check_results(results, name: str) -> dict:
+    """`results` as `evaluate` writes it (a "tasks" table of per-task metric dicts), or a one-line ConfigError."""
+    tasks = results.get("tasks") if isinstance(results, dict) else None
+    if not isinstance(tasks, dict) or not all(isinstance(m, dict) and "acc" in m and "n" in m
+                                              for m in tasks.values()):
+        raise ConfigError(f"{name} is not a pjinfer eval results file (no 'tasks' table of acc and n per task)")
+    return results
+
+
+def count_mismatches(a: dict, b: dict) -> list[str]:
+    """Tasks present in both results whose item counts differ: their accuracies are not like for like."""
+    return [f"{t} has {a['tasks'][t]['n']} items in A and {b['tasks'][t]['n']} in B"
+            for t in a["tasks"] if t in b["tasks"] and a["tasks"][t]["n"] != b["tasks"][t]["n"]]
+
+
 def check_tasks(task_names) -> None:
     unknown = [t for t in task_names if t not in TASKS]
     if unknown:
@@ -194,7 +227,8 @@ def check_tasks(task_names) -> None:
 
 def evaluate(engine, task_names, *, limit: int | None = None, num_fewshot: int | None = None,
              progress_factory=None, batch_rows: int = BATCH_ROWS, token_budget: int = TOKEN_BUDGET) -> dict:
-    """{"model", "bundle", "tasks": {name: {"acc", "acc_norm", "n", "stderr", "seconds", ...}}}."""
+    """{"model", "model_identity", "weights", "bundle", "pjinfer_version", "limit", "num_fewshot",
+    "tasks": {name: {"acc", "acc_norm", "n", "stderr", "seconds", ...}}}."""
     if isinstance(task_names, str):
         task_names = [task_names]
     check_tasks(task_names)
@@ -202,7 +236,9 @@ def evaluate(engine, task_names, *, limit: int | None = None, num_fewshot: int |
         raise ConfigError(f"limit must be >= 1, got {limit}")
     progress_factory = progress_factory or (lambda label, total, unit: Progress(label, total, unit))
     bundle = getattr(engine, "bundle", None)
-    results = {"model": _model_name(engine), "bundle": str(bundle.path) if bundle is not None else None,
+    results = {"model": _model_name(engine), "model_identity": _model_identity(engine),
+               "weights": getattr(engine, "weights_format", None),
+               "bundle": str(bundle.path) if bundle is not None else None, "pjinfer_version": _version(),
                "limit": limit, "num_fewshot": num_fewshot, "tasks": {}}
     max_len = engine.config.max_seq_len
     for name in task_names:

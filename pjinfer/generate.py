@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pjinfer.model import KVCache
-from pjinfer.sampling import sample
+from pjinfer.sampling import push_recent, recent_window, sample
 
 MIN_PROMPT_BUCKET = 16
 MIN_CACHE_BUCKET = 256
@@ -42,14 +42,15 @@ def _step(model, token, pos, cache):
 def prefill(graphdef, state, tokens, length, key, params, *, cache_len, greedy):
     """Run the prompt and sample the first new token."""
     logits, cache = _prefill(nnx.merge(graphdef, state), tokens, length, cache_len)
-    return sample(logits, key, params, greedy), cache
+    return sample(logits, key, params, greedy, recent_window(tokens[0], length)), cache
 
 
 @partial(jax.jit, static_argnames=("graphdef", "greedy"), donate_argnames=("cache",))
-def decode_step(graphdef, state, token, pos, cache, key, params, *, greedy):
-    """Feed `token` at position `pos`, sample the next one; the cache is updated in place."""
+def decode_step(graphdef, state, token, pos, cache, key, params, recent, *, greedy):
+    """Feed `token` at position `pos`, sample the next one; the cache is updated in place. `recent` is the
+    repetition penalty's window of the ids before the next one (sampling.recent_window, `token` included)."""
     logits, cache = _step(nnx.merge(graphdef, state), token, pos, cache)
-    return sample(logits, key, params, greedy), cache
+    return sample(logits, key, params, greedy, recent), cache
 
 
 @partial(jax.jit, static_argnames=("graphdef", "cache_len", "greedy"))
@@ -62,22 +63,24 @@ def generate_tokens(graphdef, state, tokens, length, key, params, max_new, stop_
     model = nnx.merge(graphdef, state)
     key, sub = jax.random.split(key)
     logits, cache = _prefill(model, tokens, length, cache_len)
-    first = sample(logits, sub, params, greedy)
+    recent = recent_window(tokens[0], length)
+    first = sample(logits, sub, params, greedy, recent)
     out = jnp.zeros((cache_len,), jnp.int32).at[0].set(first)
 
     def cond(carry):
-        n, _, _, _, done = carry
+        n, _, _, _, _, done = carry
         return (n < max_new) & ~done
 
     def body(carry):
-        n, out, cache, key, _ = carry
+        n, out, cache, key, recent, _ = carry
         key, sub = jax.random.split(key)
+        recent = push_recent(recent, out[n - 1])
         logits, cache = _step(model, out[n - 1], length + n - 1, cache)
-        token = sample(logits, sub, params, greedy)
-        return n + 1, out.at[n].set(token), cache, key, jnp.isin(token, stop_ids)
+        token = sample(logits, sub, params, greedy, recent)
+        return n + 1, out.at[n].set(token), cache, key, recent, jnp.isin(token, stop_ids)
 
-    carry = (jnp.int32(1), out, cache, key, jnp.isin(first, stop_ids))
-    n, out, _, _, _ = jax.lax.while_loop(cond, body, carry)
+    carry = (jnp.int32(1), out, cache, key, recent, jnp.isin(first, stop_ids))
+    n, out, *_ = jax.lax.while_loop(cond, body, carry)
     return out, n
 
 

@@ -1,7 +1,15 @@
-"""Next-token choice: greedy, or temperature with optional top-k and top-p (nucleus) filtering."""
+"""Next-token choice: a repetition penalty, then greedy, or temperature with optional top-k, top-p (nucleus) and
+min-p filtering.
+
+The repetition penalty (CTRL's, as llama.cpp's --repeat-penalty) looks at the last REPEAT_WINDOW tokens (prompt
+included): a positive logit of such a token is divided by the penalty, a negative one multiplied. It applies to
+greedy decoding too. Filters work on the distribution after temperature: top-k keeps the k most likely tokens,
+top-p the smallest set whose probability reaches p, min-p the tokens at least min_p times as likely as the most
+likely one; a token must pass all three."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -14,15 +22,23 @@ class Sampling:
     temperature: float = 0.0   # 0 means greedy
     top_k: int = 0             # 0 means no top-k filter
     top_p: float = 1.0         # 1 means no nucleus filter
-    seed: int = 0
+    seed: int = 0              # any value in [0, 2**32): the PRNG key takes 32 bits
+    min_p: float = 0.0         # 0 means no min-p filter
+    repeat_penalty: float = 1.0  # 1 means no penalty
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ConfigError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if self.top_k < 0:
             raise ConfigError(f"top-k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top-p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ConfigError(f"min-p must be in [0, 1], got {self.min_p}")
+        if not (self.repeat_penalty > 0 and math.isfinite(self.repeat_penalty)):
+            raise ConfigError(f"repeat penalty must be a finite number > 0, got {self.repeat_penalty}")
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(f"seed must be in [0, 2**32), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -30,15 +46,38 @@ class Sampling:
 
     def params(self):
         """The traced part: changing these values does not recompile."""
-        return (jnp.float32(max(self.temperature, 1e-6)), jnp.int32(self.top_k), jnp.float32(self.top_p))
+        return (jnp.float32(max(self.temperature, 1e-6)), jnp.int32(self.top_k), jnp.float32(self.top_p),
+                jnp.float32(self.min_p), jnp.float32(self.repeat_penalty))
 
 
-def sample(logits, key, params, greedy: bool):
-    """logits [V] -> token id (int32). `greedy` is static; params = Sampling.params()."""
+REPEAT_WINDOW = 64   # tokens the repetition penalty looks back over (llama.cpp's default)
+
+
+def recent_window(tokens, length):
+    """The last REPEAT_WINDOW ids of tokens[:length] (tokens [T], int32), -1 where the text is shorter."""
+    idx = length - REPEAT_WINDOW + jnp.arange(REPEAT_WINDOW)
+    return jnp.where(idx >= 0, tokens[jnp.clip(idx, 0, tokens.shape[0] - 1)], -1).astype(jnp.int32)
+
+
+def push_recent(recent, token):
+    """The window after `token` is appended (the oldest id drops out)."""
+    return jnp.concatenate([recent[1:], jnp.reshape(token, (1,)).astype(jnp.int32)])
+
+
+def penalize(logits, recent, penalty):
+    """CTRL's repetition penalty on the ids in `recent` (-1 entries ignored)."""
+    seen = jnp.zeros(logits.shape, bool).at[jnp.where(recent >= 0, recent, logits.shape[0])].set(True, mode="drop")
+    return jnp.where(seen, jnp.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
+def sample(logits, key, params, greedy: bool, recent):
+    """logits [V] -> token id (int32). `greedy` is static; params = Sampling.params(); recent: the window of
+    previous ids the repetition penalty sees ([REPEAT_WINDOW] int32, -1 for none)."""
+    temperature, top_k, top_p, min_p, penalty = params
+    logits = penalize(logits.astype(jnp.float32), recent, penalty)
     if greedy:
         return jnp.argmax(logits).astype(jnp.int32)
-    temperature, top_k, top_p = params
-    logits = logits.astype(jnp.float32) / temperature
+    logits = logits / temperature
     ordered = jnp.sort(logits)[::-1]
     # top-k: keep logits at least as large as the k-th largest.
     kth = ordered[jnp.clip(top_k - 1, 0, logits.shape[0] - 1)]
@@ -48,4 +87,6 @@ def sample(logits, key, params, greedy: bool):
     before = jnp.cumsum(probs) - probs                  # mass strictly before each sorted token
     last_kept = jnp.sum(before < top_p) - 1
     cutoff = jnp.maximum(cutoff, ordered[last_kept])
+    # min-p: p_i >= min_p * p_max, i.e. logit_i >= logit_max + log(min_p).
+    cutoff = jnp.maximum(cutoff, ordered[0] + jnp.log(min_p))
     return jax.random.categorical(key, jnp.where(logits >= cutoff, logits, -jnp.inf)).astype(jnp.int32)

@@ -90,17 +90,41 @@ class Tokenizer:
 
 
 class StreamDecoder:
-    """Turns a growing list of ids into text pieces without splitting a multi-byte character."""
+    """Turns a growing list of ids into text pieces without splitting a multi-byte character, and ends the text
+    before the first of `stops` (strings): once one appears, `stop` names it and `text` is cut before it. Text
+    that could still be the start of a stop string is held back from `push` until it cannot; `flush` returns it
+    when the stream ends for another reason."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, stops=()):
         self.tokenizer = tokenizer
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) - 1 for s in self.stops), default=0)
         self.ids: list[int] = []
-        self.emitted = 0
+        self.text = ""             # everything decoded so far (cut at a stop string)
+        self.emitted = 0           # characters of `text` returned by push/flush
+        self.stop: str | None = None
 
     def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+        """The new text that is safe to show after `token_id` (empty once a stop string has been seen)."""
+        if self.stop is not None:
             return ""
-        piece, self.emitted = text[self.emitted:], len(text)
+        self.ids.append(token_id)
+        full = self.tokenizer.decode(self.ids)
+        if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return ""
+        self.text = full
+        # A stop string that ends in the new text starts at or after `emitted`: held-back text covers its head.
+        hits = [(self.text.find(s, self.emitted), s) for s in self.stops]
+        hits = [(at, s) for at, s in hits if at >= 0]
+        if hits:
+            at, self.stop = min(hits)
+            self.text = self.text[:at]
+            return self.flush()
+        upto = max(self.emitted, len(self.text) - self.hold)
+        piece, self.emitted = self.text[self.emitted:upto], upto
+        return piece
+
+    def flush(self) -> str:
+        """What was held back: the rest of the text."""
+        piece, self.emitted = self.text[self.emitted:], len(self.text)
         return piece

@@ -34,3 +34,19 @@ def test_stream_decoder_never_splits_a_character(engine):
     pieces = [decoder.push(i) for i in ids]
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stream_decoder_cuts_at_the_first_stop_string_and_never_shows_its_head(engine):
+    tok = engine.tokenizer
+    ids = tok.encode("alpha beta. gamma END delta END")
+    decoder = StreamDecoder(tok, stops=["END", "a. g"])
+    shown = "".join(decoder.push(i) for i in ids)
+    assert decoder.stop == "a. g" and decoder.text == "alpha bet" and shown + decoder.flush() == "alpha bet"
+    assert decoder.push(ids[0]) == ""              # nothing after a stop
+
+
+def test_stream_decoder_flushes_the_held_back_tail(engine):
+    tok = engine.tokenizer
+    decoder = StreamDecoder(tok, stops=["\n\nUser:"])
+    shown = "".join(decoder.push(i) for i in tok.encode("Sure.\n\nUse"))
+    assert decoder.stop is None and shown == "Sure" and shown + decoder.flush() == "Sure.\n\nUse"

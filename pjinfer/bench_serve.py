@@ -1,0 +1,134 @@
+"""A bounded load test of `pjinfer serve` on loopback (`make bench-serve`).
+
+Starts the server as a child process on a free 127.0.0.1 port, measures one stream alone, then sends `requests`
+streaming completions from `clients` concurrent clients, each asking for `tokens` tokens (greedy, no end-of-text
+stop: a fixed amount of work). Reports the aggregate completion rate against the single stream's, the time to the
+first token (p50, p99) and the requests lost (an error, a wrong token count, or no [DONE]). Then stops the server.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+from tqdm import tqdm
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The best way to learn is",
+           "Water boils at", "My favourite animal is", "In 1492,", "The opposite of hot is"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(base: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"pjinfer: error: the server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise SystemExit("pjinfer: error: the server did not come up")
+
+
+def _one(base: str, prompt: str, tokens: int) -> dict:
+    """One streaming request: seconds to the first token, total seconds, tokens received, whether it completed."""
+    start, first, pieces, done = time.perf_counter(), None, 0, False
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    try:
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as r:
+            if r.status_code != 200:
+                return {"ok": False}
+            usage = None
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    elif chunk["choices"] and chunk["choices"][0]["text"]:
+                        first = first or time.perf_counter()
+                        pieces += 1
+    except httpx.HTTPError:
+        return {"ok": False}
+    end = time.perf_counter()
+    n = usage["completion_tokens"] if usage else 0
+    return {"ok": done and n == tokens, "ttft": (first or end) - start, "seconds": end - start, "tokens": n}
+
+
+def run(base: str, *, requests: int, clients: int, tokens: int) -> dict:
+    _one(base, PROMPTS[0], 4)                               # compile outside the measurement
+    single = _one(base, PROMPTS[0], tokens)
+    results, lock, next_index = [], threading.Lock(), iter(range(requests))
+    bar = tqdm(total=requests, desc="requests", disable=None)
+
+    def client():
+        while True:
+            with lock:
+                i = next(next_index, None)
+            if i is None:
+                return
+            r = _one(base, PROMPTS[i % len(PROMPTS)], tokens)
+            with lock:
+                results.append(r)
+                bar.update()
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    bar.close()
+    ok = [r for r in results if r["ok"]]
+    ttfts = sorted(r["ttft"] for r in ok)
+    single_rate = single["tokens"] / single["seconds"]
+    aggregate = sum(r["tokens"] for r in ok) / wall
+    return {"requests": requests, "clients": clients, "tokens": tokens, "single_stream_tok_s": round(single_rate, 1),
+            "aggregate_tok_s": round(aggregate, 1), "aggregate_over_single": round(aggregate / single_rate, 2),
+            "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
+            "ttft_p99_s": round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 3) if ttfts else None,
+            "lost": requests - len(ok), "wall_s": round(wall, 1)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pjinfer.bench_serve", description=__doc__)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--weights", default="q4_1")
+    p.add_argument("--model")
+    args = p.parse_args(argv)
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "pjinfer.cli", "serve", "--port", str(port), "--weights", args.weights,
+           "--max-batch", str(args.clients)] + (["--model", args.model] if args.model else [])
+    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, env=os.environ.copy())
+    try:
+        _wait(base, proc)
+        result = run(base, requests=args.requests, clients=args.clients, tokens=args.tokens)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    print(json.dumps(result))
+    return 1 if result["lost"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""An interactive, multi-turn conversation with a loaded Engine (`pjinfer chat`).
+
+Each turn renders the whole history through the model's chat template and streams the reply until the model's
+end-of-turn token or the per-reply token limit. The oldest turns are dropped (the system message kept) when the
+history would not leave room for a full reply in the model's context. Lines starting with "/" are commands.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Iterator
+
+from pjinfer.config import ConfigError
+from pjinfer.sampling import Sampling
+from pjinfer.tokenizer import StreamDecoder
+
+COMMANDS_HELP = "/reset clears the conversation, /exit (or Ctrl-D) leaves; Ctrl-C stops a reply"
+
+
+class Conversation:
+    def __init__(self, engine, *, system: str | None = None, max_new_tokens: int = 256,
+                 sampling: Sampling = Sampling()):
+        if not engine.tokenizer.chat_template:
+            raise ConfigError("this model has no chat template, so it cannot chat; use `pjinfer generate`")
+        self.engine, self.system, self.max_new_tokens, self.sampling = engine, system, max_new_tokens, sampling
+        self.turns: list[dict] = []
+
+    def reset(self) -> None:
+        self.turns = []
+
+    def prompt_ids(self) -> list[int]:
+        """The rendered history, oldest turns dropped until a full reply fits in the context."""
+        tok, limit = self.engine.tokenizer, self.engine.config.max_seq_len - self.max_new_tokens
+        while True:
+            system = [{"role": "system", "content": self.system}] if self.system else []
+            ids = tok.encode(tok.apply_chat(system + self.turns), add_special=False)
+            if len(ids) <= limit:
+                return ids
+            if len(self.turns) <= 1:
+                raise ConfigError(f"the message ({len(ids)} tokens with the system prompt) leaves no room for "
+                                  f"a {self.max_new_tokens}-token reply in the model's context")
+            self.turns = self.turns[2:]  # the oldest user message and its reply
+
+    def reply(self, text: str) -> Iterator[str]:
+        """Streams the reply to `text` as pieces of text. The reply joins the history as far as it got, even
+        when the caller stops early (Ctrl-C)."""
+        self.turns.append({"role": "user", "content": text})
+        ids = self.prompt_ids()
+        decoder, answer = StreamDecoder(self.engine.tokenizer), []
+        try:
+            for token in self.engine.stream(ids, max_new_tokens=self.max_new_tokens, sampling=self.sampling):
+                piece = decoder.push(token)
+                answer.append(piece)
+                yield piece
+        finally:
+            self.turns.append({"role": "assistant", "content": "".join(answer).strip()})
+
+
+def repl(conversation: Conversation, *, read=input, out=sys.stdout) -> None:
+    """Reads a line, streams the reply, until /exit or end of input. Ctrl-C during a reply stops that reply and
+    keeps the session; Ctrl-C at the prompt discards the line."""
+    print(f"[{COMMANDS_HELP}]", file=out, flush=True)
+    while True:
+        try:
+            line = read("> ").strip()
+        except EOFError:
+            print(file=out)
+            return
+        except KeyboardInterrupt:
+            print(file=out)
+            continue
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return
+        if line == "/reset":
+            conversation.reset()
+            print("[conversation cleared]", file=out, flush=True)
+            continue
+        if line.startswith("/"):
+            print(f"[unknown command {line.split()[0]}; {COMMANDS_HELP}]", file=out, flush=True)
+            continue
+        try:
+            for piece in conversation.reply(line):
+                out.write(piece)
+                out.flush()
+            print(file=out, flush=True)
+        except KeyboardInterrupt:
+            print("\n[stopped]", file=out, flush=True)

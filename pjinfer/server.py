@@ -1,0 +1,327 @@
+"""An OpenAI-compatible HTTP server over one loaded Engine (`pjinfer serve`).
+
+Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (messages rendered with the
+model's chat template; the reply stops at its end-of-turn). Request fields: max_tokens (max_completion_tokens for
+chat), temperature, top_p, top_k, min_p, repeat_penalty, seed, stop (a string or a list), ignore_eos (as
+llama-server), stream (Server-Sent
+Events in OpenAI's chunk format, ending with `data: [DONE]`). Responses carry usage and finish_reason ("stop" or
+"length").
+
+Every error is an OpenAI-style JSON object {"error": {"message", "type", "param", "code"}} with its HTTP status:
+400 bad JSON, bad values or a prompt past the context; 401 a missing or wrong API key (when one is set); 404 an
+unknown model or path; 413 a body over the size limit; 422 a body of the wrong shape; 503 shutting down.
+
+Requests run on `scheduler.Scheduler` (one thread owns the engine; requests take turns a token at a time). A client
+that disconnects frees its place at its next turn. One log line per request: id, tokens in and out, time to first
+token, decode rate.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import secrets
+import signal
+import time
+from pathlib import Path
+from typing import Literal
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pjinfer.config import ConfigError
+from pjinfer.sampling import Sampling
+from pjinfer.scheduler import Job, Scheduler, SchedulerClosed
+
+log = logging.getLogger("pjinfer.server")
+MAX_BODY_BYTES = 1 << 20
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+# ---------------------------------------------------------------- request bodies
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    n: int = 1
+    stream_options: dict | None = None
+    ignore_eos: bool = False       # llama-server's extension: generate past end-of-text tokens
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str]
+    max_tokens: int = Field(16, ge=1)
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+# ---------------------------------------------------------------- the app
+class Server:
+    """Holds the engine's scheduler and builds the FastAPI app. `name` is the model id clients send."""
+
+    def __init__(self, engine, *, name: str | None = None, api_key: str | None = None, max_active: int = 8,
+                 max_body_bytes: int = MAX_BODY_BYTES, default_chat_tokens: int = 512):
+        self.engine, self.api_key, self.max_body_bytes = engine, api_key, max_body_bytes
+        self.name = name or Path(engine.source).stem or "pjinfer"
+        self.default_chat_tokens = default_chat_tokens
+        self.scheduler = Scheduler(engine, max_active=max_active)
+        self.created = int(time.time())
+        self.app = self._build()
+
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="pjinfer", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(ApiError)
+        async def api_error(request, exc: ApiError):
+            return exc.response()
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request, exc):
+            return ApiError(exc.status_code, str(exc.detail), type="not_found_error" if exc.status_code == 404
+                            else "invalid_request_error").response()
+
+        @app.exception_handler(Exception)
+        async def unexpected(request, exc):
+            log.exception("unexpected error")
+            return ApiError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
+
+        @app.middleware("http")
+        async def guard(request: Request, call_next):
+            try:
+                if request.url.path.startswith("/v1/"):
+                    self._check_key(request)
+                length = request.headers.get("content-length")
+                if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+                    raise ApiError(413, f"request body over {self.max_body_bytes} bytes")
+            except ApiError as e:
+                return e.response()
+            return await call_next(request)
+
+        @app.get("/health")
+        async def health():
+            return {"status": "ok", "active": self.scheduler.active}
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": self.name, "object": "model", "created": self.created,
+                                                "owned_by": "pjinfer"}]}
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            body = await self._parse(request, CompletionRequest)
+            prompt = body.prompt
+            if isinstance(prompt, list):
+                if len(prompt) != 1:
+                    raise ApiError(400, "one prompt per request", param="prompt")
+                prompt = prompt[0]
+            ids = self.engine.tokenizer.encode(prompt)
+            return await self._run(request, body, ids, body.max_tokens, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            body = await self._parse(request, ChatRequest)
+            tok = self.engine.tokenizer
+            try:
+                text = tok.apply_chat([m.model_dump() for m in body.messages])
+            except ConfigError as e:
+                raise ApiError(400, str(e), param="messages") from None
+            ids = tok.encode(text, add_special=False)
+            room = self.engine.config.max_seq_len - len(ids)
+            max_tokens = body.max_completion_tokens or body.max_tokens or max(1, min(self.default_chat_tokens, room))
+            return await self._run(request, body, ids, max_tokens, chat=True)
+
+        return app
+
+    # ------------------------------------------------------------ pieces of a request
+    def _check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:] if given.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            raise ApiError(401, "missing or invalid API key (send: Authorization: Bearer KEY)",
+                           type="authentication_error", code="invalid_api_key")
+
+    async def _parse(self, request: Request, model: type[BaseModel]):
+        raw = await request.body()
+        if len(raw) > self.max_body_bytes:
+            raise ApiError(413, f"request body over {self.max_body_bytes} bytes")
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the body is not valid JSON ({e})") from None
+        try:
+            body = model.model_validate(data)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ApiError(422, f"{where or 'body'}: {first['msg']}", param=where or None) from None
+        if body.model not in (None, "", self.name):
+            raise ApiError(404, f"model {body.model!r} not found (this server has {self.name!r})",
+                           type="not_found_error", param="model", code="model_not_found")
+        if body.n != 1:
+            raise ApiError(400, "only n = 1 is supported", param="n")
+        return body
+
+    def _sampling(self, body: _Common) -> Sampling:
+        seed = secrets.randbelow(2**32) if body.seed is None else body.seed
+        try:
+            return Sampling(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=seed,
+                            min_p=body.min_p, repeat_penalty=body.repeat_penalty)
+        except ConfigError as e:
+            raise ApiError(400, str(e)) from None
+
+    async def _run(self, request: Request, body: _Common, ids: list[int], max_tokens: int, *, chat: bool):
+        sampling = self._sampling(body)
+        try:
+            self.engine.plan(len(ids), max_tokens)
+        except ConfigError as e:
+            raise ApiError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
+        stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        job = Job(ids, max_tokens, sampling, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), stops=stops,
+                  stop_ids=() if body.ignore_eos else None)
+        try:
+            self.scheduler.submit(job)
+        except SchedulerClosed as e:
+            raise ApiError(503, str(e), type="server_error") from None
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        reply = _Reply(rid, self.name, chat, len(ids))
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(self._stream(job, events, reply, include_usage), media_type="text/event-stream")
+        try:
+            pieces = []
+            while True:
+                kind, value = await events.get()
+                if kind == "text":
+                    pieces.append(value)
+                elif kind == "error":
+                    raise ApiError(503 if "shutting down" in value else 500, value, type="server_error")
+                else:
+                    self._log(rid, job)
+                    return reply.whole("".join(pieces), value, job.completion_tokens)
+        finally:
+            job.cancelled.set()      # a no-op once done; frees the place if the handler is cancelled
+
+    async def _stream(self, job: Job, events: asyncio.Queue, reply: "_Reply", include_usage: bool):
+        try:
+            yield _sse(reply.chunk(role=True))
+            while True:
+                kind, value = await events.get()
+                if kind == "text":
+                    yield _sse(reply.chunk(text=value))
+                elif kind == "error":
+                    yield _sse({"error": {"message": value, "type": "server_error", "param": None, "code": None}})
+                    break
+                else:
+                    yield _sse(reply.chunk(finish=value))
+                    if include_usage:
+                        yield _sse(reply.usage_chunk(job.completion_tokens))
+                    self._log(reply.id, job)
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancelled.set()      # the client went away: the scheduler drops the job at its next turn
+
+    def _log(self, rid: str, job: Job) -> None:
+        ttft = (job.first_token or job.finished) - job.submitted
+        decode = job.finished - job.first_token if job.first_token else 0.0
+        rate = (job.completion_tokens - 1) / decode if job.completion_tokens > 1 and decode > 0 else 0.0
+        log.info("%s prompt %d tokens, completion %d tokens, first token %.3f s, %.1f tok/s, finish %s", rid,
+                 len(job.prompt_ids), job.completion_tokens, ttft, rate, job.finish_reason)
+
+
+class _Reply:
+    """OpenAI's response objects for one request."""
+
+    def __init__(self, rid: str, model: str, chat: bool, prompt_tokens: int):
+        self.id, self.model, self.chat, self.prompt_tokens = rid, model, chat, prompt_tokens
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def usage(self, completion_tokens: int) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens}
+
+    def whole(self, text: str, finish: str, completion_tokens: int) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                      "logprobs": None}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage(completion_tokens)}
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        return {**self._head("text_completion"), "choices": [choice], "usage": self.usage(completion_tokens)}
+
+    def chunk(self, *, text: str = "", finish: str | None = None, role: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            return {**self._head("chat.completion.chunk"),
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+        return {**self._head("text_completion"),
+                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+
+    def usage_chunk(self, completion_tokens: int) -> dict:
+        head = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        return {**head, "choices": [], "usage": self.usage(completion_tokens)}
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+class _Uvicorn(uvicorn.Server):
+    """On SIGINT/SIGTERM the scheduler stops first: open streams end cleanly, waiting requests get 503. The signal
+    is the normal way to stop, so it is not raised again after shutdown (uvicorn's default): the process exits 0.
+    A second SIGINT forces the exit."""
+
+    def __init__(self, config, scheduler: Scheduler):
+        super().__init__(config)
+        self.scheduler = scheduler
+
+    def handle_exit(self, sig, frame):
+        self.scheduler.close()
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
+
+
+def serve(server: Server, *, host: str = "127.0.0.1", port: int = 8080) -> None:
+    """Serves until SIGINT/SIGTERM, then returns once open requests have ended."""
+    config = uvicorn.Config(server.app, host=host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=10)
+    _Uvicorn(config, server.scheduler).run()
+    server.scheduler.close()
+    server.scheduler.join(timeout=10)

@@ -1,0 +1,176 @@
+"""`pjinfer serve` over a real socket on 127.0.0.1, driven by the real `openai` client and raw HTTP (httpx)."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from pjinfer.server import Server
+
+KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(base: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{base} did not come up")
+
+
+@pytest.fixture(scope="module")
+def served(engine):
+    """The session's real model behind a server in a thread of this process (one model load for every test)."""
+    server = Server(engine, api_key=KEY, max_active=8, max_body_bytes=64 * 1024)
+    port = free_port()
+    runner = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=runner.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    wait_healthy(base, timeout=30)
+    yield server, base, openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=300)
+    server.scheduler.close()
+    runner.should_exit = True
+    thread.join(timeout=30)
+
+
+def expected(engine, prompt: str, n: int, *, chat=False) -> str:
+    tok = engine.tokenizer
+    ids = tok.encode(tok.apply_chat([{"role": "user", "content": prompt}]), add_special=False) if chat \
+        else tok.encode(prompt)
+    return tok.decode(engine.generate(ids, max_new_tokens=n))
+
+
+def test_models_and_health(served):
+    server, base, client = served
+    assert [m.id for m in client.models.list().data] == [server.name]
+    assert httpx.get(f"{base}/health").json()["status"] == "ok"
+
+
+def test_greedy_completion_equals_generate_streamed_or_not(served, engine):
+    server, _, client = served
+    want = expected(engine, "The capital of France is", 12)
+    whole = client.completions.create(model=server.name, prompt="The capital of France is", max_tokens=12,
+                                      temperature=0)
+    assert whole.choices[0].text == want and whole.choices[0].finish_reason == "length"
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (5, 12)
+    chunks = list(client.completions.create(model=server.name, prompt="The capital of France is", max_tokens=12,
+                                            temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want and chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_stops_at_end_of_turn_and_streams_the_same_text(served, engine):
+    _, _, client = served
+    messages = [{"role": "user", "content": "Say hello."}]
+    whole = client.chat.completions.create(model="", messages=messages, max_tokens=60, temperature=0)
+    assert whole.choices[0].message.content == expected(engine, "Say hello.", 60, chat=True)
+    assert whole.choices[0].finish_reason == "stop"             # the end-of-turn token came before 60 tokens
+    stream = client.chat.completions.create(model="", messages=messages, max_tokens=60, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_stop_strings(served, engine):
+    _, _, client = served
+    out = client.completions.create(model="", prompt="The capital of France is", max_tokens=12, temperature=0,
+                                    stop=["\n"])
+    assert out.choices[0].text == " Paris." and out.choices[0].finish_reason == "stop"
+
+
+def test_eight_concurrent_streams_each_equal_their_single_output(served, engine):
+    _, _, client = served
+    prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The best way to learn is",
+               "Water boils at", "My favourite animal is", "In 1492,", "The opposite of hot is"]
+    want = [expected(engine, p, 8) for p in prompts]
+    got = [None] * len(prompts)
+
+    def one(i):
+        chunks = client.completions.create(model="", prompt=prompts[i], max_tokens=8, temperature=0, stream=True)
+        got[i] = "".join(c.choices[0].text for c in chunks)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert got == want
+
+
+@pytest.mark.parametrize("body,status,fragment", [
+    (b'{"prompt": "x", "max_tokens": 9000}', 400, "exceed the model's context"),
+    (b'{"prompt": "x"', 400, "not valid JSON"),
+    (b'{"prompt": 3}', 422, "prompt"),
+    (b'{"prompt": "x", "temperature": -1}', 400, "temperature must be >= 0"),
+    (b'{"prompt": "x", "model": "gpt-4"}', 404, "model 'gpt-4' not found"),
+    (b'{"prompt": "' + b"x" * 70000 + b'"}', 413, "request body over"),
+])
+def test_errors_are_openai_error_objects(served, body, status, fragment):
+    _, base, _ = served
+    r = httpx.post(f"{base}/v1/completions", content=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == status and fragment in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])
+def test_api_key_is_required(served, headers):
+    _, base, _ = served
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "x"}, headers=headers)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_a_client_that_disconnects_frees_its_slot(served):
+    server, base, _ = served
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", f"{base}/v1/completions", headers=headers, timeout=60,
+                      json={"prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0, "stream": True}) as r:
+        lines = r.iter_lines()
+        assert next(l for l in lines if l.startswith("data:"))      # streaming has begun
+        assert server.scheduler.active == 1
+    # 4000 tokens would take minutes; the job must go at its next turn instead.
+    deadline = time.monotonic() + 30
+    while server.scheduler.active and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.scheduler.active == 0
+
+
+def test_sigterm_ends_open_streams_cleanly_and_exits_zero():
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "pjinfer.cli", "serve", "--port", str(port), "--weights", "q4_1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        wait_healthy(base)
+        with httpx.stream("POST", f"{base}/v1/completions", timeout=60,
+                          json={"prompt": "Once upon a time", "max_tokens": 4000, "stream": True}) as r:
+            lines = r.iter_lines()
+            first = next(l for l in lines if l.startswith("data:"))
+            proc.send_signal(signal.SIGTERM)
+            rest = [l for l in lines if l]
+        assert json.loads(first[5:])["object"] == "text_completion"
+        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][5:])["choices"][0]["finish_reason"] == "stop"
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "Traceback" not in err, err
+        assert "completion" in err and "first token" in err          # the request's log line
+    finally:
+        proc.kill()
