@@ -14,15 +14,18 @@ prefill and scoring compute the model the decode computes, on ``dequantized(weig
 
 One layer, under the ffi lock (host_decode's helpers for norms, RoPE, attention and the head):
     h = rmsnorm(x) * attn_norm; active(h, T_ATTN)            caller thread
-    qkv = sum_active h_i Wqkv[:, i]                         team: output blocks split (stage QKV)
+    qkv = sum_active h_i Wqkv[:, i]                         team: active inputs split (stage QKV), caller adds
     rope, cache write; attention                            as host_decode (ATTN: heads split)
-    active(att, T_O); o = sum_active ...; x += o            team: output blocks split (O)
+    active(att, T_O); x += sum_active att_i Wo[:, i]        team: active inputs split (O), caller adds
     h = rmsnorm(x) * ffn_norm; active(h, T_FFN)
-    gate | up = sum_active h_i Wgu[:, i]; a = act(gate, up) team: neuron blocks split (GATE_UP)
-    active(a, T_DOWN); x += sum_active a_i Wdown_t[i]       team: output blocks split (DOWN)
+    gate | up = sum_active h_i Wgu[:, i]                    team: active inputs split (GATE_UP)
+    a = act(gate, up)                                       team: partials added, neurons split (ACT)
+    active(a, T_DOWN); x += sum_active a_i Wdown_t[i]       team: active inputs split (DOWN), caller adds
+Splitting the active inputs (not the outputs) lets each thread stream whole rows, as q4.gemv does; each thread
+sums into its own row of a partial-output scratch.
 
 The header keeps host_decode's slots (so its ``_dims``, ``_scratch``, ``_run`` and ``_head`` work on it) and adds
-the thresholds and the active-index scratch. Lifetime: like HostDecoder, the header is never freed.
+the thresholds, the active-index scratch and the partial outputs. Lifetime: like HostDecoder, the header is never freed.
 """
 from __future__ import annotations
 
@@ -42,13 +45,17 @@ from numba import carray, cfunc, njit, types  # noqa: E402
 
 TARGET_NAME = "pjinfer_sparse_decode"
 MAGIC = 0x706A7370_0001  # "pjsp" + 1
-H_THRESH, H_IDX = 21, 22  # float32 [layers, 4] thresholds; int32 active-index scratch [max(d, H hd, F)]
+# float32 [layers, 4] thresholds; int32 active-index scratch [max(d, H hd, F)]; float32 partial outputs
+# [team size, widest output]; the widest output, max(d, (H + 2 KV) hd, 2 F). Slots below 21 are host_decode's.
+H_THRESH, H_IDX, H_PARTIAL, H_WIDEST = 21, 22, 23, 24
+HEADER_WIDTH = 32
 T_ATTN, T_O, T_FFN, T_DOWN = range(4)
 TENSORS = ("attn_in", "o_in", "ffn_in", "down_in")  # the names of the four thresholds, in this order
 # Layer table slots: Q4_1 blocks along the output dimension, then the norm scales.
 L_QKV, L_O, L_GATE_UP, L_DOWN, L_ATTN_NORM, L_FFN_NORM = range(6)
 L_WIDTH = 6
-K_COUNT = 6  # task slot: how many inputs the current stage reads
+K_COUNT, K_THREADS = 6, 7  # task slots: how many inputs the current stage reads; the team's size
+ST_ACT = 6  # stage: add the gate/up partials and apply the activation, neurons split
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
@@ -69,6 +76,23 @@ def _threshold(header, layer, k):
     return carray(ptr_f32(load_i64(header + 8 * H_THRESH) + 16 * layer), (4,))[k]
 
 
+@njit(**NOJIT)
+def _partials(header, n, width):
+    """The team's partial outputs: thread t's sums in row t, [n, width] of the [team size, widest] scratch."""
+    return carray(ptr_f32(load_i64(header + 8 * H_PARTIAL)), (n, load_i64(header + 8 * H_WIDEST)))[:, :width]
+
+
+@njit(**NOJIT)
+def _sum_partials(header, y, accumulate):
+    """y (+)= the sum of the team's partial outputs of y's length."""
+    parts = _partials(header, load_i64(load_i64(header + 8 * H_TASK) + 8 * K_THREADS), y.shape[0])
+    for j in range(y.shape[0]):
+        t = parts[0, j]
+        for r in range(1, parts.shape[0]):
+            t += parts[r, j]
+        y[j] = y[j] + t if accumulate else t
+
+
 def _stage_py(header, tid, n):
     task = load_i64(header + 8 * H_TASK)
     stage = load_i64(task + 8 * K_STAGE)
@@ -76,10 +100,11 @@ def _stage_py(header, tid, n):
     count = load_i64(task + 8 * K_COUNT)
     d, nh, nkv, hd_, ff = hd._dims(header)
     h, qkv, att, o, gate, up, down, scores = hd._scratch(header)
+    klo, khi = hd._share(count, tid, n, 1)  # the matrix stages split the active inputs: whole rows per thread
     if stage == ST_QKV:
         nq = qkv.shape[0]
-        blo, bhi = hd._share(nq // BLOCK, tid, n, 1)
-        q4_sparse.axpy(_blocks(header, layer, L_QKV, d, nq), _idx(header, d), count, h, qkv, blo, bhi)
+        q4_sparse.axpy(_blocks(header, layer, L_QKV, d, nq), _idx(header, d), klo, khi, h,
+                       _partials(header, n, nq)[tid], 0, nq // BLOCK)
     elif stage == ST_ATTN:
         pos = load_i64(task + 8 * K_POS)  # < the cache length <= max_len, checked by the handler
         kc = carray(ptr_f32(load_i64(task + 8 * K_KCACHE)), (pos + 1, nkv, hd_))
@@ -89,21 +114,25 @@ def _stage_py(header, tid, n):
             hd._attend(qkv[q_head * hd_:(q_head + 1) * hd_], kc, vc, q_head // (nh // nkv), pos,
                        scores[q_head], att[q_head * hd_:(q_head + 1) * hd_])
     elif stage == ST_O:
-        blo, bhi = hd._share(d // BLOCK, tid, n, 1)
-        q4_sparse.axpy(_blocks(header, layer, L_O, nh * hd_, d), _idx(header, nh * hd_), count, att, o, blo, bhi)
+        q4_sparse.axpy(_blocks(header, layer, L_O, nh * hd_, d), _idx(header, nh * hd_), klo, khi, att,
+                       _partials(header, n, d)[tid], 0, d // BLOCK)
     elif stage == ST_GATE_UP:
-        blo, bhi = hd._share(ff // BLOCK, tid, n, 1)
-        gu = carray(ptr_f32(gate.ctypes.data), (2 * ff,))  # gate and up are adjacent in the scratch
-        w = _blocks(header, layer, L_GATE_UP, d, 2 * ff)
-        idx = _idx(header, d)
-        q4_sparse.axpy(w, idx, count, h, gu, blo, bhi)
-        q4_sparse.axpy(w, idx, count, h, gu, ff // BLOCK + blo, ff // BLOCK + bhi)
+        q4_sparse.axpy(_blocks(header, layer, L_GATE_UP, d, 2 * ff), _idx(header, d), klo, khi, h,
+                       _partials(header, n, 2 * ff)[tid], 0, 2 * ff // BLOCK)
+    elif stage == ST_ACT:
+        parts = _partials(header, n, 2 * ff)
         code = load_i64(header + 8 * hd.H_ACT)
-        for i in range(BLOCK * blo, BLOCK * bhi):
-            gate[i] = _act(gate[i], up[i], code)
+        lo, hi = hd._share(ff, tid, n, 16)
+        for i in range(lo, hi):
+            g = parts[0, i]
+            u = parts[0, ff + i]
+            for r in range(1, n):
+                g += parts[r, i]
+                u += parts[r, ff + i]
+            gate[i] = _act(g, u, code)
     elif stage == ST_DOWN:
-        blo, bhi = hd._share(d // BLOCK, tid, n, 1)
-        q4_sparse.axpy(_blocks(header, layer, L_DOWN, ff, d), _idx(header, ff), count, gate, down, blo, bhi)
+        q4_sparse.axpy(_blocks(header, layer, L_DOWN, ff, d), _idx(header, ff), klo, khi, gate,
+                       _partials(header, n, d)[tid], 0, d // BLOCK)
     elif stage == ST_HEAD:
         vocab = load_i64(header + 8 * H_VOCAB)
         w = hd._i8(load_i64(header + 8 * hd.H_HEAD), vocab, d)
@@ -140,6 +169,7 @@ def _layer(header, layer, pos, x, k_ptr, v_ptr):
 
     hd._rmsnorm(x, hd._f32(load_i64(table + 8 * L_ATTN_NORM), d), eps, h)
     _sparse_run(header, ST_QKV, h, layer, T_ATTN)
+    _sum_partials(header, qkv, False)
     inv_freq = hd._f32(load_i64(header + 8 * H_INV_FREQ), hd_ // 2)
     hd._rope(qkv[:nh * hd_], nh, hd_, inv_freq, pos)
     hd._rope(qkv[nh * hd_:(nh + nkv) * hd_], nkv, hd_, inv_freq, pos)
@@ -151,13 +181,12 @@ def _layer(header, layer, pos, x, k_ptr, v_ptr):
         vc[j] = qkv[nh * hd_ + kv + j]
     hd._run(header, ST_ATTN)
     _sparse_run(header, ST_O, att, layer, T_O)
-    for j in range(d):
-        x[j] += o[j]
+    _sum_partials(header, x, True)
     hd._rmsnorm(x, hd._f32(load_i64(table + 8 * L_FFN_NORM), d), eps, h)
     _sparse_run(header, ST_GATE_UP, h, layer, T_FFN)
+    hd._run(header, ST_ACT)
     _sparse_run(header, ST_DOWN, gate, layer, T_DOWN)
-    for j in range(d):
-        x[j] += down[j]
+    _sum_partials(header, x, True)
 
 
 @njit(**NOJIT)
@@ -291,15 +320,20 @@ class SparseHostDecoder(hd.HostDecoder):
         widest = max(c.d_model, c.n_heads * c.head_dim, c.d_ff)
         scratch = np.zeros(3 * c.d_model + nqkv + c.n_heads * c.head_dim + 2 * c.d_ff
                            + c.n_heads * c.max_seq_len, np.float32)  # host_decode._scratch's views
-        header = np.zeros(hd.H_WIDTH, np.int64)
+        task = np.zeros(8, np.int64)
+        task[K_THREADS] = self.team.size
+        header = np.zeros(HEADER_WIDTH, np.int64)
         header[[H_NLAYERS, hd.H_D, hd.H_HEADS, hd.H_KV, hd.H_HD, hd.H_FF, H_VOCAB, hd.H_ACT, H_MAXLEN]] = [
             c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size,
             kernels.act_code(c.activation), c.max_seq_len]
         header.view(np.float64)[H_EPS] = c.norm_eps
         header[[H_TABLE, hd.H_HEAD, hd.H_HEAD_SCALES, H_INV_FREQ, hd.H_SCRATCH, H_TASK, hd.H_TEAM]] = [
             self._hold(table), self._hold(head_q), self._hold(head_s), self._hold(inv_freq),
-            self._hold(scratch), self._hold(np.zeros(8, np.int64)), self.team.address]
-        header[[H_THRESH, H_IDX]] = [self._hold(thresholds), self._hold(np.zeros(widest, np.int32))]
+            self._hold(scratch), self._hold(task), self.team.address]
+        widest_out = max(c.d_model, nqkv, 2 * c.d_ff)
+        header[[H_THRESH, H_IDX, H_PARTIAL, H_WIDEST]] = [
+            self._hold(thresholds), self._hold(np.zeros(widest, np.int32)),
+            self._hold(np.zeros((self.team.size, widest_out), np.float32)), widest_out]
         header[[hd.H_STAGE, H_RUNTIME]] = [_stage.address, RUNTIME_ADDR]
         header[hd.H_FORMAT] = hd.F_Q4_1
         header[H_MAGIC] = MAGIC

@@ -96,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-tokens", type=_positive_int, default=12288,
                    help="tokens kept for predictor training (memory: layers x tokens x d_model x 2 bytes)")
 
+    p = command("calibrate", "fit input-sparsity thresholds (TEAL) into a bundle, for --weights q4_1 --bundle")
+    p.add_argument("--bundle", required=True, help="bundle directory (created if absent)")
+    p.add_argument("--target", type=float, default=0.4,
+                   help="share of the layers' weights left unread per token, weighted by size (0 to 0.9)")
+    p.add_argument("--text-file", help="calibration text (default: the exllamav2 calibration set, wiki's "
+                                       "evaluation slice left out)")
+
     p = command("train-predictors", "train one low-rank activation predictor per layer (optax) on the profile")
     p.add_argument("--bundle", required=True)
     p.add_argument("--recall", type=float, default=0.95, help="held-back recall each layer must reach")
@@ -209,16 +216,17 @@ def cmd_bench(args):
 
         check_llama_cpp(args.model or default_model_path())
     engines = {("dense" if w == "float32" else f"dense-{w}"): _load(args, weights=w) for w in args.weights}
-    if args.bundle:  # sparse against dense, measured in the same run
-        engines["sparse"] = _load(args, args.bundle, weights="float32")
+    if args.bundle:  # sparse against dense, measured in the same run: thresholds with q4_1, else predictors
+        sparse_weights = "q4_1" if "q4_1" in args.weights else "float32"
+        engines["sparse"] = _load(args, args.bundle, weights=sparse_weights)
     result = bench.run(engines, prompt_len=args.prompt_len, new_tokens=args.new_tokens, runs=args.runs,
                        peer=args.peer, progress=Progress("bench runs", args.runs))
-    result["read_bandwidth_gb_s"] = bench.read_bandwidth() / 1e9
     if args.breakdown:
         for name, engine in engines.items():
             result["engines"][name]["breakdown"] = bench.breakdown(engine)
     if args.bundle:
-        result["sparse_over_dense"] = result["engines"]["sparse"]["decode_tok_s"] / result["engines"]["dense"]["decode_tok_s"]
+        dense = "dense-q4_1" if sparse_weights == "q4_1" else "dense"
+        result["sparse_over_dense"] = result["engines"]["sparse"]["decode_over"][dense]
     if args.json:
         print(json.dumps(result))
         return
@@ -238,7 +246,7 @@ def cmd_bench(args):
                                                         for k, v in b.items() if k != "step_ms")
                   + f"; step {b['step_ms']:.1f} ms")
     if args.bundle:
-        print(f"sparse decode / dense decode: {result['sparse_over_dense']:.2f}x")
+        print(f"sparse decode / {dense} decode: {result['sparse_over_dense']:.2f}x (median of the runs' ratios)")
 
 
 def cmd_eval(args):
@@ -292,6 +300,16 @@ def cmd_profile(args):
                         train_tokens=args.train_tokens, progress=Progress("profiling", 0, " tok"))
 
 
+def cmd_calibrate(args):
+    from pjinfer import teal
+    from pjinfer.progress import Progress
+
+    if not 0.0 <= args.target <= teal.MAX_TARGET:  # before the model loads
+        raise ConfigError(f"--target must be in [0, {teal.MAX_TARGET}], got {args.target}")
+    teal.run_calibrate(_load(args, weights="float32"), args.bundle, target=args.target, text_file=args.text_file,
+                       progress=Progress("calibrating", 0, " layers"))
+
+
 def cmd_train_predictors(args):
     from pjinfer import offline
     from pjinfer.progress import Progress
@@ -315,7 +333,7 @@ def cmd_solve(args):
 
 
 COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "bench": cmd_bench, "eval": cmd_eval,
-            "profile": cmd_profile,
+            "profile": cmd_profile, "calibrate": cmd_calibrate,
             "train-predictors": cmd_train_predictors, "solve": cmd_solve}
 
 

@@ -61,8 +61,8 @@ class Engine:
         if weights not in WEIGHT_FORMATS:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
         if weights == "int8" and bundle is not None:
-            raise ConfigError("--weights int8 is the dense host decode; a sparse bundle takes --weights q4_1 "
-                              "(thresholds) or --cold-weights int8 (predictors)")
+            raise ConfigError("--weights int8 is the dense host decode; a sparse bundle takes --cold-weights int8 "
+                              "(predictors) or --weights q4_1 (thresholds)")
         config, tensors, tokenizer = loader.load(path, progress=progress)
         source = str(path or loader.default_model_path())
         thresholds = None

@@ -26,10 +26,17 @@ def test_axpy_reads_only_active_inputs_and_writes_only_its_outputs(out, inn):
         want = deq @ np.where(keep, x, 0).astype(np.float64)
         for blo, bhi in ((0, nb), (nb // 2, nb), (0, 0), (1 % nb, max(1 % nb, nb - 1))):
             y = np.full(out, np.nan, np.float32)
-            qs.axpy(blocks, idx, n, x, y, blo, bhi)
+            qs.axpy(blocks, idx, 0, n, x, y, blo, bhi)
             lo, hi = 32 * blo, 32 * bhi
             np.testing.assert_allclose(y[lo:hi], want[lo:hi], rtol=1e-5, atol=1e-5 * max(np.abs(want).max(), 1))
             assert np.isnan(y[:lo]).all() and np.isnan(y[hi:]).all()
+        # Split over the active entries: the partial sums add up to the whole.
+        parts = [np.full(out, np.nan, np.float32) for _ in range(3)]
+        cuts = [0, n // 3, 2 * n // 3, n]
+        for part, a, b in zip(parts, cuts, cuts[1:]):
+            qs.axpy(blocks, idx, a, b, x, part, 0, nb)
+        np.testing.assert_allclose(sum(p.astype(np.float64) for p in parts), want, rtol=1e-5,
+                                   atol=1e-5 * max(np.abs(want).max(), 1))
 
 
 def test_inactive_inputs_are_never_read():
@@ -43,7 +50,7 @@ def test_inactive_inputs_are_never_read():
     n = qs.active(x, np.float32(0.0), idx)
     blocks[::3] = 0xFF  # float16 d and m of 0xFFFF are NaN
     y = np.empty(64, np.float32)
-    qs.axpy(blocks, idx, n, x, y, 0, 2)
+    qs.axpy(blocks, idx, 0, n, x, y, 0, 2)
     ok = np.arange(40) % 3 != 0
     want = qs.dequantize_columns(blocks[ok], 64).astype(np.float64) @ x[ok]
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
