@@ -1,9 +1,10 @@
 """The 4-bit host decode step with input sparsity (TEAL, arXiv 2408.14690): every matrix reads only the weight
 columns whose input clears a fixed, calibrated threshold. One XLA FFI call per layer and one for the head.
 
-host_decode.HostDecoder reads every weight (GEMV over rows). Here each matrix whose input may be sparse is stored
-along its output dimension (``q4_sparse.quantize_columns``) and computed as y = sum over active i of x_i W[:, i]
-(``q4_sparse.axpy``), with four thresholds per layer, fixed at load time (no per-token sort):
+host_decode.HostDecoder reads every weight (GEMV over rows). Here every matrix keeps the GGUF's own Q4_1 numbers
+laid out by input column (``q4_sparse.relayout``: the same model as --weights q4_1, the same bytes) and is
+computed from the active inputs' columns only (``q4_sparse.matvec``), with four thresholds per layer, fixed at
+load time (no per-token sort):
 
     T_ATTN  the attention input (q, k and v share it)       T_O     the input of o (the attention output)
     T_FFN   the FFN input (gate and up share it)            T_DOWN  the FFN intermediate (down's input)
@@ -14,15 +15,15 @@ prefill and scoring compute the model the decode computes, on ``dequantized(weig
 
 One layer, under the ffi lock (host_decode's helpers for norms, RoPE, attention and the head):
     h = rmsnorm(x) * attn_norm; active(h, T_ATTN)            caller thread
-    qkv = sum_active h_i Wqkv[:, i]                         team: active inputs split (stage QKV), caller adds
+    qkv = sum_active h_i Wqkv[:, i]                         team: input blocks split (stage QKV), caller adds
     rope, cache write; attention                            as host_decode (ATTN: heads split)
-    active(att, T_O); x += sum_active att_i Wo[:, i]        team: active inputs split (O), caller adds
+    active(att, T_O); x += sum_active att_i Wo[:, i]        team: input blocks split (O), caller adds
     h = rmsnorm(x) * ffn_norm; active(h, T_FFN)
-    gate | up = sum_active h_i Wgu[:, i]                    team: active inputs split (GATE_UP)
+    gate | up = sum_active h_i Wgu[:, i]                    team: input blocks split (GATE_UP)
     a = act(gate, up)                                       team: partials added, neurons split (ACT)
-    active(a, T_DOWN); x += sum_active a_i Wdown_t[i]       team: active inputs split (DOWN), caller adds
-Splitting the active inputs (not the outputs) lets each thread stream whole rows, as q4.gemv does; each thread
-sums into its own row of a partial-output scratch.
+    active(a, T_DOWN); x += sum_active a_i Wdown[:, i]      team: input blocks split (DOWN), caller adds
+Splitting the inputs (not the outputs) lets each thread stream whole columns; each thread sums into its own row
+of a partial-output scratch.
 
 The header keeps host_decode's slots (so its ``_dims``, ``_scratch``, ``_run`` and ``_head`` work on it) and adds
 the thresholds, the active-index scratch and the partial outputs. Lifetime: like HostDecoder, the header is never freed.
@@ -34,7 +35,7 @@ import numpy as np
 from . import ffi, host_decode as hd, kernels, q4, q4_sparse, team
 from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F32, DT_S32, ERRC_INVALID_ARGUMENT,
                   ERRC_OUT_OF_RANGE, NOJIT, RUNTIME_ADDR, buffer_numel, cstr, find_table_attr, load_i32, load_i64,
-                  lock, make_error, ptr_f32, ptr_f64, ptr_i32, ptr_u8, store_i64, unlock)
+                  lock, make_error, ptr_f32, ptr_f64, ptr_i32, ptr_u8, store_i64, typed_pointer, unlock)
 from .host_decode import (H_EPS, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS, H_RUNTIME, H_TABLE, H_TASK, H_VOCAB,
                           K_KCACHE, K_LAYER, K_POS, K_STAGE, K_VCACHE, ST_ATTN, ST_DOWN, ST_GATE_UP, ST_HEAD, ST_O,
                           ST_QKV)
@@ -44,6 +45,7 @@ from .q4 import BLOCK
 from numba import carray, cfunc, njit, types  # noqa: E402
 
 TARGET_NAME = "pjinfer_sparse_decode"
+ptr_u16 = typed_pointer("ptr_u16", types.uint16)
 MAGIC = 0x706A7370_0001  # "pjsp" + 1
 # float32 [layers, 4] thresholds; int32 active-index scratch [max(d, H hd, F)]; float32 partial outputs
 # [team size, widest output]; the widest output, max(d, (H + 2 KV) hd, 2 F). Slots below 21 are host_decode's.
@@ -51,9 +53,10 @@ H_THRESH, H_IDX, H_PARTIAL, H_WIDEST = 21, 22, 23, 24
 HEADER_WIDTH = 32
 T_ATTN, T_O, T_FFN, T_DOWN = range(4)
 TENSORS = ("attn_in", "o_in", "ffn_in", "down_in")  # the names of the four thresholds, in this order
-# Layer table slots: Q4_1 blocks along the output dimension, then the norm scales.
-L_QKV, L_O, L_GATE_UP, L_DOWN, L_ATTN_NORM, L_FFN_NORM = range(6)
-L_WIDTH = 6
+# Layer table slots: per matrix three (q4_sparse.relayout's nib, d, m), then the norm scales.
+L_QKV, L_O, L_GATE_UP, L_DOWN = 0, 3, 6, 9
+L_ATTN_NORM, L_FFN_NORM = 12, 13
+L_WIDTH = 14
 K_COUNT, K_THREADS = 6, 7  # task slots: how many inputs the current stage reads; the team's size
 ST_ACT = 6  # stage: add the gate/up partials and apply the activation, neurons split
 
@@ -61,9 +64,16 @@ _JIT = dict(fastmath=True, cache=True, nogil=True)
 
 
 @njit(**NOJIT)
-def _blocks(header, layer, slot, rows, outs):
-    addr = load_i64(load_i64(header + 8 * H_TABLE) + 8 * (L_WIDTH * layer + slot))
-    return carray(ptr_u8(addr), (rows, q4.row_bytes(outs)))
+def _matvec(header, layer, slot, cols, x, count, y, acc, tid, n):
+    """Thread tid's share (input blocks) of y = W x over the active inputs (the first count of the index scratch)
+    for the layer's matrix in slot; W [len(y), cols] in q4_sparse.relayout's arrays."""
+    table = load_i64(header + 8 * H_TABLE) + 8 * (L_WIDTH * layer + slot)
+    out = y.shape[0]
+    nib = carray(ptr_u8(load_i64(table)), (cols, out // 2))
+    d = carray(ptr_u16(load_i64(table + 8)), (cols // BLOCK, out))
+    m = carray(ptr_u16(load_i64(table + 16)), (cols // BLOCK, out))
+    b0, b1 = hd._share(cols // BLOCK, tid, n, 1)
+    q4_sparse.matvec(nib, d, m, _idx(header, cols), count, x, y, acc, b0, b1)
 
 
 @njit(**NOJIT)
@@ -80,6 +90,14 @@ def _threshold(header, layer, k):
 def _partials(header, n, width):
     """The team's partial outputs: thread t's sums in row t, [n, width] of the [team size, widest] scratch."""
     return carray(ptr_f32(load_i64(header + 8 * H_PARTIAL)), (n, load_i64(header + 8 * H_WIDEST)))[:, :width]
+
+
+@njit(**NOJIT)
+def _acc(header, tid, width):
+    """Thread tid's accumulator scratch (q4_sparse.matvec's acc), right after the partial outputs."""
+    widest = load_i64(header + 8 * H_WIDEST)
+    team_size = load_i64(load_i64(header + 8 * H_TASK) + 8 * K_THREADS)
+    return carray(ptr_f32(load_i64(header + 8 * H_PARTIAL) + 4 * widest * (team_size + tid)), (width,))
 
 
 @njit(**NOJIT)
@@ -100,11 +118,10 @@ def _stage_py(header, tid, n):
     count = load_i64(task + 8 * K_COUNT)
     d, nh, nkv, hd_, ff = hd._dims(header)
     h, qkv, att, o, gate, up, down, scores = hd._scratch(header)
-    klo, khi = hd._share(count, tid, n, 1)  # the matrix stages split the active inputs: whole rows per thread
+    # The matrix stages split the input blocks: each thread streams its own columns into its own partial y.
     if stage == ST_QKV:
         nq = qkv.shape[0]
-        q4_sparse.axpy(_blocks(header, layer, L_QKV, d, nq), _idx(header, d), klo, khi, h,
-                       _partials(header, n, nq)[tid], 0, nq // BLOCK)
+        _matvec(header, layer, L_QKV, d, h, count, _partials(header, n, nq)[tid], _acc(header, tid, nq), tid, n)
     elif stage == ST_ATTN:
         pos = load_i64(task + 8 * K_POS)  # < the cache length <= max_len, checked by the handler
         kc = carray(ptr_f32(load_i64(task + 8 * K_KCACHE)), (pos + 1, nkv, hd_))
@@ -114,11 +131,10 @@ def _stage_py(header, tid, n):
             hd._attend(qkv[q_head * hd_:(q_head + 1) * hd_], kc, vc, q_head // (nh // nkv), pos,
                        scores[q_head], att[q_head * hd_:(q_head + 1) * hd_])
     elif stage == ST_O:
-        q4_sparse.axpy(_blocks(header, layer, L_O, nh * hd_, d), _idx(header, nh * hd_), klo, khi, att,
-                       _partials(header, n, d)[tid], 0, d // BLOCK)
+        _matvec(header, layer, L_O, nh * hd_, att, count, _partials(header, n, d)[tid], _acc(header, tid, d), tid, n)
     elif stage == ST_GATE_UP:
-        q4_sparse.axpy(_blocks(header, layer, L_GATE_UP, d, 2 * ff), _idx(header, d), klo, khi, h,
-                       _partials(header, n, 2 * ff)[tid], 0, 2 * ff // BLOCK)
+        _matvec(header, layer, L_GATE_UP, d, h, count, _partials(header, n, 2 * ff)[tid], _acc(header, tid, 2 * ff),
+                tid, n)
     elif stage == ST_ACT:
         parts = _partials(header, n, 2 * ff)
         code = load_i64(header + 8 * hd.H_ACT)
@@ -131,8 +147,7 @@ def _stage_py(header, tid, n):
                 u += parts[r, ff + i]
             gate[i] = _act(g, u, code)
     elif stage == ST_DOWN:
-        q4_sparse.axpy(_blocks(header, layer, L_DOWN, ff, d), _idx(header, ff), klo, khi, gate,
-                       _partials(header, n, d)[tid], 0, d // BLOCK)
+        _matvec(header, layer, L_DOWN, ff, gate, count, _partials(header, n, d)[tid], _acc(header, tid, d), tid, n)
     elif stage == ST_HEAD:
         vocab = load_i64(header + 8 * H_VOCAB)
         w = hd._i8(load_i64(header + 8 * hd.H_HEAD), vocab, d)
@@ -261,7 +276,7 @@ _handler = cfunc(types.intp(types.intp), nopython=True, cache=True)(_handler_py)
 # ---------------------------------------------------------------------------------------------------------------
 
 class SparseHostDecoder(hd.HostDecoder):
-    """A Llama-family model's decode step on the host, Q4_1 blocks along the output dimension, reading only the
+    """A Llama-family model's decode step on the host, the Q4_1 numbers laid out by input column, reading only the
     inputs above fixed thresholds (see the module docstring).
 
     config: pjinfer.model's ModelConfig. weights: the canonical float32 weights; each stored matrix is built from
@@ -284,7 +299,8 @@ class SparseHostDecoder(hd.HostDecoder):
         if c.d_model % kernels.QBLOCK or c.head_dim % 2:
             raise ValueError(f"sparse host decode needs d_model a multiple of {kernels.QBLOCK} (the int8 head) and "
                              f"an even head_dim, got {c.d_model} and {c.head_dim}")
-        for name, n in (("d_model", c.d_model), ("(n_heads + 2 n_kv_heads) * head_dim",
+        for name, n in (("d_model", c.d_model), ("n_heads * head_dim", c.n_heads * c.head_dim),
+                        ("(n_heads + 2 n_kv_heads) * head_dim",
                                                   (c.n_heads + 2 * c.n_kv_heads) * c.head_dim), ("d_ff", c.d_ff)):
             if n % BLOCK:
                 raise ValueError(f"sparse host decode needs {name} to be a multiple of {BLOCK}, got {n}")
@@ -294,21 +310,21 @@ class SparseHostDecoder(hd.HostDecoder):
         self.team = team.shared()
         self._keep = []
         table = np.zeros((c.n_layers, L_WIDTH), np.int64)
-        self._quantized = {}  # (layer, slot) -> (blocks,): output-major Q4_1 (L_DOWN: w_down_t's rows)
+        self._quantized = {}  # (layer, slot) -> (nib, d, m), the file's Q4_1 numbers by input column
         for l in range(c.n_layers):
             p = f"layers.{l}"
-            mats = {
-                L_QKV: lambda: q4_sparse.quantize_columns(
-                    np.concatenate([weights[f"{p}.wq"], weights[f"{p}.wk"], weights[f"{p}.wv"]])),
-                L_O: lambda: q4_sparse.quantize_columns(weights[f"{p}.wo"]),
-                L_GATE_UP: lambda: q4_sparse.quantize_columns(np.concatenate([weights[f"{p}.w_gate"],
-                                                                              weights[f"{p}.w_up"]])),
-                L_DOWN: lambda: q4.quantize(weights[f"{p}.w_down_t"]),
+            mats = {  # W [out, in], one matrix at a time, as host_decode stores them
+                L_QKV: lambda: np.concatenate([weights[f"{p}.wq"], weights[f"{p}.wk"], weights[f"{p}.wv"]]),
+                L_O: lambda: weights[f"{p}.wo"],
+                L_GATE_UP: lambda: np.concatenate([weights[f"{p}.w_gate"], weights[f"{p}.w_up"]]),
+                L_DOWN: lambda: np.asarray(weights[f"{p}.w_down_t"]).T,
             }
             for slot, make in mats.items():
-                blocks = make()
-                table[l, slot] = self._hold(blocks)
-                self._quantized[(l, slot)] = (blocks,)
+                w = np.asarray(make(), np.float32)
+                arrays = q4_sparse.relayout(q4.quantize(w), *w.shape)
+                del w
+                table[l, slot:slot + 3] = [self._hold(a) for a in arrays]
+                self._quantized[(l, slot)] = arrays
             table[l, L_ATTN_NORM] = self._hold(np.asarray(weights[f"{p}.attn_norm.scale"], np.float32))
             table[l, L_FFN_NORM] = self._hold(np.asarray(weights[f"{p}.ffn_norm.scale"], np.float32))
         head_name = "embed" if c.tie_embeddings else "lm_head"
@@ -331,9 +347,9 @@ class SparseHostDecoder(hd.HostDecoder):
             self._hold(table), self._hold(head_q), self._hold(head_s), self._hold(inv_freq),
             self._hold(scratch), self._hold(task), self.team.address]
         widest_out = max(c.d_model, nqkv, 2 * c.d_ff)
-        header[[H_THRESH, H_IDX, H_PARTIAL, H_WIDEST]] = [
+        header[[H_THRESH, H_IDX, H_PARTIAL, H_WIDEST]] = [  # partial outputs, then accumulators, per thread
             self._hold(thresholds), self._hold(np.zeros(widest, np.int32)),
-            self._hold(np.zeros((self.team.size, widest_out), np.float32)), widest_out]
+            self._hold(np.zeros((2 * self.team.size, widest_out), np.float32)), widest_out]
         header[[hd.H_STAGE, H_RUNTIME]] = [_stage.address, RUNTIME_ADDR]
         header[hd.H_FORMAT] = hd.F_Q4_1
         header[H_MAGIC] = MAGIC
@@ -348,13 +364,12 @@ class SparseHostDecoder(hd.HostDecoder):
         attn, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         for l in range(c.n_layers):
             p = f"layers.{l}"
-            blocks = lambda slot: self._quantized[(l, slot)][0]
-            qkv = q4_sparse.dequantize_columns(blocks(L_QKV), attn + 2 * kv_rows)
+            deq = lambda slot: q4_sparse.dequantize(*self._quantized[(l, slot)])
+            qkv = deq(L_QKV)
             out[f"{p}.wq"], out[f"{p}.wk"], out[f"{p}.wv"] = np.split(qkv, [attn, attn + kv_rows])
-            out[f"{p}.wo"] = q4_sparse.dequantize_columns(blocks(L_O), c.d_model)
-            out[f"{p}.w_gate"], out[f"{p}.w_up"] = np.split(
-                q4_sparse.dequantize_columns(blocks(L_GATE_UP), 2 * c.d_ff), 2)
-            out[f"{p}.w_down_t"] = q4.dequantize(blocks(L_DOWN), c.d_model)
+            out[f"{p}.wo"] = deq(L_O)
+            out[f"{p}.w_gate"], out[f"{p}.w_up"] = np.split(deq(L_GATE_UP), 2)
+            out[f"{p}.w_down_t"] = np.ascontiguousarray(deq(L_DOWN).T)
         out[self._head_name] = hd._dequantize(self._head, c.d_model)
         return out
 

@@ -87,7 +87,8 @@ def _loss(graphdef, state, tokens):
 def _thresholds(quantiles, levels_per_tensor) -> np.ndarray:
     """[L, 4] thresholds for sparsity levels [L, 4] (each one of LEVELS)."""
     idx = np.rint(np.asarray(levels_per_tensor) / 0.05).astype(int)
-    return np.take_along_axis(quantiles, idx[..., None], axis=-1)[..., 0].astype(np.float32)
+    t = np.take_along_axis(quantiles, idx[..., None], axis=-1)[..., 0].astype(np.float32)
+    return np.where(idx == 0, np.float32(0), t)  # level 0 skips nothing (the 0-quantile would skip the minimum)
 
 
 def calibrate(engine, ids, *, target: float, relu_family: bool, progress=None) -> dict:
