@@ -96,71 +96,82 @@ def calibrate(engine, ids, *, target: float, relu_family: bool, progress=None) -
     {"thresholds" [L, 4], "levels" [L, 4], "fit_tokens", "held_tokens", "loss_dense", "loss", "seconds"}."""
     if not 0.0 <= target <= MAX_TARGET:
         raise ConfigError(f"target sparsity must be in [0, {MAX_TARGET}], got {target}")
-    need = (FIT_WINDOWS + HELD_WINDOWS) * WINDOW
-    if len(ids) < need:
-        raise ConfigError(f"calibration text has {len(ids)} tokens; fitting thresholds needs {need} "
-                          f"({FIT_WINDOWS} + {HELD_WINDOWS} windows of {WINDOW})")
-    start = time.perf_counter()
-    batch = np.asarray(ids[:need], np.int32).reshape(-1, WINDOW)
-    fit, held = jnp.asarray(batch[:FIT_WINDOWS]), jnp.asarray(batch[FIT_WINDOWS:])
-    model = nnx.merge(engine.graphdef, engine.state)
-    set_thresholds(model, None)
-    graphdef, state = nnx.split(model)
-    quantiles = np.asarray(_quantiles(graphdef, state, fit, jnp.asarray(LEVELS, jnp.float32)))
-    L = quantiles.shape[0]
-    loss_dense = float(_loss(graphdef, state, held))
+    fit = Fit(engine, ids, relu_family=relu_family, progress=progress)
+    return fit.allocate(target)
 
-    set_thresholds(model, np.zeros((L, 4), np.float32))   # thresholds as state: no recompiling per trial
-    graphdef, state = nnx.split(model)
 
-    def loss_at(levels):
-        set_thresholds(model, _thresholds(quantiles, levels))
-        return float(_loss(graphdef, nnx.state(model), held))
+class Fit:
+    """Steps 1 and 2 of the module docstring's calibration, done once; ``allocate`` then serves any target."""
 
-    groups = [(0, 1, 2)] + ([] if relu_family else [(3,)])    # "in", "down"
-    shares = weight_shares(engine.config)
-    trial = np.zeros((L, len(groups), len(TRIAL_LEVELS)))
-    for l in range(L):
-        for g, tensors in enumerate(groups):
-            for k, level in enumerate(TRIAL_LEVELS):
-                levels = np.zeros((L, 4))
-                levels[l, list(tensors)] = level
-                trial[l, g, k] = loss_at(levels) - loss_dense
-        if progress:
-            progress(l + 1, L)
-
-    # Greedy: each (layer, group) climbs 0 -> TRIAL_LEVELS; take the cheapest loss per byte until the target.
-    cost = np.concatenate([np.zeros((L, len(groups), 1)), np.maximum(trial, 0)], -1)
-    steps = np.concatenate([[0.0], TRIAL_LEVELS])
-    at = np.zeros((L, len(groups)), int)
-    total = shares.sum() * L
-    bytes_of = np.array([shares[list(t)].sum() for t in groups])
-
-    def achieved():
-        return sum(steps[at[l, g]] * bytes_of[g] for l in range(L) for g in range(len(groups))) / total
-
-    while achieved() < target - 1e-9:
-        best, pick = np.inf, None
+    def __init__(self, engine, ids, *, relu_family: bool, progress=None):
+        need = (FIT_WINDOWS + HELD_WINDOWS) * WINDOW
+        if len(ids) < need:
+            raise ConfigError(f"calibration text has {len(ids)} tokens; fitting thresholds needs {need} "
+                              f"({FIT_WINDOWS} + {HELD_WINDOWS} windows of {WINDOW})")
+        self.start = time.perf_counter()
+        self.relu_family = relu_family
+        batch = np.asarray(ids[:need], np.int32).reshape(-1, WINDOW)
+        fit, self.held = jnp.asarray(batch[:FIT_WINDOWS]), jnp.asarray(batch[FIT_WINDOWS:])
+        self.fit_tokens, self.held_tokens = int(fit.size), int(self.held.size)
+        model = nnx.merge(engine.graphdef, engine.state)
+        set_thresholds(model, None)
+        graphdef, state = nnx.split(model)
+        self.quantiles = np.asarray(_quantiles(graphdef, state, fit, jnp.asarray(LEVELS, jnp.float32)))
+        L = self.quantiles.shape[0]
+        self.loss_dense = float(_loss(graphdef, state, self.held))
+        set_thresholds(model, np.zeros((L, 4), np.float32))   # thresholds as state: no recompiling per trial
+        self.model, self.graphdef = model, nnx.split(model)[0]
+        self.groups = [(0, 1, 2)] + ([] if relu_family else [(3,)])    # "in", "down"
+        shares = weight_shares(engine.config)
+        self.bytes_of = np.array([shares[list(t)].sum() for t in self.groups])
+        self.total = shares.sum() * L
+        trial = np.zeros((L, len(self.groups), len(TRIAL_LEVELS)))
         for l in range(L):
-            for g in range(len(groups)):
-                k = at[l, g]
-                if k + 1 < len(steps):
-                    price = (cost[l, g, k + 1] - cost[l, g, k]) / ((steps[k + 1] - steps[k]) * bytes_of[g])
-                    if price < best:
-                        best, pick = price, (l, g)
-        if pick is None:
-            break  # every group at the highest trial level
-        at[pick] += 1
-    levels = np.zeros((L, 4))
-    for g, tensors in enumerate(groups):
-        levels[:, list(tensors)] = steps[at[:, g]][:, None]
-    thresholds = _thresholds(quantiles, levels)
-    if relu_family:
-        thresholds[:, 3] = 0.0
-    set_thresholds(model, thresholds)
-    loss = float(_loss(graphdef, nnx.state(model), held))
-    return {"thresholds": thresholds, "levels": levels, "fit_tokens": int(fit.size), "held_tokens": int(held.size),
-            "loss_dense": loss_dense, "loss": loss, "seconds": time.perf_counter() - start}
+            for g, tensors in enumerate(self.groups):
+                for k, level in enumerate(TRIAL_LEVELS):
+                    levels = np.zeros((L, 4))
+                    levels[l, list(tensors)] = level
+                    trial[l, g, k] = self.loss_at(levels) - self.loss_dense
+            if progress:
+                progress(l + 1, L)
+        self.trial = trial
+
+    def loss_at(self, levels) -> float:
+        """Held-back loss with the thresholds of sparsity levels [L, 4]."""
+        set_thresholds(self.model, _thresholds(self.quantiles, levels))
+        return float(_loss(self.graphdef, nnx.state(self.model), self.held))
+
+    def allocate(self, target: float) -> dict:
+        """Greedy: each (layer, group) climbs 0 -> TRIAL_LEVELS; the step with the least loss per weight skipped
+        is taken until the weight-weighted sparsity reaches target."""
+        if not 0.0 <= target <= MAX_TARGET:
+            raise ConfigError(f"target sparsity must be in [0, {MAX_TARGET}], got {target}")
+        L, G = self.trial.shape[:2]
+        cost = np.concatenate([np.zeros((L, G, 1)), np.maximum(self.trial, 0)], -1)
+        steps = np.concatenate([[0.0], TRIAL_LEVELS])
+        at = np.zeros((L, G), int)
+        achieved = lambda: float((steps[at] * self.bytes_of).sum() / self.total)
+        while achieved() < target - 1e-9:
+            price = np.full((L, G), np.inf)
+            room = at + 1 < len(steps)
+            nxt = np.minimum(at + 1, len(steps) - 1)
+            gain = (steps[nxt] - steps[at]) * self.bytes_of
+            rise = np.take_along_axis(cost, nxt[..., None], -1)[..., 0] - np.take_along_axis(cost, at[..., None], -1)[..., 0]
+            price[room] = rise[room] / gain[room]
+            if not np.isfinite(price).any():
+                break  # every group at the highest trial level
+            at[np.unravel_index(np.argmin(price), price.shape)] += 1
+        levels = np.zeros((L, 4))
+        for g, tensors in enumerate(self.groups):
+            levels[:, list(tensors)] = steps[at[:, g]][:, None]
+        thresholds = _thresholds(self.quantiles, levels)
+        if self.relu_family:
+            thresholds[:, 3] = 0.0
+        set_thresholds(self.model, thresholds)
+        loss = float(_loss(self.graphdef, nnx.state(self.model), self.held))
+        return {"thresholds": thresholds, "levels": levels, "fit_tokens": self.fit_tokens,
+                "held_tokens": self.held_tokens, "loss_dense": self.loss_dense, "loss": loss,
+                "seconds": time.perf_counter() - self.start}
 
 
 def uniform(engine, ids, levels4) -> np.ndarray:
@@ -206,6 +217,14 @@ def run_calibrate(engine, bundle_path, *, target: float, text_file=None, progres
     relu = engine.config.activation in RELU_FAMILY
     fitted = calibrate(engine, prof.calibration_ids(engine, text_file), target=target, relu_family=relu,
                        progress=progress)
+    save_stage(bundle, engine, fitted, target=target, text_file=text_file, out=out)
+    return bundle
+
+
+def save_stage(bundle, engine, fitted: dict, *, target: float, text_file=None, out=print) -> None:
+    """Store a calibration (``calibrate``'s or ``Fit.allocate``'s result) as the bundle's thresholds stage."""
+    from pjinfer import offline
+
     levels, shares = fitted["levels"], weight_shares(engine.config)
     per_tensor = levels.mean(0)
     achieved = float((levels * shares).sum() / (shares.sum() * levels.shape[0]))
@@ -222,4 +241,3 @@ def run_calibrate(engine, bundle_path, *, target: float, text_file=None, progres
     offline.table(["layer", *[f"{t} level" for t in TENSORS], *TENSORS],
                   [[l, *map(float, levels[l]), *map(float, fitted["thresholds"][l])] for l in range(len(levels))], out)
     out(f"wrote {bundle.path / STAGE}")
-    return bundle

@@ -135,3 +135,24 @@ def test_calibrate_reaches_its_target_on_held_back_text():
     relu = teal.calibrate(Engine(tiny_config(activation="reglu", **CONFIG), random_weights(
         tiny_config(activation="reglu", **CONFIG)), None), ids.tolist(), target=0.3, relu_family=True)
     assert (relu["thresholds"][:, 3] == 0).all()
+
+
+# ------------------------------------------------------------------------------------------------ command line
+def test_calibrate_and_q4_1_bundle_bad_input_get_one_line(tmp_path):
+    import json
+
+    from tests.test_cli import assert_clean_error, pjinfer
+
+    assert_clean_error(pjinfer("calibrate", "--bundle", str(tmp_path / "b"), "--target", "0.95"),
+                       "--target must be in [0, 0.9]")
+    short = tmp_path / "short.txt"
+    short.write_text("Too short to fit thresholds on. " * 20)
+    assert_clean_error(pjinfer("calibrate", "--bundle", str(tmp_path / "b"), "--text-file", str(short)),
+                       "calibration text has")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "manifest.json").write_text(json.dumps({"format": 1, "stages": {}, "model": {
+        "identity": "0" * 16, "name": "another model"}}))
+    assert_clean_error(pjinfer("calibrate", "--bundle", str(other)), "made for another model")
+    assert_clean_error(pjinfer("generate", "--prompt", "x", "--weights", "q4_1", "--bundle", str(other)),
+                       "made for another model")
