@@ -52,11 +52,15 @@ perplexity: setup
 	$(PY) -c "from pjinfer import data; open('/tmp/pjinfer-wiki.txt','w').write(data.wiki_eval_text())"
 	$(VENV)/bin/pjinfer perplexity --text-file /tmp/pjinfer-wiki.txt --windows 4 --window-len 256
 
-# The default model's sparse bundle, end to end: profile, predictors, placement (about 15 min on 2 cores).
+# The default model's sparse bundle, end to end: input-sparsity thresholds for --weights q4_1 (pjinfer.teal),
+# then profile, predictors, placement for the predictor path (about 15 min on 2 cores).
 # DEVICE_MEMORY holds the dense part, the predictors, a 2048-token KV cache and about a third of the FFN.
 BUNDLE ?= out/bundle
+# TARGET: the input-sparsity target, the one nearest the 5% perplexity gate (README)
+TARGET ?= 0.2
 DEVICE_MEMORY ?= 450MiB
 bundle: setup
+	$(VENV)/bin/pjinfer calibrate --bundle $(BUNDLE) --target $(TARGET)
 	$(VENV)/bin/pjinfer profile --bundle $(BUNDLE)
 	$(VENV)/bin/pjinfer train-predictors --bundle $(BUNDLE)
 	$(VENV)/bin/pjinfer solve --bundle $(BUNDLE) --device-memory $(DEVICE_MEMORY)

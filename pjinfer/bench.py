@@ -1,4 +1,4 @@
-"""Prefill and decode rates of the jitted generate, measured after a warm-up, median of several runs."""
+"""Prefill and decode rates of the jitted generate, measured after a warm-up, median of several alternated runs."""
 from __future__ import annotations
 
 import os
@@ -11,6 +11,7 @@ import numpy as np
 
 from pjinfer import data
 from pjinfer import generate as gen
+from pjinfer.config import ConfigError
 from pjinfer.engine import Engine
 from pjinfer.sampling import Sampling
 
@@ -22,8 +23,9 @@ def bench_prompt(engine: Engine, prompt_len: int) -> list[int]:
 
 
 def _runner(engine: Engine, prompt: list[int], new_tokens: int):
-    """(prefill, whole): jitted prefill alone, and the whole generate of new_tokens greedy tokens."""
-    padded, cache_len = engine.plan(len(prompt), new_tokens)
+    """(prefill, whole): jitted prefill alone, and whole(n): the whole generate of n greedy tokens (one executable
+    for every n: the count is an operand and the cache is sized for 1 + new_tokens)."""
+    padded, cache_len = engine.plan(len(prompt), 1 + new_tokens)
     params = Sampling().params()
     tokens = engine.pad_prompt(prompt, padded)
     length = jnp.int32(len(prompt))
@@ -35,59 +37,74 @@ def _runner(engine: Engine, prompt: list[int], new_tokens: int):
                                cache_len=cache_len, greedy=True)
         jax.block_until_ready(token)
 
-    def whole():
-        out, n = gen.generate_tokens(engine.graphdef, engine.state, tokens, length, key, params,
-                                     jnp.int32(new_tokens), no_stop, cache_len=cache_len, greedy=True)
-        assert int(n) == new_tokens
+    def whole(n):
+        out, count = gen.generate_tokens(engine.graphdef, engine.state, tokens, length, key, params,
+                                         jnp.int32(n), no_stop, cache_len=cache_len, greedy=True)
+        assert int(count) == n
         return out
 
     return prefill, whole
 
 
+class BenchError(ConfigError):
+    """A measurement that cannot be true (a decode rate above the memory bandwidth): reported, not printed."""
+
+
 def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: int, peer: str | None = None,
-        progress=None) -> dict:
+        progress=None, bandwidth: float | None = None) -> dict:
     """Rates of each engine (and of the peer, llama.cpp, on the first engine's GGUF with as many threads as
-    this machine has cores); runs alternate between them so a noisy machine affects all alike."""
+    this machine has cores). Decode is timed as generate(1 + new_tokens) minus generate(1), both with the same
+    prompt, back to back: the prefill's time and noise cancel (subtracting a separately timed prefill reported
+    llama.cpp faster after 512 tokens than after 16). Runs alternate between the engines so a noisy machine
+    affects all alike; each figure is the median over runs, each ratio the median of the runs' ratios.
+    bandwidth (bytes/s, default: measured here): a decode rate whose bytes per token exceed it raises BenchError."""
     first = next(iter(engines.values()))
     prompt = bench_prompt(first, prompt_len)
-    _, cache_len = first.plan(prompt_len, new_tokens)
+    _, cache_len = first.plan(prompt_len, 1 + new_tokens)
     runners = {name: _runner(e, prompt, new_tokens) for name, e in engines.items()}
     if peer == "llama-cpp":
         from pjinfer.peer import llama_cpp_runner
 
         runners[PEER] = llama_cpp_runner(first.source, prompt, new_tokens, threads=os.cpu_count() or 1)
     for prefill, whole in runners.values():  # warm-up: compile all
-        prefill(), whole()
+        prefill(), whole(1), whole(1 + new_tokens)
     times = {name: ([], []) for name in runners}
     for r in range(runs):
         for name, (prefill, whole) in runners.items():
-            t0 = time.perf_counter(); prefill(); t1 = time.perf_counter(); whole(); t2 = time.perf_counter()
+            t0 = time.perf_counter(); prefill(); t1 = time.perf_counter()
+            whole(1); t2 = time.perf_counter(); whole(1 + new_tokens); t3 = time.perf_counter()
             times[name][0].append(t1 - t0)
-            times[name][1].append(t2 - t1)
+            times[name][1].append((t3 - t2) - (t2 - t1))
         if progress:
             progress(r + 1, runs)
+    bandwidth = bandwidth or read_bandwidth()
     results, decode_runs = {}, {}
-    for name, (prefill_s, total_s) in times.items():
+    for name, (prefill_s, decode_s) in times.items():
         p = statistics.median(prefill_s)
-        # generate = prefill + (new_tokens - 1) decode steps; the decode rate is what remains after prefill.
-        # So after a long prompt, ask for enough new tokens that decoding outlasts the prefill's noise (16
-        # tokens after 512 gave rates above the memory bandwidth; 128 do not).
-        decode_runs[name] = [(new_tokens - 1) / max(t - p, 1e-9) for t in total_s]
+        decode_runs[name] = [new_tokens / max(t, 1e-9) for t in decode_s]
         decode = statistics.median(decode_runs[name])
         results[name] = {"prefill_tok_s": prompt_len / p, "decode_tok_s": decode, "decode_ms_per_token": 1000 / decode,
-                         "generate_s": statistics.median(total_s), "prefill_s": p}
+                         "prefill_s": p, "decode_runs_tok_s": decode_runs[name]}
         if name in engines:
             results[name]["bytes_per_token"] = engine_bytes_per_token(engines[name], cache_len,
                                                                       prompt_len + new_tokens // 2)
             results[name]["device_weights_mb"] = state_bytes(engines[name]) / 1e6
         else:
             results[name]["bytes_per_token"] = gguf_bytes_per_token(first, prompt_len + new_tokens // 2)
+        implied = results[name]["bytes_per_token"] * decode
+        if implied > bandwidth:
+            raise BenchError(f"{name} decoded at {decode:.1f} tok/s, which reads {implied / 1e9:.1f} GB/s, above the "
+                             f"measured bandwidth of {bandwidth / 1e9:.1f} GB/s: the timing is wrong, not the engine")
+    for name in results:  # median over runs of the pair's ratio: both ran back to back in each run
+        results[name]["decode_over"] = {other: statistics.median(a / b for a, b in zip(decode_runs[name],
+                                                                                       decode_runs[other]))
+                                        for other in results if other != name}
     if peer:
-        for name in engines:  # median over runs of the pair's ratio: both ran back to back in each run
-            results[name]["decode_over_peer"] = statistics.median(a / b for a, b in zip(decode_runs[name],
-                                                                                         decode_runs[PEER]))
+        for name in engines:
+            results[name]["decode_over_peer"] = results[name]["decode_over"][PEER]
             results[name]["prefill_over_peer"] = results[PEER]["prefill_s"] / results[name]["prefill_s"]
-    return {"prompt_len": prompt_len, "new_tokens": new_tokens, "runs": runs, "engines": results}
+    return {"prompt_len": prompt_len, "new_tokens": new_tokens, "runs": runs, "engines": results,
+            "read_bandwidth_gb_s": bandwidth / 1e9}
 
 
 PEER = "llama.cpp"

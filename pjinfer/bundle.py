@@ -7,6 +7,7 @@
                            the activation-frequency figure
     DIR/predictors/        orbax: one predictor state per layer
     DIR/placement/         orbax: which neurons are hot (live on the accelerator)
+    DIR/thresholds/        orbax: input-sparsity thresholds [layers, 4] for --weights q4_1 (pjinfer.teal)
 
 Every stage writes into a temporary directory and renames it into place, and the manifest is
 replaced atomically after it, so a failed or interrupted stage leaves the previous bundle intact.
@@ -110,7 +111,7 @@ class Bundle:
         os.replace(tmp, self.path / MANIFEST)
 
 
-_MAKES = {"profile": "profile", "predictors": "train-predictors", "placement": "solve"}
+_MAKES = {"profile": "profile", "predictors": "train-predictors", "placement": "solve", "thresholds": "calibrate"}
 
 
 def _jsonable(x):

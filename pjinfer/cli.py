@@ -130,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-tokens", type=_positive_int, default=12288,
                    help="tokens kept for predictor training (memory: layers x tokens x d_model x 2 bytes)")
 
+    p = command("calibrate", "fit input-sparsity thresholds (TEAL) into a bundle, for --weights q4_1 --bundle")
+    p.add_argument("--bundle", required=True, help="bundle directory (created if absent)")
+    p.add_argument("--target", type=float, default=0.4,
+                   help="share of the layers' weights left unread per token, weighted by size (0 to 0.9)")
+    p.add_argument("--text-file", help="calibration text (default: the exllamav2 calibration set, wiki's "
+                                       "evaluation slice left out)")
+
     p = command("train-predictors", "train one low-rank activation predictor per layer (optax) on the profile")
     p.add_argument("--bundle", required=True)
     p.add_argument("--recall", type=float, default=0.95, help="held-back recall each layer must reach")
@@ -217,9 +224,11 @@ def _check_bundle(args, path) -> None:
     from pjinfer.bundle import Bundle
     from pjinfer.loader import default_model_path, model_identity
 
+    from pjinfer.engine import check_bundle_weights
+
     weights = getattr(args, "weights", "float32")
-    if isinstance(weights, str) and weights != "float32":  # as Engine.load refuses it
-        raise ConfigError(f"--weights {weights} is the dense host decode; a sparse bundle takes --cold-weights int8")
+    if isinstance(weights, str):
+        check_bundle_weights(weights, path)
     model = Path(args.model) if args.model else default_model_path()
     if not model.exists():
         raise ConfigError(f"model not found: {model}")
@@ -350,16 +359,17 @@ def cmd_bench(args):
     if args.bundle:
         _check_bundle(args, args.bundle)
     engines = {("dense" if w == "float32" else f"dense-{w}"): _load(args, weights=w) for w in args.weights}
-    if args.bundle:  # sparse against dense, measured in the same run
-        engines["sparse"] = _load(args, args.bundle, weights="float32")
+    if args.bundle:  # sparse against dense, measured in the same run: thresholds with q4_1, else predictors
+        sparse_weights = "q4_1" if "q4_1" in args.weights else "float32"
+        engines["sparse"] = _load(args, args.bundle, weights=sparse_weights)
     result = bench.run(engines, prompt_len=args.prompt_len, new_tokens=args.new_tokens, runs=args.runs,
                        peer=args.peer, progress=Progress("bench runs", args.runs))
-    result["read_bandwidth_gb_s"] = bench.read_bandwidth() / 1e9
     if args.breakdown:
         for name, engine in engines.items():
             result["engines"][name]["breakdown"] = bench.breakdown(engine)
     if args.bundle:
-        result["sparse_over_dense"] = result["engines"]["sparse"]["decode_tok_s"] / result["engines"]["dense"]["decode_tok_s"]
+        dense = "dense-q4_1" if sparse_weights == "q4_1" else "dense"
+        result["sparse_over_dense"] = result["engines"]["sparse"]["decode_over"][dense]
     if args.json:
         print(json.dumps(result))
         return
@@ -379,7 +389,7 @@ def cmd_bench(args):
                                                         for k, v in b.items() if k != "step_ms")
                   + f"; step {b['step_ms']:.1f} ms")
     if args.bundle:
-        print(f"sparse decode / dense decode: {result['sparse_over_dense']:.2f}x")
+        print(f"sparse decode / {dense} decode: {result['sparse_over_dense']:.2f}x (median of the runs' ratios)")
 
 
 def cmd_eval(args):
@@ -471,6 +481,16 @@ def cmd_profile(args):
                         train_tokens=args.train_tokens, progress=Progress("profiling", 0, " tok"))
 
 
+def cmd_calibrate(args):
+    from pjinfer import teal
+    from pjinfer.progress import Progress
+
+    if not 0.0 <= args.target <= teal.MAX_TARGET:  # before the model loads
+        raise ConfigError(f"--target must be in [0, {teal.MAX_TARGET}], got {args.target}")
+    teal.run_calibrate(_load(args, weights="float32"), args.bundle, target=args.target, text_file=args.text_file,
+                       progress=Progress("calibrating", 0, " layers"))
+
+
 def cmd_train_predictors(args):
     from pjinfer import offline
     from pjinfer.progress import Progress
@@ -497,8 +517,8 @@ def cmd_solve(args):
                       batch=args.batch, hardware=hardware)
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "perplexity": cmd_perplexity, "bench": cmd_bench, "eval": cmd_eval,
-            "profile": cmd_profile,
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "perplexity": cmd_perplexity,
+            "bench": cmd_bench, "eval": cmd_eval, "profile": cmd_profile, "calibrate": cmd_calibrate,
             "train-predictors": cmd_train_predictors, "solve": cmd_solve}
 
 

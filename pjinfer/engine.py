@@ -17,12 +17,21 @@ from pjinfer.sampling import Sampling, recent_window
 from pjinfer.tokenizer import Tokenizer
 
 
+def check_bundle_weights(weights: str, bundle) -> None:
+    """Which weights a sparse bundle runs with: float32 (predictors and placement) or q4_1 (thresholds)."""
+    if weights == "int8" and bundle is not None:
+        raise ConfigError("--weights int8 is the dense host decode; a sparse bundle takes --cold-weights int8 "
+                          "(predictors) or --weights q4_1 (thresholds)")
+
+
 class Engine:
     def __init__(self, config: ModelConfig, weights: dict, tokenizer: Tokenizer, *, source: str = "",
-                 weights_format: str = "float32"):
+                 weights_format: str = "float32", thresholds=None):
         """weights_format "int8" (every matrix quantized with a scale per block of 64) or "q4_1" (the layers in
         the GGUF's 4-bit blocks, the head int8): one-token decode steps run on the host through
-        cpu_offload.host_decode, prefill and scoring through XLA on the same (dequantized) values."""
+        cpu_offload.host_decode, prefill and scoring through XLA on the same (dequantized) values.
+        thresholds ([n_layers, 4], pjinfer.teal): input sparsity in every path; with "q4_1" decode runs
+        cpu_offload.sparse_decode (blocks along the output dimension, only active inputs read)."""
         if weights_format not in WEIGHT_FORMATS:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights_format!r}")
         self.config = config
@@ -31,16 +40,25 @@ class Engine:
         self.weights_format = weights_format
         self.bundle = None        # set by use_bundle: the engine then runs the hybrid sparse FFN
         host = None
+        if thresholds is not None and weights_format == "int8":
+            raise ConfigError("input-sparsity thresholds run with --weights q4_1 or float32, not int8")
         if weights_format != "float32":
             from cpu_offload.host_decode import HostDecoder
+            from cpu_offload.sparse_decode import SparseHostDecoder
 
             try:
-                host = HostDecoder(config, weights, weights_format)
+                host = (HostDecoder(config, weights, weights_format) if thresholds is None
+                        else SparseHostDecoder(config, weights, thresholds))
             except ValueError as e:
                 raise ConfigError(str(e)) from None
             weights = host.dequantized(weights)
         model = Transformer(config, weights)
         model.host = host
+        if thresholds is not None:
+            from pjinfer import teal
+
+            teal.set_thresholds(model, thresholds)
+        self.thresholds = thresholds
         self.graphdef, self.state = nnx.split(model)
 
     @classmethod
@@ -49,12 +67,16 @@ class Engine:
         start = time.perf_counter()
         if weights not in WEIGHT_FORMATS:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
-        if weights != "float32" and bundle is not None:
-            raise ConfigError(f"--weights {weights} is the dense host decode; a sparse bundle takes --cold-weights int8")
+        check_bundle_weights(weights, bundle)
         config, tensors, tokenizer = loader.load(path, progress=progress)
-        engine = cls(config, tensors, tokenizer, source=str(path or loader.default_model_path()),
-                     weights_format=weights)
-        if bundle is not None:
+        source = str(path or loader.default_model_path())
+        thresholds = None
+        if weights == "q4_1" and bundle is not None:
+            from pjinfer import teal
+
+            thresholds = teal.load_thresholds(bundle, source, config)
+        engine = cls(config, tensors, tokenizer, source=source, weights_format=weights, thresholds=thresholds)
+        if bundle is not None and thresholds is None:
             engine.use_bundle(bundle, hot_backend=hot_backend, cold_weights=cold_weights)
         engine.load_seconds = time.perf_counter() - start
         return engine

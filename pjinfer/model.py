@@ -38,6 +38,16 @@ def linear(x, w, b=None):
     return y if b is None else y + b
 
 
+class Threshold(nnx.Variable):
+    """A calibrated magnitude below which a matrix input counts as zero (TEAL); not a trained parameter."""
+
+
+def sparsify_input(x, threshold):
+    """x with the entries |x| <= threshold set to 0 (input sparsity, cpu_offload/sparse_decode.py's rule); x itself
+    when the module has no threshold."""
+    return x if threshold is None else jnp.where(jnp.abs(x) > threshold[...], x, 0.0)
+
+
 # ---------------------------------------------------------------- KV cache
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -92,12 +102,20 @@ class Attention(nnx.Module):
         self.config = config
         self.wq, self.wk, self.wv, self.wo = (_param(weights, f"{prefix}.{n}") for n in ("wq", "wk", "wv", "wo"))
         self.bq, self.bk, self.bv, self.bo = (_optional(weights, f"{prefix}.{n}") for n in ("bq", "bk", "bv", "bo"))
+        self.t_in = self.t_o = None  # Thresholds of the input of q/k/v and of o, when sparse (pjinfer.teal)
 
     def __call__(self, x, start, k_cache, v_cache):
         """x [B, T, d] at positions start..start+T-1; returns the output and the updated cache arrays."""
+        out, k_cache, v_cache = self.heads(x, start, k_cache, v_cache)
+        return linear(sparsify_input(out, self.t_o), self.wo[...], None if self.bo is None else self.bo[...]), \
+            k_cache, v_cache
+
+    def heads(self, x, start, k_cache, v_cache):
+        """The attention heads' output [B, T, H*hd] (o's input) and the updated cache arrays."""
         c = self.config
         B, T, _ = x.shape
         val = lambda p: None if p is None else p[...]
+        x = sparsify_input(x, self.t_in)
         q = linear(x, self.wq[...], val(self.bq)).reshape(B, T, c.n_heads, c.head_dim)
         k = linear(x, self.wk[...], val(self.bk)).reshape(B, T, c.n_kv_heads, c.head_dim)
         v = linear(x, self.wv[...], val(self.bv)).reshape(B, T, c.n_kv_heads, c.head_dim)
@@ -114,8 +132,7 @@ class Attention(nnx.Module):
         visible = jnp.arange(k_cache.shape[1])[None, :] <= positions[:, None]      # [T, S]
         scores = jnp.where(visible, scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache).reshape(B, T, c.n_heads * c.head_dim)
-        return linear(out, self.wo[...], val(self.bo)), k_cache, v_cache
+        return jnp.einsum("bkgts,bskd->btkgd", probs, v_cache).reshape(B, T, c.n_heads * c.head_dim), k_cache, v_cache
 
 
 def activate(activation: str, gate, up):
@@ -143,6 +160,7 @@ class FFN(nnx.Module):
         self.w_down_t = _param(weights, f"{prefix}.w_down_t")
         self.b_up = _optional(weights, f"{prefix}.b_up")
         self.b_down = _optional(weights, f"{prefix}.b_down")
+        self.t_in = self.t_down = None  # Thresholds of the input of gate/up and of down, when sparse (pjinfer.teal)
 
     def neurons(self, x):
         """Per-neuron activations [..., d_ff]."""
@@ -151,7 +169,8 @@ class FFN(nnx.Module):
         return activate(self.activation, gate, up)
 
     def __call__(self, x):
-        out = jnp.einsum("...f,fd->...d", self.neurons(x), self.w_down_t[...])
+        act = sparsify_input(self.neurons(sparsify_input(x, self.t_in)), self.t_down)
+        out = jnp.einsum("...f,fd->...d", act, self.w_down_t[...])
         return out if self.b_down is None else out + self.b_down[...]
 
 

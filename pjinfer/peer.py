@@ -20,12 +20,12 @@ def check_llama_cpp(model_path) -> None:
 
 
 def llama_cpp_runner(model_path, prompt: list[int], new_tokens: int, threads: int):
-    """(prefill, whole) callables, as bench._runner's, driving llama.cpp through llama-cpp-python's
+    """(prefill, whole(n=new_tokens)) callables, as bench._runner's, driving llama.cpp through llama-cpp-python's
     low-level calls: greedy argmax of llama.cpp's own logits, end-of-text ignored (every token runs)."""
     check_llama_cpp(model_path)
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(model_path), n_ctx=max(512, len(prompt) + new_tokens + 1), n_batch=512,
+    llm = Llama(model_path=str(model_path), n_ctx=max(512, len(prompt) + new_tokens + 2), n_batch=512,
                 n_threads=threads, n_threads_batch=threads, logits_all=False, verbose=False)
     n_vocab = llm.n_vocab()
 
@@ -38,10 +38,10 @@ def llama_cpp_runner(model_path, prompt: list[int], new_tokens: int, threads: in
         llm.eval(prompt)
         return next_token()
 
-    def whole():
+    def whole(n=new_tokens):
         token = prefill()
         out = [token]
-        for _ in range(new_tokens - 1):
+        for _ in range(n - 1):
             llm.eval([token])
             token = next_token()
             out.append(token)

@@ -8,19 +8,15 @@ import sys
 import pytest
 
 from pjinfer import evaluate
-from pjinfer.cli import main
+from tests.test_cli import assert_clean_error, run_cli
 
 
 def run(capsys, *args):
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_cli(capsys, *args)
 
 
 def assert_one_line_error(code, out, err, fragment):
-    assert code == 2 and out == ""
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("pjinfer: error:") and fragment in lines[0], err
+    assert_clean_error((code, out, err), fragment)
 
 
 @pytest.mark.parametrize("where,fragment", [("missing/out.json", "does not exist"), (".", "is a directory")])

@@ -1,0 +1,400 @@
+"""The 4-bit host decode step with input sparsity (TEAL, arXiv 2408.14690): every matrix reads only the weight
+columns whose input clears a fixed, calibrated threshold. One XLA FFI call per layer and one for the head.
+
+host_decode.HostDecoder reads every weight (GEMV over rows). Here every matrix keeps the GGUF's own Q4_1 numbers
+laid out by input column (``q4_sparse.relayout``: the same model as --weights q4_1, the same bytes) and is
+computed from the active inputs' columns only (``q4_sparse.matvec``), with four thresholds per layer, fixed at
+load time (no per-token sort):
+
+    T_ATTN  the attention input (q, k and v share it)       T_O     the input of o (the attention output)
+    T_FFN   the FFN input (gate and up share it)            T_DOWN  the FFN intermediate (down's input)
+
+An input i is active when |x_i| > threshold; a threshold of 0 skips exact zeros only (dense for SwiGLU, exact
+neuron skipping for the ReLU family). pjinfer.model applies the same rule in XLA (``sparsify_input``), so
+prefill and scoring compute the model the decode computes, on ``dequantized(weights)``.
+
+One layer, under the ffi lock (host_decode's helpers for norms, RoPE, attention and the head):
+    h = rmsnorm(x) * attn_norm; active(h, T_ATTN)            caller thread
+    qkv = sum_active h_i Wqkv[:, i]                         team: input blocks split (stage QKV), caller adds
+    rope, cache write; attention                            as host_decode (ATTN: heads split)
+    active(att, T_O); x += sum_active att_i Wo[:, i]        team: input blocks split (O), caller adds
+    h = rmsnorm(x) * ffn_norm; active(h, T_FFN)
+    gate | up = sum_active h_i Wgu[:, i]                    team: input blocks split (GATE_UP)
+    a = act(gate, up)                                       team: partials added, neurons split (ACT)
+    active(a, T_DOWN); x += sum_active a_i Wdown[:, i]      team: input blocks split (DOWN), caller adds
+Splitting the inputs (not the outputs) lets each thread stream whole columns; each thread sums into its own row
+of a partial-output scratch.
+
+The header keeps host_decode's slots (so its ``_dims``, ``_scratch``, ``_run`` and ``_head`` work on it) and adds
+the thresholds, the active-index scratch and the partial outputs. Lifetime: like HostDecoder, the header is never freed.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import ffi, host_decode as hd, kernels, q4, q4_sparse, team
+from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F32, DT_S32, ERRC_INVALID_ARGUMENT,
+                  ERRC_OUT_OF_RANGE, NOJIT, RUNTIME_ADDR, buffer_numel, cstr, find_table_attr, load_i32, load_i64,
+                  lock, make_error, ptr_f32, ptr_f64, ptr_i32, ptr_u8, store_i64, typed_pointer, unlock)
+from .host_decode import (H_EPS, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS, H_RUNTIME, H_TABLE, H_TASK, H_VOCAB,
+                          K_KCACHE, K_LAYER, K_POS, K_STAGE, K_VCACHE, ST_ATTN, ST_DOWN, ST_GATE_UP, ST_HEAD, ST_O,
+                          ST_QKV)
+from .kernels import _act
+from .q4 import BLOCK
+
+from numba import carray, cfunc, njit, types  # noqa: E402
+
+TARGET_NAME = "pjinfer_sparse_decode"
+ptr_u16 = typed_pointer("ptr_u16", types.uint16)
+MAGIC = 0x706A7370_0001  # "pjsp" + 1
+# float32 [layers, 4] thresholds; int32 active-index scratch [max(d, H hd, F)]; float32 partial outputs
+# [team size, widest output]; the widest output, max(d, (H + 2 KV) hd, 2 F). Slots below 21 are host_decode's.
+H_THRESH, H_IDX, H_PARTIAL, H_WIDEST = 21, 22, 23, 24
+HEADER_WIDTH = 32
+T_ATTN, T_O, T_FFN, T_DOWN = range(4)
+TENSORS = ("attn_in", "o_in", "ffn_in", "down_in")  # the names of the four thresholds, in this order
+# Layer table slots: per matrix three (q4_sparse.relayout's nib, d, m), then the norm scales.
+L_QKV, L_O, L_GATE_UP, L_DOWN = 0, 3, 6, 9
+L_ATTN_NORM, L_FFN_NORM = 12, 13
+L_WIDTH = 14
+K_COUNT, K_THREADS = 6, 7  # task slots: how many inputs the current stage reads; the team's size
+ST_ACT = 6  # stage: add the gate/up partials and apply the activation, neurons split
+
+_JIT = dict(fastmath=True, cache=True, nogil=True)
+
+
+@njit(**NOJIT)
+def _matvec(header, layer, slot, cols, x, count, y, acc, tid, n):
+    """Thread tid's share (input blocks) of y = W x over the active inputs (the first count of the index scratch)
+    for the layer's matrix in slot; W [len(y), cols] in q4_sparse.relayout's arrays."""
+    table = load_i64(header + 8 * H_TABLE) + 8 * (L_WIDTH * layer + slot)
+    out = y.shape[0]
+    nib = carray(ptr_u8(load_i64(table)), (cols, out // 2))
+    d = carray(ptr_u16(load_i64(table + 8)), (cols // BLOCK, out))
+    m = carray(ptr_u16(load_i64(table + 16)), (cols // BLOCK, out))
+    b0, b1 = hd._share(cols // BLOCK, tid, n, 1)
+    q4_sparse.matvec(nib, d, m, _idx(header, cols), count, x, y, acc, b0, b1)
+
+
+@njit(**NOJIT)
+def _idx(header, n):
+    return carray(ptr_i32(load_i64(header + 8 * H_IDX)), (n,))
+
+
+@njit(**NOJIT)
+def _threshold(header, layer, k):
+    return carray(ptr_f32(load_i64(header + 8 * H_THRESH) + 16 * layer), (4,))[k]
+
+
+@njit(**NOJIT)
+def _partials(header, n, width):
+    """The team's partial outputs: thread t's sums in row t, [n, width] of the [team size, widest] scratch."""
+    return carray(ptr_f32(load_i64(header + 8 * H_PARTIAL)), (n, load_i64(header + 8 * H_WIDEST)))[:, :width]
+
+
+@njit(**NOJIT)
+def _acc(header, tid, width):
+    """Thread tid's accumulator scratch (q4_sparse.matvec's acc), right after the partial outputs."""
+    widest = load_i64(header + 8 * H_WIDEST)
+    team_size = load_i64(load_i64(header + 8 * H_TASK) + 8 * K_THREADS)
+    return carray(ptr_f32(load_i64(header + 8 * H_PARTIAL) + 4 * widest * (team_size + tid)), (width,))
+
+
+@njit(**NOJIT)
+def _sum_partials(header, y, accumulate):
+    """y (+)= the sum of the team's partial outputs of y's length."""
+    parts = _partials(header, load_i64(load_i64(header + 8 * H_TASK) + 8 * K_THREADS), y.shape[0])
+    for j in range(y.shape[0]):
+        t = parts[0, j]
+        for r in range(1, parts.shape[0]):
+            t += parts[r, j]
+        y[j] = y[j] + t if accumulate else t
+
+
+def _stage_py(header, tid, n):
+    task = load_i64(header + 8 * H_TASK)
+    stage = load_i64(task + 8 * K_STAGE)
+    layer = load_i64(task + 8 * K_LAYER)
+    count = load_i64(task + 8 * K_COUNT)
+    d, nh, nkv, hd_, ff = hd._dims(header)
+    h, qkv, att, o, gate, up, down, scores = hd._scratch(header)
+    # The matrix stages split the input blocks: each thread streams its own columns into its own partial y.
+    if stage == ST_QKV:
+        nq = qkv.shape[0]
+        _matvec(header, layer, L_QKV, d, h, count, _partials(header, n, nq)[tid], _acc(header, tid, nq), tid, n)
+    elif stage == ST_ATTN:
+        pos = load_i64(task + 8 * K_POS)  # < the cache length <= max_len, checked by the handler
+        kc = carray(ptr_f32(load_i64(task + 8 * K_KCACHE)), (pos + 1, nkv, hd_))
+        vc = carray(ptr_f32(load_i64(task + 8 * K_VCACHE)), (pos + 1, nkv, hd_))
+        lo, hi = hd._share(nh, tid, n, 1)
+        for q_head in range(lo, hi):
+            hd._attend(qkv[q_head * hd_:(q_head + 1) * hd_], kc, vc, q_head // (nh // nkv), pos,
+                       scores[q_head], att[q_head * hd_:(q_head + 1) * hd_])
+    elif stage == ST_O:
+        _matvec(header, layer, L_O, nh * hd_, att, count, _partials(header, n, d)[tid], _acc(header, tid, d), tid, n)
+    elif stage == ST_GATE_UP:
+        _matvec(header, layer, L_GATE_UP, d, h, count, _partials(header, n, 2 * ff)[tid], _acc(header, tid, 2 * ff),
+                tid, n)
+    elif stage == ST_ACT:
+        parts = _partials(header, n, 2 * ff)
+        code = load_i64(header + 8 * hd.H_ACT)
+        lo, hi = hd._share(ff, tid, n, 16)
+        for i in range(lo, hi):
+            g = parts[0, i]
+            u = parts[0, ff + i]
+            for r in range(1, n):
+                g += parts[r, i]
+                u += parts[r, ff + i]
+            gate[i] = _act(g, u, code)
+    elif stage == ST_DOWN:
+        _matvec(header, layer, L_DOWN, ff, gate, count, _partials(header, n, d)[tid], _acc(header, tid, d), tid, n)
+    elif stage == ST_HEAD:
+        vocab = load_i64(header + 8 * H_VOCAB)
+        w = hd._i8(load_i64(header + 8 * hd.H_HEAD), vocab, d)
+        s = hd._f32_2d(load_i64(header + 8 * hd.H_HEAD_SCALES), vocab, d // kernels.QBLOCK)
+        lo, hi = hd._share(vocab, tid, n, 4)
+        hd._gemv(w, s, h, hd._f32(load_i64(task + 8 * hd.K_OUT), vocab), lo, hi)
+
+
+ffi.purge_stale_cache("sparse_decode", kernels, ffi, q4, q4_sparse, team, hd)
+
+_stage = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True, cache=True)(_stage_py)
+
+
+@njit(**NOJIT)
+def _sparse_run(header, stage, x, layer, k):
+    """Find x's active inputs for threshold k of the layer, then run the stage on the team."""
+    store_i64(load_i64(header + 8 * H_TASK) + 8 * K_COUNT,
+              q4_sparse.active(x, _threshold(header, layer, k), _idx(header, x.shape[0])))
+    hd._run(header, stage)
+
+
+@njit(**NOJIT)
+def _layer(header, layer, pos, x, k_ptr, v_ptr):
+    """One decoder layer for one token, x [d] updated in place; caches [S, KV, hd] written at pos."""
+    d, nh, nkv, hd_, ff = hd._dims(header)
+    eps = np.float32(carray(ptr_f64(header + 8 * H_EPS), (1,))[0])
+    h, qkv, att, o, gate, up, down, scores = hd._scratch(header)
+    table = load_i64(header + 8 * H_TABLE) + 8 * L_WIDTH * layer
+    task = load_i64(header + 8 * H_TASK)
+    store_i64(task + 8 * K_LAYER, layer)
+    store_i64(task + 8 * K_POS, pos)
+    store_i64(task + 8 * K_KCACHE, k_ptr)
+    store_i64(task + 8 * K_VCACHE, v_ptr)
+
+    hd._rmsnorm(x, hd._f32(load_i64(table + 8 * L_ATTN_NORM), d), eps, h)
+    _sparse_run(header, ST_QKV, h, layer, T_ATTN)
+    _sum_partials(header, qkv, False)
+    inv_freq = hd._f32(load_i64(header + 8 * H_INV_FREQ), hd_ // 2)
+    hd._rope(qkv[:nh * hd_], nh, hd_, inv_freq, pos)
+    hd._rope(qkv[nh * hd_:(nh + nkv) * hd_], nkv, hd_, inv_freq, pos)
+    kv = nkv * hd_
+    kc = hd._f32(k_ptr + 4 * pos * kv, kv)
+    vc = hd._f32(v_ptr + 4 * pos * kv, kv)
+    for j in range(kv):
+        kc[j] = qkv[nh * hd_ + j]
+        vc[j] = qkv[nh * hd_ + kv + j]
+    hd._run(header, ST_ATTN)
+    _sparse_run(header, ST_O, att, layer, T_O)
+    _sum_partials(header, x, True)
+    hd._rmsnorm(x, hd._f32(load_i64(table + 8 * L_FFN_NORM), d), eps, h)
+    _sparse_run(header, ST_GATE_UP, h, layer, T_FFN)
+    hd._run(header, ST_ACT)
+    _sparse_run(header, ST_DOWN, gate, layer, T_DOWN)
+    _sum_partials(header, x, True)
+
+
+@njit(**NOJIT)
+def _execute(frame, api):
+    """host_decode's two call forms (layer and head) and checks, for a SparseHostDecoder header."""
+    header = find_table_attr(frame)
+    if header == 0 or load_i64(header + 8 * H_MAGIC) != MAGIC:
+        return make_error(api, ERRC_INVALID_ARGUMENT, cstr("pjinfer_sparse_decode: 'table' is not a SparseHostDecoder"))
+    nargs = load_i64(frame + CF_NARGS)
+    nrets = load_i64(frame + CF_NRETS)
+    args = load_i64(frame + CF_ARGS)
+    rets = load_i64(frame + CF_RETS)
+    d, nh, nkv, hd_, ff = hd._dims(header)
+    if nargs == 1 and nrets == 1:
+        b_x = load_i64(args)
+        b_out = load_i64(rets)
+        if (load_i32(b_x + BUF_DTYPE) != DT_F32 or load_i32(b_out + BUF_DTYPE) != DT_F32
+                or buffer_numel(b_x, False) != d or buffer_numel(b_out, False) != load_i64(header + 8 * H_VOCAB)):
+            return make_error(api, ERRC_INVALID_ARGUMENT,
+                              cstr("pjinfer_sparse_decode: head form is hidden f32 [d] -> logits f32 [vocab]"))
+        lock(load_i64(header + 8 * H_RUNTIME))
+        hd._head(header, hd._f32(load_i64(b_x + BUF_DATA), d), load_i64(b_out + BUF_DATA))
+        unlock(load_i64(header + 8 * H_RUNTIME))
+        return 0
+    if nargs != 5 or nrets != 3:
+        return make_error(api, ERRC_INVALID_ARGUMENT,
+                          cstr("pjinfer_sparse_decode: expected 5 operands and 3 results, or 1 and 1"))
+    b_layer, b_pos, b_x = load_i64(args), load_i64(args + 8), load_i64(args + 16)
+    b_k, b_v = load_i64(args + 24), load_i64(args + 32)
+    r_x, r_k, r_v = load_i64(rets), load_i64(rets + 8), load_i64(rets + 16)
+    if (load_i32(b_layer + BUF_DTYPE) != DT_S32 or load_i32(b_pos + BUF_DTYPE) != DT_S32
+            or load_i32(b_x + BUF_DTYPE) != DT_F32 or load_i32(b_k + BUF_DTYPE) != DT_F32
+            or load_i32(b_v + BUF_DTYPE) != DT_F32 or load_i32(r_x + BUF_DTYPE) != DT_F32
+            or buffer_numel(b_layer, False) != 1 or buffer_numel(b_pos, False) != 1
+            or buffer_numel(b_x, False) != d or buffer_numel(r_x, False) != d):
+        return make_error(api, ERRC_INVALID_ARGUMENT, cstr(
+            "pjinfer_sparse_decode: layer form is (int32 [], int32 [], f32 [d], f32 cache, f32 cache)"))
+    length = hd._cache_rows(b_k, nkv, hd_)
+    if length < 1 or hd._cache_rows(b_v, nkv, hd_) != length or length > load_i64(header + 8 * H_MAXLEN):
+        return make_error(api, ERRC_INVALID_ARGUMENT, cstr(
+            "pjinfer_sparse_decode: caches must be [..., S, kv_heads, head_dim], S at most the model's context"))
+    k_ptr, v_ptr = load_i64(b_k + BUF_DATA), load_i64(b_v + BUF_DATA)
+    if load_i64(r_k + BUF_DATA) != k_ptr or load_i64(r_v + BUF_DATA) != v_ptr:
+        return make_error(api, ERRC_INVALID_ARGUMENT,
+                          cstr("pjinfer_sparse_decode: the caches must be aliased to results 2 and 3"))
+    layer = carray(ptr_i32(load_i64(b_layer + BUF_DATA)), (1,))[0]
+    pos = carray(ptr_i32(load_i64(b_pos + BUF_DATA)), (1,))[0]
+    if layer < 0 or layer >= load_i64(header + 8 * H_NLAYERS):
+        return make_error(api, ERRC_OUT_OF_RANGE, cstr("pjinfer_sparse_decode: layer index out of range"))
+    if pos < 0 or pos >= length:
+        return make_error(api, ERRC_OUT_OF_RANGE, cstr("pjinfer_sparse_decode: position outside the cache"))
+    x_in = hd._f32(load_i64(b_x + BUF_DATA), d)
+    x = hd._f32(load_i64(r_x + BUF_DATA), d)
+    for j in range(d):
+        x[j] = x_in[j]
+    lock(load_i64(header + 8 * H_RUNTIME))
+    _layer(header, layer, pos, x, k_ptr, v_ptr)
+    unlock(load_i64(header + 8 * H_RUNTIME))
+    return 0
+
+
+def _handler_py(frame):
+    done, result = ffi.prelude(frame)
+    if done:
+        return result
+    return _execute(frame, load_i64(frame + ffi.CF_API))
+
+
+_handler = cfunc(types.intp(types.intp), nopython=True, cache=True)(_handler_py)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+class SparseHostDecoder(hd.HostDecoder):
+    """A Llama-family model's decode step on the host, the Q4_1 numbers laid out by input column, reading only the
+    inputs above fixed thresholds (see the module docstring).
+
+    config: pjinfer.model's ModelConfig. weights: the canonical float32 weights; each stored matrix is built from
+    its own float32 matrix, one at a time. thresholds: float32 [n_layers, 4] in TENSORS' order, each >= 0.
+    The output head is int8, as in HostDecoder."""
+
+    def __init__(self, config, weights: dict, thresholds):
+        c = config
+        thresholds = np.ascontiguousarray(thresholds, np.float32)
+        if thresholds.shape != (c.n_layers, len(TENSORS)):
+            raise ValueError(f"thresholds must be [{c.n_layers}, {len(TENSORS)}] (layers x {', '.join(TENSORS)}), "
+                             f"got {list(thresholds.shape)}")
+        if not (np.isfinite(thresholds).all() and (thresholds >= 0).all()):
+            raise ValueError("thresholds must be finite and >= 0")
+        if not (c.uses_rope and c.gated):
+            raise ValueError(f"sparse host decode supports Llama-family models, not {c.arch!r}")
+        biases = [k for k in weights if k.rsplit(".", 1)[-1] in ("bq", "bk", "bv", "bo", "b_up", "b_down", "bias")]
+        if biases:
+            raise ValueError(f"sparse host decode supports models without biases, this one has {biases[0]!r}")
+        if c.d_model % kernels.QBLOCK or c.head_dim % 2:
+            raise ValueError(f"sparse host decode needs d_model a multiple of {kernels.QBLOCK} (the int8 head) and "
+                             f"an even head_dim, got {c.d_model} and {c.head_dim}")
+        for name, n in (("d_model", c.d_model), ("n_heads * head_dim", c.n_heads * c.head_dim),
+                        ("(n_heads + 2 n_kv_heads) * head_dim",
+                                                  (c.n_heads + 2 * c.n_kv_heads) * c.head_dim), ("d_ff", c.d_ff)):
+            if n % BLOCK:
+                raise ValueError(f"sparse host decode needs {name} to be a multiple of {BLOCK}, got {n}")
+        self.config = c
+        self.format = "q4_1"
+        self.thresholds = thresholds
+        self.team = team.shared()
+        self._keep = []
+        table = np.zeros((c.n_layers, L_WIDTH), np.int64)
+        self._quantized = {}  # (layer, slot) -> (nib, d, m), the file's Q4_1 numbers by input column
+        for l in range(c.n_layers):
+            p = f"layers.{l}"
+            mats = {  # W [out, in], one matrix at a time, as host_decode stores them
+                L_QKV: lambda: np.concatenate([weights[f"{p}.wq"], weights[f"{p}.wk"], weights[f"{p}.wv"]]),
+                L_O: lambda: weights[f"{p}.wo"],
+                L_GATE_UP: lambda: np.concatenate([weights[f"{p}.w_gate"], weights[f"{p}.w_up"]]),
+                L_DOWN: lambda: np.asarray(weights[f"{p}.w_down_t"]).T,
+            }
+            for slot, make in mats.items():
+                w = np.asarray(make(), np.float32)
+                arrays = q4_sparse.relayout(q4.quantize(w), *w.shape)
+                del w
+                table[l, slot:slot + 3] = [self._hold(a) for a in arrays]
+                self._quantized[(l, slot)] = arrays
+            table[l, L_ATTN_NORM] = self._hold(np.asarray(weights[f"{p}.attn_norm.scale"], np.float32))
+            table[l, L_FFN_NORM] = self._hold(np.asarray(weights[f"{p}.ffn_norm.scale"], np.float32))
+        head_name = "embed" if c.tie_embeddings else "lm_head"
+        head_q, head_s = hd.quantize(weights[head_name])
+        self._head_name, self._head = head_name, (head_q, head_s)
+        inv_freq = (1.0 / (np.float32(c.rope_theta) ** (np.arange(0, c.head_dim, 2, dtype=np.float32)
+                                                        / np.float32(c.head_dim)))).astype(np.float32)
+        nqkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+        widest = max(c.d_model, c.n_heads * c.head_dim, c.d_ff)
+        scratch = np.zeros(3 * c.d_model + nqkv + c.n_heads * c.head_dim + 2 * c.d_ff
+                           + c.n_heads * c.max_seq_len, np.float32)  # host_decode._scratch's views
+        task = np.zeros(8, np.int64)
+        task[K_THREADS] = self.team.size
+        header = np.zeros(HEADER_WIDTH, np.int64)
+        header[[H_NLAYERS, hd.H_D, hd.H_HEADS, hd.H_KV, hd.H_HD, hd.H_FF, H_VOCAB, hd.H_ACT, H_MAXLEN]] = [
+            c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size,
+            kernels.act_code(c.activation), c.max_seq_len]
+        header.view(np.float64)[H_EPS] = c.norm_eps
+        header[[H_TABLE, hd.H_HEAD, hd.H_HEAD_SCALES, H_INV_FREQ, hd.H_SCRATCH, H_TASK, hd.H_TEAM]] = [
+            self._hold(table), self._hold(head_q), self._hold(head_s), self._hold(inv_freq),
+            self._hold(scratch), self._hold(task), self.team.address]
+        widest_out = max(c.d_model, nqkv, 2 * c.d_ff)
+        header[[H_THRESH, H_IDX, H_PARTIAL, H_WIDEST]] = [  # partial outputs, then accumulators, per thread
+            self._hold(thresholds), self._hold(np.zeros(widest, np.int32)),
+            self._hold(np.zeros((2 * self.team.size, widest_out), np.float32)), widest_out]
+        header[[hd.H_STAGE, H_RUNTIME]] = [_stage.address, RUNTIME_ADDR]
+        header[hd.H_FORMAT] = hd.F_Q4_1
+        header[H_MAGIC] = MAGIC
+        hd._HEADERS.append(header)
+        self.address = int(header.ctypes.data)
+        ffi.register(TARGET_NAME, _handler)
+
+    def dequantized(self, weights: dict) -> dict:
+        """The canonical float32 weights with every stored matrix replaced by what its blocks stand for."""
+        out = dict(weights)
+        c = self.config
+        attn, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        for l in range(c.n_layers):
+            p = f"layers.{l}"
+            deq = lambda slot: q4_sparse.dequantize(*self._quantized[(l, slot)])
+            qkv = deq(L_QKV)
+            out[f"{p}.wq"], out[f"{p}.wk"], out[f"{p}.wv"] = np.split(qkv, [attn, attn + kv_rows])
+            out[f"{p}.wo"] = deq(L_O)
+            out[f"{p}.w_gate"], out[f"{p}.w_up"] = np.split(deq(L_GATE_UP), 2)
+            out[f"{p}.w_down_t"] = np.ascontiguousarray(deq(L_DOWN).T)
+        out[self._head_name] = hd._dequantize(self._head, c.d_model)
+        return out
+
+    # ------------------------------------------------------------ calls from inside jit
+    def layer(self, layer: int, x, pos, k_cache, v_cache):
+        """As HostDecoder.layer, through this module's FFI target."""
+        import jax
+        import jax.numpy as jnp
+
+        if not 0 <= int(layer) < self.config.n_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.config.n_layers})")
+        if x.size != self.config.d_model:
+            raise ValueError(f"x must hold one token's {self.config.d_model} features, got shape {x.shape}")
+        result = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, jnp.float32),
+                  jax.ShapeDtypeStruct(v_cache.shape, jnp.float32))
+        call = jax.ffi.ffi_call(TARGET_NAME, result, input_output_aliases={3: 1, 4: 2})
+        return call(jnp.int32(layer), jnp.asarray(pos, jnp.int32), x.astype(jnp.float32), k_cache, v_cache,
+                    table=np.int64(self.address))
+
+    def head(self, hidden):
+        """hidden [d] -> logits [vocab] from the int8 output head."""
+        import jax
+        import jax.numpy as jnp
+
+        if hidden.shape != (self.config.d_model,):
+            raise ValueError(f"hidden must be [{self.config.d_model}], got {hidden.shape}")
+        call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((self.config.vocab_size,), jnp.float32))
+        return call(hidden.astype(jnp.float32), table=np.int64(self.address))
