@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 export NUMBA_THREADING_LAYER ?= workqueue
 
-.PHONY: setup run test bench bench-peer perplexity bundle clean
+.PHONY: setup run test bench bench-peer bench-scale perplexity bundle clean
 
 # Idempotent: re-runs pip only when pyproject.toml changed.
 setup: $(STAMP)
@@ -39,6 +39,13 @@ bench-peer: $(PEER_STAMP)
 	$(VENV)/bin/pjinfer bench --peer llama-cpp --prompt-len 16 --new-tokens 256 --runs 5 --weights float32,int8,q4_1 \
 		$(if $(wildcard $(BUNDLE)/manifest.json),--bundle $(BUNDLE) --cold-weights int8)
 	$(VENV)/bin/pjinfer bench --peer llama-cpp --prompt-len 512 --new-tokens 128 --runs 3 --weights float32,int8,q4_1
+
+# Random Llama GGUFs (Q4_1) of about 0.5B, 1.5B and 3B parameters (SCALE=7b adds 7B) written to out/scale, each
+# measured for peak RSS, load time, prefill 512 and decode 128 against llama.cpp in one run.
+bench-scale: $(PEER_STAMP)
+	$(PY) -m pjinfer.bench_scale --sizes 0.5b,1.5b,3b$(if $(filter 7b,$(SCALE)),$(comma)7b) --dir out/scale
+
+comma := ,
 
 perplexity: setup
 	$(PY) -c "from pjinfer import data; open('/tmp/pjinfer-wiki.txt','w').write(data.wiki_eval_text())"

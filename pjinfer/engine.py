@@ -12,7 +12,8 @@ from flax import nnx
 from pjinfer import generate as gen
 from pjinfer import loader
 from pjinfer.config import WEIGHT_FORMATS, ConfigError, ModelConfig
-from pjinfer.model import Transformer
+from cpu_offload.qtensor import is_quantized
+from pjinfer.model import Transformer, float32_weights
 from pjinfer.sampling import Sampling
 from pjinfer.tokenizer import Tokenizer
 
@@ -20,9 +21,14 @@ from pjinfer.tokenizer import Tokenizer
 class Engine:
     def __init__(self, config: ModelConfig, weights: dict, tokenizer: Tokenizer, *, source: str = "",
                  weights_format: str = "float32"):
-        """weights_format "int8" (every matrix quantized with a scale per block of 64) or "q4_1" (the layers in
-        the GGUF's 4-bit blocks, the head int8): one-token decode steps run on the host through
-        cpu_offload.host_decode, prefill and scoring through XLA on the same (dequantized) values."""
+        """weights: canonical weights (pjinfer.model), float32 arrays or quantized matrices (cpu_offload.qtensor).
+        weights_format "float32": every matrix float32 in XLA (quantized ones dequantized here, one at a time).
+        "int8" (every matrix quantized with a scale per block of 64) or "q4_1" (the layers in the GGUF's 4-bit
+        blocks, a Q4Tensor of the file kept as it is; the head int8): the model holds only the quantized
+        arrays, once. They are handed to XLA with jax.device_put, which on the CPU aliases a 64-byte-aligned
+        numpy array (a GGUF memory map's tensors) instead of copying it, and the host decode reads the same bytes.
+        One-token decode steps run on the host through cpu_offload.host_decode; prefill and scoring through XLA,
+        which dequantizes each matrix where it is used (a float32 transient), so every path computes one model."""
         if weights_format not in WEIGHT_FORMATS:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights_format!r}")
         self.config = config
@@ -32,13 +38,18 @@ class Engine:
         self.bundle = None        # set by use_bundle: the engine then runs the hybrid sparse FFN
         host = None
         if weights_format != "float32":
-            from cpu_offload.host_decode import HostDecoder
+            from cpu_offload.host_decode import HostDecoder, quantize_weights
 
             try:
-                host = HostDecoder(config, weights, weights_format)
+                stored = quantize_weights(config, weights, weights_format)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-            weights = host.dequantized(weights)
+            weights = None  # the caller's float32 copies (if any) are not kept alive by this frame
+            stored = {k: v.map(jax.device_put) if is_quantized(v) else v for k, v in stored.items()}
+            host = HostDecoder(config, stored, weights_format)
+            weights = stored
+        elif any(is_quantized(w) for w in weights.values()):
+            weights = float32_weights(weights)
         model = Transformer(config, weights)
         model.host = host
         self.graphdef, self.state = nnx.split(model)
@@ -51,7 +62,7 @@ class Engine:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
         if weights != "float32" and bundle is not None:
             raise ConfigError(f"--weights {weights} is the dense host decode; a sparse bundle takes --cold-weights int8")
-        config, tensors, tokenizer = loader.load(path, progress=progress)
+        config, tensors, tokenizer = loader.load(path, progress=progress, keep_q4_1=weights == "q4_1")
         engine = cls(config, tensors, tokenizer, source=str(path or loader.default_model_path()),
                      weights_format=weights)
         if bundle is not None:
