@@ -1,7 +1,8 @@
-"""Checkpoints -> (ModelConfig, canonical float32 weights, Tokenizer).
+"""Checkpoints -> (ModelConfig, canonical weights, Tokenizer).
 
 Two formats: a GGUF file (the default model) and a Hugging Face directory (config.json +
-*.safetensors + tokenizer.json). Both end in the canonical weight names of pjinfer/model.py.
+*.safetensors + tokenizer.json). Both end in the canonical weight names of pjinfer/model.py: float32
+arrays, or for a GGUF read with keep_q4_1 its Q4_1 matrices as the file's blocks (see load).
 """
 from __future__ import annotations
 
@@ -156,8 +157,8 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False):
         if progress:
             progress(n + 1, len(reader.tensors))
     if dequantized:
-        print(f"pjinfer: layer matrices of type {', '.join(sorted(dequantized))} are dequantized to float32 at load "
-              f"(the host decode reads Q4_1 blocks only)", file=sys.stderr)
+        print(f"pjinfer: layer matrices of type {', '.join(sorted(dequantized))} are dequantized at load and "
+              f"re-quantized to Q4_1 (the host decode reads Q4_1 blocks only)", file=sys.stderr)
     tokenizer = Tokenizer.from_gguf_fields(
         tokens=tokens, merges=field("tokenizer.ggml.merges"), token_types=field("tokenizer.ggml.token_type"),
         model=field("tokenizer.ggml.model"), pre=field("tokenizer.ggml.pre"),
