@@ -148,20 +148,19 @@ def measure(path: Path, runs: int) -> dict:
             "llama_cpp_peak_gb": peer_peak, "llama_cpp_load_s": peer["load_s"], "bench": bench}
 
 
-def _rates(bench: dict) -> dict:
-    """prefill / decode tok/s of pjinfer q4_1 and llama.cpp from bench's JSON, whatever its nesting."""
-    found = {}
-
-    def walk(obj, path):
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(v, path + (str(k),))
-        elif isinstance(obj, (int, float)) and any("tok" in p or "rate" in p or "prefill" in p or "decode" in p
-                                                    for p in path):
-            found["/".join(path)] = obj
-
-    walk(bench, ())
-    return found
+def table(rows: list[dict]) -> str:
+    """The README's table: memory and load, then bench's prefill and decode rates of both engines."""
+    lines = ["| size | params | file GB | peak RSS GB: pjinfer / llama.cpp | load s: pjinfer / llama.cpp | "
+             "prefill 512 tok/s: pjinfer / llama.cpp | decode 128 tok/s: pjinfer / llama.cpp |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ours, peer = r["bench"]["engines"]["dense-q4_1"], r["bench"]["engines"]["llama.cpp"]
+        lines.append(
+            f"| {r['size']} | {r['params_b']:.2f} B | {r['file_gb']:.2f} | {r['pjinfer_peak_gb']:.2f} / "
+            f"{r['llama_cpp_peak_gb']:.2f} | {r['pjinfer_load_s']:.1f} / {r['llama_cpp_load_s']:.1f} | "
+            f"{ours['prefill_tok_s']:.1f} / {peer['prefill_tok_s']:.1f} ({ours['prefill_over_peer']:.2f}x) | "
+            f"{ours['decode_tok_s']:.1f} / {peer['decode_tok_s']:.1f} ({ours['decode_over_peer']:.2f}x) |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -189,13 +188,8 @@ def main(argv=None) -> int:
         result["size"], result["params_b"] = size, param_count(size, 49152) / 1e9
         print(json.dumps(result), flush=True)
         rows.append(result)
-    print("\n| size | params | file GB | pjinfer peak RSS GB | llama.cpp peak RSS GB | pjinfer load s | llama.cpp load s |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['size']} | {r['params_b']:.2f} B | {r['file_gb']:.2f} | {r['pjinfer_peak_gb']:.2f} | "
-              f"{r['llama_cpp_peak_gb']:.2f} | {r['pjinfer_load_s']:.1f} | {r['llama_cpp_load_s']:.1f} |")
-    for r in rows:
-        print(f"{r['size']} bench (prefill 512, decode 128):", json.dumps(_rates(r["bench"])))
+    print()
+    print(table(rows))
     return 0
 
 
