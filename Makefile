@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 export NUMBA_THREADING_LAYER ?= workqueue
 
-.PHONY: setup run test mutants bench bench-peer bench-serve perplexity bundle clean
+.PHONY: setup run test mutants bench bench-peer bench-serve bench-scale perplexity bundle clean
 
 # Idempotent: re-runs pip only when pyproject.toml changed.
 setup: $(STAMP)
@@ -47,6 +47,13 @@ bench-peer: $(PEER_STAMP)
 # A bounded load test of `pjinfer serve` on loopback: 64 streaming requests from 8 clients, 64 tokens each.
 bench-serve: setup
 	$(PY) -m pjinfer.bench_serve --requests 64 --clients 8 --tokens 64 --weights q4_1
+
+# Random Llama GGUFs (Q4_1) of about 0.5B, 1.5B and 3B parameters (SCALE=7b adds 7B) written to out/scale, each
+# measured for peak RSS, load time, prefill 512 and decode 128 against llama.cpp in one run.
+bench-scale: $(PEER_STAMP)
+	$(PY) -m pjinfer.bench_scale --sizes 0.5b,1.5b,3b$(if $(filter 7b,$(SCALE)),$(comma)7b) --dir out/scale
+
+comma := ,
 
 perplexity: setup
 	$(PY) -c "from pjinfer import data; open('/tmp/pjinfer-wiki.txt','w').write(data.wiki_eval_text())"

@@ -9,9 +9,11 @@ file's model exactly). The output head is int8 in both.
 
 Usage::
 
-    host = HostDecoder(config, weights, "q4_1")    # canonical float32 weights (pjinfer.model's names)
-    weights = host.dequantized(weights)            # what the stored weights stand for: XLA runs these for
-                                                   # prefill and scoring, so every path computes one model
+    stored = quantize_weights(config, weights, "q4_1")  # every matrix as the host stores it (qtensor forms):
+                                                        # a Q4Tensor of the file is kept as it is
+    host = HostDecoder(config, stored, "q4_1")      # reads the stored arrays in place (numpy views, no copy:
+                                                    # jax arrays too), and keeps them alive
+    reference = host.dequantized(stored)            # canonical float32: what the stored weights stand for
     x, k, v = host.layer(l, x, pos, k_cache, v_cache)    # inside jit; x [..., d] with d elements
     logits = host.head(hidden)                     # hidden [d] -> [vocab]
 
@@ -27,8 +29,8 @@ One layer (``_execute_layer``), under the ffi lock:
 The team (``team.py``) is this thread plus workers that wait spinning, so a stage costs ~1 us to hand out. The
 KV cache arrays are operands aliased to results: XLA donates them and the layer writes position ``pos`` in place.
 
-Matrices are stored one row per output (w_down as [d, d_ff], not pjinfer.model's transposed w_down_t), so every
-stage is a GEMV over contiguous rows: ``_gemv`` (int8) takes four rows at a time against one pass over x; ``q4.gemv``
+Matrices are stored one row per output (a stored w_down_t is [d, d_ff], untransposed: pjinfer.model's rule for
+quantized matrices), so every stage is a GEMV over contiguous rows: ``_gemv`` (int8) takes four rows at a time against one pass over x; ``q4.gemv``
 takes one row at a time against x prepared once per stage by the caller thread (``_prepare``).
 
 Supported: the Llama family (RMSNorm, RoPE, grouped-query attention, gated FFN, no biases) with d_model,
@@ -46,8 +48,9 @@ from .ffi import (BUF_DATA, BUF_DIMS, BUF_DTYPE, BUF_RANK, CF_ARGS, CF_NARGS, CF
                   ERRC_OUT_OF_RANGE, NOJIT, RUNTIME_ADDR, buffer_numel, cstr, find_table_attr, last_dim, load_i32,
                   load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i8, ptr_i32, ptr_u8, store_i64, unlock)
 from .kernels import QBLOCK, _act, _prefetch
+from .qtensor import Int8Tensor, Q4Tensor, is_quantized
 
-from numba import carray, cfunc, njit, types  # noqa: E402
+from numba import carray, cfunc, njit, prange, types  # noqa: E402
 
 TARGET_NAME = "pjinfer_host_decode"
 MAGIC = 0x706A686F7374_0001  # "pjhost" + 1
@@ -60,9 +63,11 @@ H_WIDTH = 24
 FORMATS = {"int8": 0, "q4_1": 1}
 F_Q4_1 = FORMATS["q4_1"]
 # Layer table slots: (int8 rows, float32 block scales) or (Q4_1 blocks, 0) per matrix, then the two norm scales.
-(L_QKV, L_QKV_S, L_O, L_O_S, L_GATE, L_GATE_S, L_UP, L_UP_S, L_DOWN, L_DOWN_S, L_ATTN_NORM,
- L_FFN_NORM) = range(12)
-L_WIDTH = 12
+(L_Q, L_Q_S, L_K, L_K_S, L_V, L_V_S, L_O, L_O_S, L_GATE, L_GATE_S, L_UP, L_UP_S, L_DOWN, L_DOWN_S, L_ATTN_NORM,
+ L_FFN_NORM) = range(16)
+L_WIDTH = 16
+# The stored matrices of a layer: canonical name -> table slot.
+MATRICES = {"wq": L_Q, "wk": L_K, "wv": L_V, "wo": L_O, "w_gate": L_GATE, "w_up": L_UP, "w_down_t": L_DOWN}
 # Task slots: what the current stage works on.
 K_STAGE, K_LAYER, K_POS, K_KCACHE, K_VCACHE, K_OUT = range(6)
 ST_QKV, ST_ATTN, ST_O, ST_GATE_UP, ST_DOWN, ST_HEAD = range(6)
@@ -292,9 +297,13 @@ def _stage_py(header, tid, n):
     layer = load_i64(task + 8 * K_LAYER)
     d, nh, nkv, hd, ff = _dims(header)
     h, qkv, att, o, gate, up, down, scores = _scratch(header)
-    if stage == ST_QKV:
+    if stage == ST_QKV:  # q, k and v are three matrices; the team splits their rows as one
         lo, hi = _share(qkv.shape[0], tid, n, 4)
-        _matvec(header, layer, L_QKV, qkv.shape[0], h, qkv, lo, hi)
+        nq, nk = nh * hd, nkv * hd
+        for slot, r0, r1 in ((L_Q, 0, nq), (L_K, nq, nq + nk), (L_V, nq + nk, nq + 2 * nk)):
+            a, b = max(lo, r0), min(hi, r1)
+            if a < b:
+                _matvec(header, layer, slot, r1 - r0, h, qkv[r0:r1], a - r0, b - r0)
     elif stage == ST_ATTN:
         pos = load_i64(task + 8 * K_POS)  # < the cache length <= max_len, checked by the handler
         kc = carray(ptr_f32(load_i64(task + 8 * K_KCACHE)), (pos + 1, nkv, hd))
@@ -475,62 +484,153 @@ _handler = cfunc(types.intp(types.intp), nopython=True, cache=True)(_handler_py)
 _HEADERS: list[np.ndarray] = []  # every header ever made; never freed (executables hold their address)
 
 
+@njit(parallel=True, cache=True, nogil=True)
+def _quantize_rows(w, q, s):
+    """kernels.quantize_rows for cols a multiple of 64, row by row on every thread, the same float32 operations
+    (no fastmath: the division and the rounding must be numpy's) so the bytes are the same; 20-30x faster."""
+    nb = w.shape[1] // QBLOCK
+    for r in prange(w.shape[0]):
+        for b in range(nb):
+            peak = _F0
+            for j in range(b * QBLOCK, (b + 1) * QBLOCK):
+                peak = max(peak, abs(w[r, j]))
+            scale = peak / np.float32(127.0) if peak > _F0 else _ONE
+            s[r, b] = scale
+            for j in range(b * QBLOCK, (b + 1) * QBLOCK):
+                q[r, j] = np.int8(min(max(np.rint(w[r, j] / scale), np.float32(-127.0)), np.float32(127.0)))
+
+
 def quantize(w) -> tuple[np.ndarray, np.ndarray]:
-    """float32 [rows, cols] -> (int8 rows, float32 scale per block of 64): kernels.quantize_rows, C-contiguous."""
-    q, s = kernels.quantize_rows(np.ascontiguousarray(w, np.float32))
-    return np.ascontiguousarray(q), np.ascontiguousarray(s)
+    """float32 [rows, cols] -> (int8 rows, float32 scale per block of 64): kernels.quantize_rows' bytes,
+    C-contiguous."""
+    w = np.ascontiguousarray(w, np.float32)
+    if w.ndim != 2 or w.shape[1] % QBLOCK:
+        q, s = kernels.quantize_rows(w)
+        return np.ascontiguousarray(q), np.ascontiguousarray(s)
+    q = np.empty(w.shape, np.int8)
+    s = np.empty((w.shape[0], w.shape[1] // QBLOCK), np.float32)
+    _quantize_rows(w, q, s)
+    return q, s
 
 
-def _dequantize(stored: tuple, cols: int) -> np.ndarray:
-    """What a stored matrix stands for: (int8, scales) or (Q4_1 blocks,)."""
-    return kernels.dequantize_rows(*stored) if len(stored) == 2 else q4.dequantize(stored[0], cols)
+Q8_0_BLOCK_BYTES = 34  # GGUF Q8_0: float16 d, then 32 int8; element = d * q
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _int8_from_q8_0(qs, d, q, s):
+    """quantize's output for the float32 values of Q8_0 blocks (qs int8 [rows, blocks, 32], d float32 [rows,
+    blocks]), computed 64 values at a time without the float32 matrix."""
+    vals = np.empty((qs.shape[0], QBLOCK), np.float32)
+    for r in prange(qs.shape[0]):
+        v = vals[r]
+        for b in range(qs.shape[1] // 2):
+            peak = _F0
+            for h in range(2):
+                for j in range(32):
+                    x = np.float32(qs[r, 2 * b + h, j]) * d[r, 2 * b + h]
+                    v[32 * h + j] = x
+                    peak = max(peak, abs(x))
+            scale = peak / np.float32(127.0) if peak > _F0 else _ONE
+            s[r, b] = scale
+            for j in range(QBLOCK):
+                q[r, b * QBLOCK + j] = np.int8(min(max(np.rint(v[j] / scale), np.float32(-127.0)), np.float32(127.0)))
+
+
+def int8_from_q8_0(blocks, cols: int) -> Int8Tensor:
+    """A GGUF Q8_0 matrix (uint8 [rows, cols / 32 * 34]) as the host decode's int8 head: the bytes quantize gives
+    for its float32 values (the int8 GEMV takes a float32 scale per 64; issue 16 may read Q8_0 as stored)."""
+    if cols % QBLOCK:
+        raise ValueError(f"int8 rows need a multiple of {QBLOCK} columns, got {cols}")
+    rows = blocks.shape[0]
+    b = np.asarray(blocks).reshape(rows, cols // 32, Q8_0_BLOCK_BYTES)
+    d = np.ascontiguousarray(b[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    q = np.empty((rows, cols), np.int8)
+    s = np.empty((rows, cols // QBLOCK), np.float32)
+    _int8_from_q8_0(b[..., 2:].view(np.int8), d, q, s)
+    return Int8Tensor(q, s)
+
+
+def check_supported(config, weights: dict, fmt: str) -> None:
+    """Raises ValueError (one line) unless the host decode can run this model in this format."""
+    c = config
+    if fmt not in FORMATS:
+        raise ValueError(f"host decode weights must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if not (c.uses_rope and c.gated):
+        raise ValueError(f"host decode supports Llama-family models, not {c.arch!r}")
+    biases = [k for k in weights if k.rsplit(".", 1)[-1] in ("bq", "bk", "bv", "bo", "b_up", "b_down", "bias")]
+    if biases:
+        raise ValueError(f"host decode supports models without biases, this one has {biases[0]!r}")
+    for name, n in (("d_model", c.d_model), ("n_heads * head_dim", c.n_heads * c.head_dim), ("d_ff", c.d_ff)):
+        if n % QBLOCK:
+            raise ValueError(f"host decode needs {name} to be a multiple of {QBLOCK}, got {n}")
+    if c.head_dim % 2:
+        raise ValueError(f"host decode needs an even head_dim, got {c.head_dim}")
+
+
+def _head_name(config) -> str:
+    return "embed" if config.tie_embeddings else "lm_head"
+
+
+def _stored_float32(name: str, w) -> np.ndarray:
+    """A matrix's values in the stored orientation (a w_down_t as [d, F])."""
+    if is_quantized(w):
+        return w.float32()
+    w = np.asarray(w, np.float32)
+    return w.T if name.endswith("w_down_t") else w
+
+
+def quantize_weights(config, weights: dict, fmt: str, *, check: bool = True) -> dict:
+    """The weights as the host decode stores them (cpu_offload.qtensor forms), one matrix at a time: every layer
+    matrix in fmt ("q4_1": a Q4Tensor is kept as it is, the file's bytes; "int8": Int8Tensor), a w_down_t
+    untransposed [d, F]; the output head Int8Tensor in both formats; everything else as given. weights may hold
+    canonical float32 arrays (pjinfer.model's names) or quantized matrices. check=False skips this decoder's
+    shape rules (for another decoder of the same weights that has checked its own)."""
+    if check:
+        check_supported(config, weights, fmt)
+    out = dict(weights)
+    names = [f"layers.{l}.{m}" for l in range(config.n_layers) for m in MATRICES]
+    for name in names:
+        w = weights[name]
+        if fmt == "q4_1" and not isinstance(w, Q4Tensor):
+            values = _stored_float32(name, w)
+            out[name] = Q4Tensor(q4.quantize(values), values.shape[1])
+        elif fmt == "int8" and not isinstance(w, Int8Tensor):
+            out[name] = Int8Tensor(*quantize(_stored_float32(name, w)))
+    head = _head_name(config)
+    if not isinstance(weights[head], Int8Tensor):
+        out[head] = Int8Tensor(*quantize(_stored_float32(head, weights[head])))
+    return out
 
 
 class HostDecoder:
     """A Llama-family model's decode step on the host with quantized weights (see the module docstring).
 
-    config: pjinfer.model's ModelConfig. weights: the canonical float32 weights (dict of arrays).
+    config: pjinfer.model's ModelConfig. weights: canonical float32 weights, or what quantize_weights returns
+    (the matrices then read in place: numpy arrays, or jax CPU arrays through zero-copy views, kept alive here).
     fmt: how the layers' matrices are stored: "int8" (a float32 scale per 64) or "q4_1" (the GGUF's 4-bit
     blocks, cpu_offload/q4.py). The output head is int8 in both: the GGUF keeps it at 8 bits too (Q8_0)."""
 
     def __init__(self, config, weights: dict, fmt: str = "int8"):
         c = config
-        if fmt not in FORMATS:
-            raise ValueError(f"host decode weights must be one of {', '.join(FORMATS)}, got {fmt!r}")
-        if not (c.uses_rope and c.gated):
-            raise ValueError(f"host decode supports Llama-family models, not {c.arch!r}")
-        biases = [k for k in weights if k.rsplit(".", 1)[-1] in ("bq", "bk", "bv", "bo", "b_up", "b_down", "bias")]
-        if biases:
-            raise ValueError(f"host decode supports models without biases, this one has {biases[0]!r}")
-        for name, n in (("d_model", c.d_model), ("n_heads * head_dim", c.n_heads * c.head_dim), ("d_ff", c.d_ff)):
-            if n % QBLOCK:
-                raise ValueError(f"host decode needs {name} to be a multiple of {QBLOCK}, got {n}")
-        if c.head_dim % 2:
-            raise ValueError(f"host decode needs an even head_dim, got {c.head_dim}")
+        weights = quantize_weights(config, weights, fmt)
         self.config = c
         self.format = fmt
         self.team = team.shared()
         self._keep = []  # every array the header points at
         table = np.zeros((c.n_layers, L_WIDTH), np.int64)
-        self._quantized = {}  # (layer, slot) -> (int8, scales) or (Q4_1 blocks,), one row per output
+        self._quantized = {}  # (layer, slot) -> Q4Tensor or Int8Tensor, one row per output
         for l in range(c.n_layers):
             p = f"layers.{l}"
-            mats = {
-                L_QKV: np.concatenate([weights[f"{p}.wq"], weights[f"{p}.wk"], weights[f"{p}.wv"]]),
-                L_O: weights[f"{p}.wo"],
-                L_GATE: weights[f"{p}.w_gate"],
-                L_UP: weights[f"{p}.w_up"],
-                L_DOWN: np.asarray(weights[f"{p}.w_down_t"]).T,
-            }
-            for slot, w in mats.items():
-                stored = quantize(w) if fmt == "int8" else (q4.quantize(w),)
-                table[l, slot:slot + len(stored)] = [self._hold(a) for a in stored]
-                self._quantized[(l, slot)] = stored
+            for m, slot in MATRICES.items():
+                w = weights[f"{p}.{m}"]
+                stored = (w.data,) if isinstance(w, Q4Tensor) else (w.q, w.scales)
+                table[l, slot:slot + len(stored)] = [self._hold(np.asarray(a)) for a in stored]
+                self._quantized[(l, slot)] = w
             table[l, L_ATTN_NORM] = self._hold(np.asarray(weights[f"{p}.attn_norm.scale"], np.float32))
             table[l, L_FFN_NORM] = self._hold(np.asarray(weights[f"{p}.ffn_norm.scale"], np.float32))
-        head_name = "embed" if c.tie_embeddings else "lm_head"
-        head_q, head_s = quantize(weights[head_name])
-        self._head_name, self._head = head_name, (head_q, head_s)
+        self._head_name = _head_name(c)
+        self._head = weights[self._head_name]
+        head_q, head_s = np.asarray(self._head.q), np.asarray(self._head.scales)
         inv_freq = (1.0 / (np.float32(c.rope_theta) ** (np.arange(0, c.head_dim, 2, dtype=np.float32)
                                                         / np.float32(c.head_dim)))).astype(np.float32)
         nqkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
@@ -555,31 +655,26 @@ class HostDecoder:
         ffi.register(TARGET_NAME, _handler)
 
     def _hold(self, a: np.ndarray) -> int:
-        a = np.require(a, requirements=["C_CONTIGUOUS", "ALIGNED"])
-        self._keep.append(a)
-        return int(a.ctypes.data)
+        b = np.require(a, requirements=["C_CONTIGUOUS", "ALIGNED"])
+        if b is not a and a.nbytes > 1 << 20:
+            raise ValueError("host decode: a stored matrix is not C-contiguous; it would be copied")
+        self._keep.append(b)
+        return int(b.ctypes.data)
 
     @property
     def nbytes(self) -> int:
         """Bytes of weights a decode step reads: every stored matrix with its scales (norms are noise)."""
-        return int(sum(a.nbytes for stored in [*self._quantized.values(), self._head] for a in stored))
+        return int(sum(w.nbytes for w in [*self._quantized.values(), self._head]))
 
     def dequantized(self, weights: dict) -> dict:
-        """The canonical float32 weights with every quantized matrix replaced by what its stored copy stands for."""
+        """The canonical float32 weights with every quantized matrix replaced by what its stored copy stands for
+        (a numpy reference for tests: it materializes the whole model in float32)."""
         out = dict(weights)
-        c = self.config
-        attn = c.n_heads * c.head_dim
-        deq = lambda l, slot, cols: _dequantize(self._quantized[(l, slot)], cols)
-        for l in range(c.n_layers):
-            p = f"layers.{l}"
-            qkv = deq(l, L_QKV, c.d_model)
-            kv_rows = c.n_kv_heads * c.head_dim
-            out[f"{p}.wq"], out[f"{p}.wk"], out[f"{p}.wv"] = np.split(qkv, [attn, attn + kv_rows])
-            out[f"{p}.wo"] = deq(l, L_O, attn)
-            out[f"{p}.w_gate"] = deq(l, L_GATE, c.d_model)
-            out[f"{p}.w_up"] = deq(l, L_UP, c.d_model)
-            out[f"{p}.w_down_t"] = np.ascontiguousarray(deq(l, L_DOWN, c.d_ff).T)
-        out[self._head_name] = _dequantize(self._head, c.d_model)
+        for l in range(self.config.n_layers):
+            for m, slot in MATRICES.items():
+                w = self._quantized[(l, slot)].float32()
+                out[f"layers.{l}.{m}"] = np.ascontiguousarray(w.T) if m == "w_down_t" else w
+        out[self._head_name] = self._head.float32()
         return out
 
     # ------------------------------------------------------------ calls from inside jit

@@ -32,6 +32,7 @@ from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import ffi, kernels  # noqa: E402
+from .qtensor import dequantize_q4_1  # noqa: E402
 from .kernels import _prefetch  # noqa: E402
 
 ffi.purge_stale_cache("q4", kernels)  # _prefetch is compiled into this module's cached functions
@@ -75,13 +76,8 @@ def quantize(w) -> np.ndarray:
 
 
 def dequantize(blocks: np.ndarray, cols: int) -> np.ndarray:
-    """uint8 [rows, cols / 32 * 20] -> float32 [rows, cols]."""
-    rows = blocks.shape[0]
-    b = np.ascontiguousarray(blocks).reshape(rows, cols // BLOCK, BLOCK_BYTES)
-    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16).astype(np.float32)
-    m = np.ascontiguousarray(b[..., 2:4]).view(np.float16).astype(np.float32)
-    q = np.concatenate([b[..., 4:] & 15, b[..., 4:] >> 4], -1).astype(np.float32)
-    return (q * d + m).reshape(rows, cols)
+    """uint8 [rows, cols / 32 * 20] -> float32 [rows, cols] (``qtensor.dequantize_q4_1``)."""
+    return dequantize_q4_1(blocks, cols)
 
 
 @njit(**_JIT)

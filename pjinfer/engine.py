@@ -12,7 +12,8 @@ from flax import nnx
 from pjinfer import generate as gen
 from pjinfer import loader
 from pjinfer.config import WEIGHT_FORMATS, ConfigError, ModelConfig
-from pjinfer.model import Transformer
+from cpu_offload.qtensor import is_quantized
+from pjinfer.model import Float32View, Transformer, float32_weights
 from pjinfer.sampling import Sampling, recent_window
 from pjinfer.tokenizer import Tokenizer
 
@@ -27,11 +28,17 @@ def check_bundle_weights(weights: str, bundle) -> None:
 class Engine:
     def __init__(self, config: ModelConfig, weights: dict, tokenizer: Tokenizer, *, source: str = "",
                  weights_format: str = "float32", thresholds=None):
-        """weights_format "int8" (every matrix quantized with a scale per block of 64) or "q4_1" (the layers in
-        the GGUF's 4-bit blocks, the head int8): one-token decode steps run on the host through
-        cpu_offload.host_decode, prefill and scoring through XLA on the same (dequantized) values.
+        """weights: canonical weights (pjinfer.model), float32 arrays or quantized matrices (cpu_offload.qtensor).
+        weights_format "float32": every matrix float32 in XLA (quantized ones dequantized here, one at a time).
+        "int8" (every matrix quantized with a scale per block of 64) or "q4_1" (the layers in the GGUF's 4-bit
+        blocks, a Q4Tensor of the file kept as it is; the head int8): the model holds only the quantized
+        arrays, once. They are handed to XLA with jax.device_put, which on the CPU aliases a 64-byte-aligned
+        numpy array (a GGUF memory map's tensors) instead of copying it, and the host decode reads the same bytes.
+        One-token decode steps run on the host through cpu_offload.host_decode; prefill and scoring through XLA,
+        which dequantizes each matrix where it is used (a float32 transient), so every path computes one model.
         thresholds ([n_layers, 4], pjinfer.teal): input sparsity in every path; with "q4_1" decode runs
-        cpu_offload.sparse_decode (blocks along the output dimension, only active inputs read)."""
+        cpu_offload.sparse_decode (the same Q4_1 numbers laid out by input column, only active inputs read; a
+        second copy of the layers)."""
         if weights_format not in WEIGHT_FORMATS:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights_format!r}")
         self.config = config
@@ -43,15 +50,22 @@ class Engine:
         if thresholds is not None and weights_format == "int8":
             raise ConfigError("input-sparsity thresholds run with --weights q4_1 or float32, not int8")
         if weights_format != "float32":
-            from cpu_offload.host_decode import HostDecoder
+            from cpu_offload.host_decode import HostDecoder, quantize_weights
             from cpu_offload.sparse_decode import SparseHostDecoder
 
             try:
-                host = (HostDecoder(config, weights, weights_format) if thresholds is None
-                        else SparseHostDecoder(config, weights, thresholds))
+                if thresholds is not None:   # checks the model and lays the layers out by input column
+                    host = SparseHostDecoder(config, Float32View(weights), thresholds)
+                stored = quantize_weights(config, weights, weights_format, check=thresholds is None)
+                weights = None  # the caller's float32 copies (if any) are not kept alive by this frame
+                stored = {k: v.map(jax.device_put) if is_quantized(v) else v for k, v in stored.items()}
+                if thresholds is None:
+                    host = HostDecoder(config, stored, weights_format)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-            weights = host.dequantized(weights)
+            weights = stored
+        elif any(is_quantized(w) for w in weights.values()):
+            weights = float32_weights(weights)
         model = Transformer(config, weights)
         model.host = host
         if thresholds is not None:
@@ -68,7 +82,7 @@ class Engine:
         if weights not in WEIGHT_FORMATS:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
         check_bundle_weights(weights, bundle)
-        config, tensors, tokenizer = loader.load(path, progress=progress)
+        config, tensors, tokenizer = loader.load(path, progress=progress, keep_q4_1=weights == "q4_1")
         source = str(path or loader.default_model_path())
         thresholds = None
         if weights == "q4_1" and bundle is not None:

@@ -1,7 +1,8 @@
-"""Checkpoints -> (ModelConfig, canonical float32 weights, Tokenizer).
+"""Checkpoints -> (ModelConfig, canonical weights, Tokenizer).
 
 Two formats: a GGUF file (the default model) and a Hugging Face directory (config.json +
-*.safetensors + tokenizer.json). Both end in the canonical weight names of pjinfer/model.py.
+*.safetensors + tokenizer.json). Both end in the canonical weight names of pjinfer/model.py: float32
+arrays, or for a GGUF read with keep_q4_1 its Q4_1 matrices as the file's blocks (see load).
 """
 from __future__ import annotations
 
@@ -42,34 +43,46 @@ def model_identity(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def load(path: str | os.PathLike | None = None, *, progress=None):
-    """Load a GGUF file or HF directory. Returns (config, weights, tokenizer)."""
+def load(path: str | os.PathLike | None = None, *, progress=None, keep_q4_1: bool = False):
+    """Load a GGUF file or HF directory. Returns (config, weights, tokenizer).
+
+    Weights are float32 numpy arrays, except with keep_q4_1 (GGUF only): every Q4_1 matrix then stays the file's
+    blocks as a cpu_offload.qtensor.Q4Tensor, a view of the file's memory map (wq / wk re-laid once by rows,
+    w_down_t held untransposed: see pjinfer/model.py). The loader never makes a float32 copy of those."""
     path = default_model_path() if path is None else Path(path)
     if not path.exists():
         raise ConfigError(f"model not found: {path}")
     if path.is_dir():
         return load_hf(path, progress=progress)
-    return load_gguf(path, progress=progress)
+    return load_gguf(path, progress=progress, keep_q4_1=keep_q4_1)
 
 
 # ---------------------------------------------------------------- GGUF
+GGML_Q4_1, GGML_Q8_0 = 3, 8
+
+
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     # llama.cpp's converter interleaves each head's rotary pairs; undo it to get the rotate-half layout.
+    # A reorder of whole rows, so it applies as well to a matrix held as rows of quantized blocks.
     rows, cols = w.shape
-    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+    return np.ascontiguousarray(w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols))
 
 
-def load_gguf(path: Path, *, progress=None):
+def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False):
+    import sys
+
     import gguf
 
+    from cpu_offload.qtensor import Q4Tensor
+    from pjinfer.gguf_file import GGUFError, GGUFFile
+
     try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the gguf package raises assorted errors on truncated or foreign files
+        reader = GGUFFile(path)
+    except (GGUFError, ValueError, OSError) as e:
         raise ConfigError(f"cannot read GGUF file {path}: it is truncated or not a GGUF model ({e})") from None
 
     def field(key, default=None):
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
+        return reader.fields.get(key, default)
 
     arch = field("general.architecture")
     if arch != "llama":
@@ -103,6 +116,7 @@ def load_gguf(path: Path, *, progress=None):
                  "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv", "attn_output.weight": "wo",
                  "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down_t"}
     weights = {}
+    dequantized = set()  # types of layer matrices made float32 although Q4_1 blocks were asked for
     if progress:
         progress(0, len(reader.tensors))
     for n, t in enumerate(reader.tensors):
@@ -115,19 +129,36 @@ def load_gguf(path: Path, *, progress=None):
             name = names[t.name]
         else:
             continue  # e.g. rope_freqs: not used by this architecture
-        try:
-            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        except Exception as e:
-            raise ConfigError(f"cannot decode tensor {t.name} in {path.name}: {e}") from None
-        if name.endswith(".wq"):
-            w = _unpermute_rope(w, config.n_heads)
-        elif name.endswith(".wk"):
-            w = _unpermute_rope(w, config.n_kv_heads)
-        elif name.endswith(".w_down_t"):
-            w = np.ascontiguousarray(w.T)
-        weights[name] = w
+        blocks = keep_q4_1 and t.type == GGML_Q4_1 and len(t.shape) == 2
+        if keep_q4_1 and t.type == GGML_Q8_0 and name == ("embed" if config.tie_embeddings else "lm_head"):
+            # The output head: int8 on the host decode path, converted block by block without a float32 copy.
+            from cpu_offload.host_decode import int8_from_q8_0
+
+            weights[name] = int8_from_q8_0(t.data, t.shape[1])
+        elif blocks:  # uint8 [rows, row bytes]; w_down_t stays [d, d_ff], the file's layout
+            w = t.data
+            if name.endswith(".wq") or name.endswith(".wk"):
+                w = _unpermute_rope(w, config.n_heads if name.endswith(".wq") else config.n_kv_heads)
+            weights[name] = Q4Tensor(w, t.shape[1])
+        else:
+            try:
+                w = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.type)).astype(np.float32)
+            except Exception as e:
+                raise ConfigError(f"cannot decode tensor {t.name} in {path.name}: {e}") from None
+            if keep_q4_1 and t.name.startswith("blk.") and w.ndim == 2:
+                dequantized.add(gguf.GGMLQuantizationType(t.type).name)
+            if name.endswith(".w_down_t"):
+                w = np.ascontiguousarray(w.T)
+            elif name.endswith(".wq"):
+                w = _unpermute_rope(w, config.n_heads)
+            elif name.endswith(".wk"):
+                w = _unpermute_rope(w, config.n_kv_heads)
+            weights[name] = w
         if progress:
             progress(n + 1, len(reader.tensors))
+    if dequantized:
+        print(f"pjinfer: layer matrices of type {', '.join(sorted(dequantized))} are dequantized at load and "
+              f"re-quantized to Q4_1 (the host decode reads Q4_1 blocks only)", file=sys.stderr)
     tokenizer = Tokenizer.from_gguf_fields(
         tokens=tokens, merges=field("tokenizer.ggml.merges"), token_types=field("tokenizer.ggml.token_type"),
         model=field("tokenizer.ggml.model"), pre=field("tokenizer.ggml.pre"),

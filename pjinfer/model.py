@@ -9,23 +9,151 @@ Canonical weights (what every loader produces; float32 numpy, torch's [out, in] 
     layers.{i}.w_gate [F, d] (gated only) w_up [F, d]  w_down_t [F, d]      (down stored transposed:
     layers.{i}.b_up [F]  b_down [d]                                         (OPT only)   one row per neuron)
     final_norm.scale [d]  final_norm.bias [d] (OPT only)  lm_head [vocab, d] (untied only)
+
+A matrix may instead be quantized (cpu_offload.qtensor: Q4Tensor, the GGUF's Q4_1 blocks, or Int8Tensor): the
+model then holds its blocks, not float32 (a ``QMatrix``), and dequantizes it inside the jitted function where it
+is used, a float32 transient. A quantized w_down_t holds the down projection untransposed, [d, F] (the file's
+layout: blocks run along a row's inputs); ``QMatrix[...]`` still gives the canonical [F, d].
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Mapping
+import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from cpu_offload.qtensor import INT8_BLOCK, Q4_BLOCK, Q4_BLOCK_BYTES, Int8Tensor, Q4Tensor, is_quantized
 from pjinfer.config import ConfigError, ModelConfig
 
 
-def _param(weights: dict, name: str) -> nnx.Param:
+def _param(weights: dict, name: str):
+    """An nnx.Param of float32 values, or a QMatrix for a quantized matrix."""
     if name not in weights:
         raise ConfigError(f"checkpoint is missing weight {name!r}")
-    return nnx.Param(jnp.asarray(weights[name], dtype=jnp.float32))
+    w = weights[name]
+    if is_quantized(w):
+        return QMatrix(w, transposed=name.endswith("w_down_t"))
+    return nnx.Param(jnp.asarray(w, dtype=jnp.float32))
+
+
+def float32_weight(name: str, w) -> np.ndarray:
+    """The canonical float32 value of weights[name], whether it is stored float32 or quantized."""
+    if not is_quantized(w):
+        return np.asarray(w, np.float32)
+    return np.ascontiguousarray(w.float32().T) if name.endswith("w_down_t") else w.float32()
+
+
+class Float32View(Mapping):
+    """weights[name] as canonical float32, dequantized when read: one matrix at a time, nothing kept."""
+
+    def __init__(self, weights: dict):
+        self.weights = weights
+
+    def __getitem__(self, name):
+        return float32_weight(name, self.weights[name])
+
+    def __iter__(self):
+        return iter(self.weights)
+
+    def __len__(self):
+        return len(self.weights)
+
+
+def float32_weights(weights: dict) -> dict:
+    """Every weight as canonical float32 (what `--weights float32` runs), one matrix at a time."""
+    return {name: float32_weight(name, w) for name, w in weights.items()}
+
+
+def dequantize_q4_1(blocks):
+    """jnp: uint8 [rows, cols / 32 * 20] Q4_1 blocks -> float32 [rows, cols] (cpu_offload.qtensor's numpy
+    reference, the same float32 operations)."""
+    rows, nbytes = blocks.shape
+    b = blocks.reshape(rows, nbytes // Q4_BLOCK_BYTES, Q4_BLOCK_BYTES)
+    d = jax.lax.bitcast_convert_type(b[..., 0:2], jnp.float16).astype(jnp.float32)
+    m = jax.lax.bitcast_convert_type(b[..., 2:4], jnp.float16).astype(jnp.float32)
+    q = jnp.concatenate([b[..., 4:] & 15, b[..., 4:] >> 4], -1).astype(jnp.float32)
+    return (q * d[..., None] + m[..., None]).reshape(rows, nbytes // Q4_BLOCK_BYTES * Q4_BLOCK)
+
+
+def dequantize_int8(q, scales):
+    """jnp: int8 [rows, cols] with float32 scales [rows, cols / 64] -> float32 [rows, cols]."""
+    return q.astype(jnp.float32) * jnp.repeat(scales, INT8_BLOCK, axis=-1)[..., :q.shape[-1]]
+
+
+class QMatrix(nnx.Module):
+    """A quantized [out, in] matrix inside the model: its blocks as jax arrays (uint8 Q4_1 blocks, or int8 with
+    float32 scales), dequantized where used. ``[...]`` gives the float32 matrix (transposed back when
+    `transposed`: a w_down_t held as [d, F]); ``rows(ids)`` dequantizes only the gathered rows (embedding)."""
+
+    def __init__(self, w, *, transposed: bool = False):
+        if isinstance(w, Q4Tensor):
+            self.data, self.scales = nnx.Param(jnp.asarray(w.data)), None
+        elif isinstance(w, Int8Tensor):
+            self.data, self.scales = nnx.Param(jnp.asarray(w.q)), nnx.Param(jnp.asarray(w.scales))
+        else:
+            raise TypeError(f"not a quantized matrix: {type(w).__name__}")
+        self.stored_shape = w.shape
+        self.transposed = transposed
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, cols = self.stored_shape
+        return (cols, rows) if self.transposed else (rows, cols)
+
+    def _values(self, data, scales):
+        return dequantize_q4_1(data) if scales is None else dequantize_int8(data, scales)
+
+    def __getitem__(self, key):
+        if key is not Ellipsis:
+            raise IndexError("a QMatrix is read whole ([...]) or by rows (rows(ids))")
+        data, zero = self.data[...], getattr(_ORDER, "zero", None)
+        if zero is not None:
+            data = data | zero.astype(data.dtype)
+        w = self._values(data, None if self.scales is None else self.scales[...])
+        return w.T if self.transposed else w
+
+    def rows(self, ids):
+        """float32 rows ids [...] -> [..., cols] of the (untransposed) matrix."""
+        flat = ids.reshape(-1)
+        w = self._values(self.data[...][flat], None if self.scales is None else self.scales[...][flat])
+        return w.reshape(*ids.shape, w.shape[-1])
+
+
+_ORDER = threading.local()  # .zero: the current layer's ordering term (see _dequantized_after), or None
+
+
+@contextlib.contextmanager
+def _dequantized_after(x):
+    """Within it, every QMatrix read depends on x, so that XLA dequantizes a layer's matrices only when the layer
+    runs. Without it XLA's CPU scheduler dequantized every layer up front: 425 MB of float32 temporaries for the
+    default model's prefill (14 MB with it). An optimization barrier did not help (the CPU compiler drops it); a
+    data dependence does: the stored bytes are OR-ed with (s != s) for one element s of x, which is 0 unless x
+    already holds a NaN and which XLA cannot fold away before x exists. It fuses into the dequantizing."""
+    s = x.reshape(-1)[0]
+    previous, _ORDER.zero = getattr(_ORDER, "zero", None), s != s
+    try:
+        yield
+    finally:
+        _ORDER.zero = previous
+
+
+def _order_after(y):
+    """Inside _dequantized_after: the next QMatrix read also waits for y (a matrix product's output), so that
+    within a layer one matrix at a time is dequantized, not all of them (0.5B model, 512-token prefill: the
+    XLA temporaries went from 190 to 115 MB, most of the rest the attention scores)."""
+    if getattr(_ORDER, "zero", None) is not None:
+        s = y.reshape(-1)[0]
+        _ORDER.zero = s != s
+
+
+def _rows(w, ids):
+    """Rows ids of an embedding table (float32 Param or QMatrix) as float32."""
+    return w.rows(ids) if isinstance(w, QMatrix) else w[...][ids]
 
 
 def _optional(weights: dict, name: str) -> nnx.Param | None:
@@ -35,7 +163,9 @@ def _optional(weights: dict, name: str) -> nnx.Param | None:
 def linear(x, w, b=None):
     # w is [out, in]: a row per output feature, so a GEMV streams contiguous rows.
     y = jnp.einsum("...i,oi->...o", x, w)
-    return y if b is None else y + b
+    y = y if b is None else y + b
+    _order_after(y)
+    return y
 
 
 class Threshold(nnx.Variable):
@@ -209,12 +339,13 @@ class Transformer(nnx.Module):
         With capture=True also returns every layer's FFN input [B, T, d] (for the profiler)."""
         if self.host is not None and tokens.shape == (1, 1) and not capture:
             return self._host_step(tokens, start, cache)
-        x = self.embed[...][tokens]
+        x = _rows(self.embed, tokens)
         if self.pos_embed is not None:
             x = x + jax.lax.dynamic_slice_in_dim(self.pos_embed[...], start, tokens.shape[1])[None]
         ks, vs, ffn_inputs = [], [], []
         for layer, k, v in zip(self.layers, cache.k, cache.v):
-            x, ffn_in, k, v = layer(x, start, k, v)
+            with _dequantized_after(x):
+                x, ffn_in, k, v = layer(x, start, k, v)
             ks.append(k)
             vs.append(v)
             ffn_inputs.append(ffn_in)
@@ -222,8 +353,8 @@ class Transformer(nnx.Module):
         return (*out, ffn_inputs) if capture else out
 
     def _host_step(self, token, start, cache: KVCache):
-        """One token through the host's int8 layers (the same model: XLA holds their dequantized values)."""
-        x = self.embed[...][token]
+        """One token through the host's quantized layers (the same model: XLA reads the same stored blocks)."""
+        x = _rows(self.embed, token)
         ks, vs = [], []
         for l, (k, v) in enumerate(zip(cache.k, cache.v)):
             x, k, v = self.host.layer(l, x, start, k, v)
@@ -245,4 +376,8 @@ class Transformer(nnx.Module):
 
 
 def param_count(model: Transformer) -> int:
-    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
+    """Weights the model stands for (a quantized matrix counts its rows x cols, not its bytes or scales)."""
+    quantized = [m for _, m in nnx.iter_graph(model) if isinstance(m, QMatrix)]
+    stored = sum(int(np.prod(p.shape)) for m in quantized for p in (m.data, m.scales) if p is not None)
+    total = sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    return int(total - stored + sum(int(np.prod(m.shape)) for m in quantized))

@@ -25,7 +25,8 @@ def permute_like_llama_cpp(w, n_heads):
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, config, weights, *, arch="llama", quantize=False):
+def write_tiny_gguf(path, config, weights, *, arch="llama", quantize=False, layer_type=None):
+    """quantize: every matrix Q8_0; layer_type (a gguf.GGMLQuantizationType): the layers' matrices in it instead."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokens = specials + byte_level_vocab() + ["Ġt", "he", "Ġthe"]
     merges = ["Ġ t", "h e", "Ġt he"]
@@ -69,9 +70,10 @@ def write_tiny_gguf(path, config, weights, *, arch="llama", quantize=False):
             value = permute_like_llama_cpp(value, config.n_kv_heads)
         elif rest_is(name, "w_down_t"):
             value = np.ascontiguousarray(value.T)
-        if quantize and value.ndim == 2:
-            q = gguf.quants.quantize(value, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        if (quantize or layer_type) and value.ndim == 2:
+            kind = layer_type if layer_type and name.startswith("layers.") else gguf.GGMLQuantizationType.Q8_0
+            q = gguf.quants.quantize(value, kind)
+            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=kind)
         else:
             w.add_tensor(gname, value)
     w.write_header_to_file()

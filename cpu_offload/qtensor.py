@@ -1,0 +1,93 @@
+"""Matrices held in a quantized block form, and the float32 values they stand for (numpy only, no Numba).
+
+Two forms, both for a matrix [rows, cols] in torch's [out, in] layout, one row per output:
+
+- ``Q4Tensor``: the GGUF's own Q4_1 blocks, uint8 [rows, cols / 32 * 20] (``q4.py`` describes a block). A Q4_1
+  tensor of a GGUF file becomes one with no conversion: its bytes are the file's.
+- ``Int8Tensor``: int8 [rows, cols] with a float32 scale per block of 64 inputs, [rows, cols / 64]
+  (``kernels.quantize_rows``' form; the host decode's output head, and every matrix with ``--weights int8``).
+
+Their arrays may be numpy arrays (a GGUF memory map, a fresh quantization) or jax arrays: the engine moves
+each into XLA's memory once, and the host decode reads the same bytes through zero-copy numpy views
+(``np.asarray`` of a CPU jax array does not copy). ``float32()`` materializes the values, one matrix at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+Q4_BLOCK = 32        # weights per Q4_1 block
+Q4_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of nibbles
+INT8_BLOCK = 64      # weights per int8 scale
+
+
+def q4_row_bytes(cols: int) -> int:
+    return cols // Q4_BLOCK * Q4_BLOCK_BYTES
+
+
+def dequantize_q4_1(blocks, cols: int) -> np.ndarray:
+    """uint8 [rows, cols / 32 * 20] Q4_1 blocks -> float32 [rows, cols] (element = d * q + m)."""
+    blocks = np.asarray(blocks)
+    rows = blocks.shape[0]
+    b = np.ascontiguousarray(blocks).reshape(rows, cols // Q4_BLOCK, Q4_BLOCK_BYTES)
+    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16).astype(np.float32)
+    m = np.ascontiguousarray(b[..., 2:4]).view(np.float16).astype(np.float32)
+    q = np.concatenate([b[..., 4:] & 15, b[..., 4:] >> 4], -1).astype(np.float32)
+    return (q * d + m).reshape(rows, cols)
+
+
+def dequantize_int8(q, scales) -> np.ndarray:
+    """int8 [rows, cols] and float32 [rows, ceil(cols / 64)] scales -> float32 [rows, cols]."""
+    q, scales = np.asarray(q), np.asarray(scales)
+    return (q.astype(np.float32) * np.repeat(scales, INT8_BLOCK, axis=1)[:, :q.shape[1]]).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Q4Tensor:
+    """A [rows, cols] matrix as Q4_1 blocks: data uint8 [rows, cols / 32 * 20]."""
+    data: object
+    cols: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.data.shape[0]), self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def float32(self) -> np.ndarray:
+        return dequantize_q4_1(self.data, self.cols)
+
+    def map(self, f) -> "Q4Tensor":
+        """The same matrix with f applied to its array (e.g. moved into XLA's memory)."""
+        return Q4Tensor(f(self.data), self.cols)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Tensor:
+    """A [rows, cols] matrix as int8 with a float32 scale per 64 inputs: q int8 [rows, cols], scales [rows, cols / 64]."""
+    q: object
+    scales: object
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(int(n) for n in self.q.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.q.nbytes + self.scales.nbytes)
+
+    def float32(self) -> np.ndarray:
+        return dequantize_int8(self.q, self.scales)
+
+    def map(self, f) -> "Int8Tensor":
+        return Int8Tensor(f(self.q), f(self.scales))
+
+
+QUANTIZED = (Q4Tensor, Int8Tensor)
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, QUANTIZED)
