@@ -8,7 +8,7 @@ import json
 import sys
 import time
 
-from pjinfer.config import WEIGHT_FORMATS, ConfigError
+from pjinfer.config import WEIGHT_CHOICES, ConfigError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,12 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="cold rows in host memory as float32, or int8 with a scale per block of 64 (17/64 the bytes)")
 
     def weight_options(p, many=False):
-        p.add_argument("--weights", default="float32", type=_weight_list if many else None,
-                       choices=None if many else WEIGHT_FORMATS,
+        p.add_argument("--weights", default="auto", type=_weight_list if many else None,
+                       choices=None if many else WEIGHT_CHOICES,
                        help=("comma-separated dense engines to run side by side, e.g. float32,q4_1; " if many else "")
-                       + "int8 (a scale per block of 64) or q4_1 (the GGUF's 4-bit blocks, head int8): one-token "
-                       "steps on the host's Numba kernels (cpu_offload.host_decode), prefill through XLA on the "
-                       "same values")
+                       + "auto (default): the file's own quantization where the host decode runs it (q4_1 for the "
+                       "default model), float32 otherwise; float32: every matrix in XLA (the exact reference); int8 "
+                       "(a scale per block of 64) or q4_1 (the GGUF's 4-bit blocks, head int8): one-token steps on "
+                       "the host's Numba kernels (cpu_offload.host_decode), prefill through XLA on the same values")
 
     def sampling_options(p):
         p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
@@ -160,9 +161,9 @@ def _say(*parts):
 
 def _weight_list(text: str) -> list[str]:
     formats = [f.strip() for f in text.split(",") if f.strip()]
-    bad = [f for f in formats if f not in WEIGHT_FORMATS]
+    bad = [f for f in formats if f not in WEIGHT_CHOICES]
     if not formats or bad or len(set(formats)) != len(formats):
-        raise argparse.ArgumentTypeError(f"expected distinct {' / '.join(WEIGHT_FORMATS)}, comma-separated, "
+        raise argparse.ArgumentTypeError(f"expected distinct {' / '.join(WEIGHT_CHOICES)}, comma-separated, "
                                          f"got {text!r}")
     return formats
 
@@ -358,9 +359,19 @@ def cmd_bench(args):
         check_llama_cpp(args.model or default_model_path())
     if args.bundle:
         _check_bundle(args, args.bundle)
-    engines = {("dense" if w == "float32" else f"dense-{w}"): _load(args, weights=w) for w in args.weights}
+    from pjinfer.engine import resolve_weights
+
+    def name(weights):
+        return "dense" if weights == "float32" else f"dense-{weights}"
+
+    formats = [resolve_weights(w, args.model) for w in args.weights]
+    if len(set(formats)) != len(formats):
+        raise ConfigError(f"--weights {','.join(args.weights)} runs the same engine twice ({', '.join(formats)})")
+    sparse_weights = resolve_weights("auto", args.model, args.bundle) if args.bundle else None
+    if sparse_weights and sparse_weights not in formats:
+        formats.append(sparse_weights)   # sparse is measured against the dense engine of its own weights
+    engines = {name(w): _load(args, weights=w) for w in formats}
     if args.bundle:  # sparse against dense, measured in the same run: thresholds with q4_1, else predictors
-        sparse_weights = "q4_1" if "q4_1" in args.weights else "float32"
         engines["sparse"] = _load(args, args.bundle, weights=sparse_weights)
     result = bench.run(engines, prompt_len=args.prompt_len, new_tokens=args.new_tokens, runs=args.runs,
                        peer=args.peer, progress=Progress("bench runs", args.runs))
@@ -368,8 +379,7 @@ def cmd_bench(args):
         for name, engine in engines.items():
             result["engines"][name]["breakdown"] = bench.breakdown(engine)
     if args.bundle:
-        dense = "dense-q4_1" if sparse_weights == "q4_1" else "dense"
-        result["sparse_over_dense"] = result["engines"]["sparse"]["decode_over"][dense]
+        result["sparse_over_dense"] = result["engines"]["sparse"]["decode_over"][name(sparse_weights)]
     if args.json:
         print(json.dumps(result))
         return

@@ -9,6 +9,9 @@ ACTIVATIONS = {"llama": ("swiglu", "geglu", "reglu", "drelu"), "opt": ("relu",)}
 # How a dense engine holds its weights: float32 through XLA, or quantized with one-token steps on the host
 # (cpu_offload/host_decode.py): int8 with a scale per 64, or the GGUF's 4-bit Q4_1 blocks (head int8).
 WEIGHT_FORMATS = ("float32", "int8", "q4_1")
+# What users choose from: a format, or "auto", the checkpoint's own quantization where the host decode runs it
+# (q4_1 for a Llama GGUF whose layers are Q4_1), float32 otherwise (pjinfer.engine.resolve_weights).
+WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)
 
 
 class ConfigError(ValueError):

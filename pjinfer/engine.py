@@ -1,6 +1,7 @@
 """The object users hold: a loaded model, its tokenizer, and the jitted functions that run it."""
 from __future__ import annotations
 
+import sys
 import time
 from typing import Iterator
 
@@ -11,11 +12,27 @@ from flax import nnx
 
 from pjinfer import generate as gen
 from pjinfer import loader
-from pjinfer.config import WEIGHT_FORMATS, ConfigError, ModelConfig
+from pjinfer.config import WEIGHT_CHOICES, WEIGHT_FORMATS, ConfigError, ModelConfig
 from cpu_offload.qtensor import is_quantized
 from pjinfer.model import Float32View, Transformer, float32_weights
 from pjinfer.sampling import Sampling, recent_window
 from pjinfer.tokenizer import Tokenizer
+
+
+def resolve_weights(weights: str, path=None, bundle=None) -> str:
+    """The weights format a request for `weights` runs (config.WEIGHT_CHOICES). "auto" is the checkpoint's own
+    quantization where the host decode runs it: q4_1 for a GGUF whose layers are Q4_1 (with a bundle, only one
+    that has calibrated thresholds: a predictor bundle runs float32), float32 otherwise. Reads headers only."""
+    if weights != "auto":
+        return weights
+    if loader.stored_format(path) != "q4_1":
+        return "float32"
+    if bundle is not None:
+        from pjinfer.bundle import Bundle
+        from pjinfer.teal import STAGE
+
+        return "q4_1" if STAGE in Bundle.open(bundle).manifest["stages"] else "float32"
+    return "q4_1"
 
 
 def check_bundle_weights(weights: str, bundle) -> None:
@@ -77,12 +94,29 @@ class Engine:
 
     @classmethod
     def load(cls, path=None, *, bundle=None, hot_backend: str = "xla", cold_weights: str = "float32",
-             weights: str = "float32", progress=None) -> "Engine":
+             weights: str = "auto", progress=None, compile_cache: bool = True) -> "Engine":
+        """The model at `path` (default: the embedded SmolLM2-135M), ready to generate. weights: a format or
+        "auto" (resolve_weights). bundle: a sparse bundle to run with. compile_cache: keep compiled executables
+        on disk (runtime.enable_compilation_cache), so the next process does not compile again."""
         start = time.perf_counter()
-        if weights not in WEIGHT_FORMATS:
-            raise ConfigError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+        if compile_cache:
+            from pjinfer.runtime import enable_compilation_cache
+
+            enable_compilation_cache()
+        if weights not in WEIGHT_CHOICES:
+            raise ConfigError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {weights!r}")
+        asked, weights = weights, resolve_weights(weights, path, bundle)
         check_bundle_weights(weights, bundle)
         config, tensors, tokenizer = loader.load(path, progress=progress, keep_q4_1=weights == "q4_1")
+        if asked == "auto" and weights != "float32":
+            from cpu_offload.host_decode import check_supported
+
+            try:
+                check_supported(config, tensors, weights)
+            except ValueError as e:   # said, not silent: the slower path runs
+                print(f"pjinfer: running float32 weights: the {weights} host decode cannot run this model ({e})",
+                      file=sys.stderr)
+                weights = "float32"
         source = str(path or loader.default_model_path())
         thresholds = None
         if weights == "q4_1" and bundle is not None:

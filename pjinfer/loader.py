@@ -43,6 +43,27 @@ def model_identity(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def stored_format(path: str | os.PathLike | None = None) -> str | None:
+    """"q4_1" when `path` (default: the embedded model) is a GGUF whose layer matrices are all Q4_1 blocks, else
+    None (other block types, float files, HF directories, or a file the loader will refuse). Reads the header only."""
+    from pjinfer.gguf_file import GGUFError, GGUFFile
+
+    path = Path(path) if path else default_model_path()
+    if not path.is_file():
+        return None
+    try:
+        reader = GGUFFile(path)
+    except (GGUFError, ValueError, OSError):
+        return None
+    import gguf
+
+    kinds = {t.type for t in reader.tensors if t.name.startswith("blk.") and t.name.split(".")[2] in LAYER_MATRICES}
+    return "q4_1" if kinds == {gguf.GGMLQuantizationType.Q4_1} else None
+
+
 def load(path: str | os.PathLike | None = None, *, progress=None, keep_q4_1: bool = False):
     """Load a GGUF file or HF directory. Returns (config, weights, tokenizer).
 

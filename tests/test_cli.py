@@ -144,7 +144,8 @@ def test_eval_compare_prints_differences(capsys, tmp_path):
 
 
 def test_bench_reports_rates_bytes_and_bandwidth(capsys):
-    code, out, err = run_cli(capsys, "bench", "--prompt-len", "16", "--new-tokens", "4", "--runs", "1", "--json")
+    code, out, err = run_cli(capsys, "bench", "--prompt-len", "16", "--new-tokens", "4", "--runs", "1",
+                             "--weights", "float32", "--json")
     assert code == 0, err
     out = json.loads(out)
     dense = out["engines"]["dense"]

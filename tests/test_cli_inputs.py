@@ -90,12 +90,13 @@ def test_stop_string_cuts_the_text_and_is_not_printed(capsys):
     assert code == 0 and out == " Paris.\n"        # greedy goes on " Paris.\n\nThe answer ..."
 
 
-def test_json_from_standard_input_reports_path_and_timing(capsys, monkeypatch):
+def test_json_from_standard_input_reports_the_default_fast_path_and_timing(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"The capital of France is")))
     code, out, err = run(capsys, "generate", "--prompt-file", "-", "--max-new-tokens", "6", "--json",
                          "--repeat-penalty", "1.0", "--min-p", "0.0")
     result = json.loads(out)
     assert code == 0 and result["text"].startswith(" Paris.") and len(result["token_ids"]) == 6
-    assert result["weights"] == "float32" and result["sparse"] is False and result["stop"] is None
+    assert result["weights"] == "q4_1"      # --weights auto: the file's own Q4_1 blocks, on the host decode
+    assert result["sparse"] is False and result["stop"] is None
     assert result["prompt_tokens"] == 5 and 0 < result["prefill_s"] < result["generate_s"]
     assert result["decode_tok_s"] > 0 and result["load_s"] > 0

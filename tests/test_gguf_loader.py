@@ -131,3 +131,29 @@ def test_truncated_and_foreign_files_are_refused(tmp_path, tiny):
         loader.load(tmp_path / "text.gguf")
     with pytest.raises(ConfigError, match="model not found"):
         loader.load(tmp_path / "absent.gguf")
+
+
+def test_auto_weights_are_the_files_own_q4_1_blocks_or_float32(tmp_path):
+    """--weights auto (pjinfer.engine.resolve_weights) runs q4_1 only for a GGUF whose layers are all Q4_1."""
+    from pjinfer.engine import resolve_weights
+
+    config = tiny_config(d_model=64, n_heads=4, head_dim=16, d_ff=128)
+    weights = random_weights(config)
+    q4, q8 = tmp_path / "q4.gguf", tmp_path / "q8.gguf"
+    write_tiny_gguf(q4, config, weights, layer_type=gguf.GGMLQuantizationType.Q4_1)
+    write_tiny_gguf(q8, config, weights, quantize=True)
+    assert loader.stored_format(q4) == "q4_1" and resolve_weights("auto", q4) == "q4_1"
+    assert loader.stored_format(q8) is None and resolve_weights("auto", q8) == "float32"
+    assert resolve_weights("auto", None) == "q4_1"                         # the embedded model
+    assert resolve_weights("auto", tmp_path) == "float32"                  # a directory (HF layout)
+    assert resolve_weights("int8", q4) == "int8"
+    (tmp_path / "junk.gguf").write_bytes(b"not a model")
+    assert resolve_weights("auto", tmp_path / "junk.gguf") == "float32"    # the loader refuses it in one line
+    # With a bundle: q4_1 runs calibrated thresholds; a predictor bundle runs float32.
+    import json
+
+    for stages, want in (({"profile": {}}, "float32"), ({"thresholds": {}}, "q4_1")):
+        bundle = tmp_path / f"bundle-{want}"
+        bundle.mkdir()
+        (bundle / "manifest.json").write_text(json.dumps({"format": 1, "stages": stages, "model": {}}))
+        assert resolve_weights("auto", None, bundle) == want
