@@ -73,6 +73,8 @@ from typing import Sequence
 
 import numpy as np
 
+from pjinfer import activations
+
 from . import ffi, kernels
 from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F32, DT_PRED, DT_S32,
                   ERRC_FAILED_PRECONDITION, ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, R_BATCH_THREADS,
@@ -371,7 +373,7 @@ class ColdFFN:
     Args (one entry per layer; row j of every array is cold neuron j of that layer):
       w_up: [C_l, d] float32 arrays.   w_down_t: [C_l, d] (down projection, transposed).
       w_gate: [C_l, d] arrays, or None for activation "relu" (ungated).   b_up: [C_l] arrays or None.
-      activation: one of kernels.ACT_CODES.
+      activation: a name in pjinfer.activations.ACTIVATIONS.
       cold_ids: optional per-layer int arrays: the dense neuron id of each cold row (kept for cold_position).
       weights: "float32" keeps the rows as given; "int8" stores them as int8 with a float32 scale per block of
         64 (kernels.quantize_rows): 17/64 of the bytes to read.
@@ -384,7 +386,7 @@ class ColdFFN:
         if weights not in WEIGHT_TYPES:
             raise ValueError(f"weights must be one of {WEIGHT_TYPES}, got {weights!r}")
         code = _act_code(activation)
-        gated = kernels.GATED[activation]
+        gated = activations.get(activation).gated
         n_layers = len(w_up)
         if n_layers == 0 or len(w_down_t) != n_layers:
             raise ValueError("need one w_up and one w_down_t per layer (at least one layer)")

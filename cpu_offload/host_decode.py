@@ -47,7 +47,7 @@ from . import ffi, kernels, q4, team
 from .ffi import (BUF_DATA, BUF_DIMS, BUF_DTYPE, BUF_RANK, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F32, DT_S32, ERRC_INVALID_ARGUMENT,
                   ERRC_OUT_OF_RANGE, NOJIT, RUNTIME_ADDR, buffer_numel, cstr, find_table_attr, last_dim, load_i32,
                   load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i8, ptr_i32, ptr_u8, store_i64, unlock)
-from .kernels import QBLOCK, _act, _prefetch
+from .kernels import QBLOCK, act, prefetch
 from .qtensor import Int8Tensor, Q4Tensor, is_quantized
 
 from numba import carray, cfunc, njit, prange, types  # noqa: E402
@@ -94,7 +94,7 @@ def _gemv(w, s, x, y, lo, hi):
         if r + PREFETCH_ROWS + 4 <= hi:
             for ahead in range(r + PREFETCH_ROWS, r + PREFETCH_ROWS + 4):
                 for j in range(0, x.shape[0], 64):
-                    _prefetch(w, ahead, j)
+                    prefetch(w, ahead, j)
         a0 = _F0
         a1 = _F0
         a2 = _F0
@@ -321,7 +321,7 @@ def _stage_py(header, tid, n):
         _matvec(header, layer, L_UP, ff, h, up, lo, hi)
         code = load_i64(header + 8 * H_ACT)
         for i in range(lo, hi):
-            gate[i] = _act(gate[i], up[i], code)
+            gate[i] = act(gate[i], up[i], code)
     elif stage == ST_DOWN:
         lo, hi = _share(d, tid, n, 4)
         _matvec(header, layer, L_DOWN, d, gate, down, lo, hi)

@@ -8,9 +8,10 @@ active list ``ids[:count]`` (indices into the C rows, any order):
 
     out = sum_k act(w_gate[n_k] . x, w_up[n_k] . x + b_up[n_k]) * w_down_t[n_k]
 
-Activation codes (``ACT_CODES``): swiglu silu(g)*u, geglu gelu_tanh(g)*u, reglu relu(g)*u, drelu relu(g)*relu(u),
-relu relu(u) (no gate: ``w_gate`` may be empty, shape [0, d]). ``b_up`` is optional for every activation (pass an
-empty [0] array for none); OPT's fc1 bias is the "relu" case.
+Activations: ``act`` is pjinfer.activations' table in Numba, selected by code (swiglu silu(g)*u, geglu
+gelu_tanh(g)*u, reglu relu(g)*u, drelu relu(g)*relu(u), relu relu(u), whose ``w_gate`` may be empty, shape
+[0, d]). ``b_up`` is optional for every activation (pass an empty [0] array for none); OPT's fc1 bias is the
+"relu" case.
 
 Semantics shared by every entry point here and by the FFI bridge:
 - ``out`` is overwritten, never accumulated into (a NaN-filled ``out`` comes back clean).
@@ -34,13 +35,13 @@ from . import _threading  # noqa: F401  (sets NUMBA_THREADING_LAYER before numba
 
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
+
+from pjinfer import activations  # noqa: E402  (a bottom-level module: the activations' one home)
 from llvmlite import ir  # noqa: E402
 from numba import njit, prange, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-ACT_CODES = {"swiglu": 0, "geglu": 1, "reglu": 2, "drelu": 3, "relu": 4}
-GATED = {"swiglu": True, "geglu": True, "reglu": True, "drelu": True, "relu": False}
 
 # Below this many weight floats touched (count * d * rows), one thread does the whole job: a workqueue launch
 # costs ~30-100 us on this 2-vCPU VM (more when other processes compete for the cores), while one core streams
@@ -59,7 +60,8 @@ _JIT = dict(fastmath=True, cache=True, nogil=True)
 
 
 @njit(inline="always", **_JIT)
-def _act(g, u, code):
+def act(g, u, code):
+    """The activation of pjinfer.activations with this `code`, in Numba (float32)."""
     if code == 0:  # swiglu
         return g / (_ONE + np.exp(-g)) * u
     if code == 1:  # geglu (tanh approximation)
@@ -72,7 +74,7 @@ def _act(g, u, code):
 
 
 @intrinsic
-def _prefetch(typingctx, arr, i, j):
+def prefetch(typingctx, arr, i, j):
     """Software prefetch (read, keep in all cache levels) of the cache line holding arr[i, j]; no bounds check."""
     if not (isinstance(arr, types.Array) and arr.ndim == 2 and isinstance(i, types.Integer)
             and isinstance(j, types.Integer)):
@@ -98,7 +100,7 @@ PREFETCH_LINES = 4  # the first cache lines of a row; the hardware streamer take
 def _prefetch_row(w, n, d):
     step = 64 // w.itemsize  # elements per 64-byte line: 16 float32, 64 int8
     for j in range(0, min(d, PREFETCH_LINES * step), step):
-        _prefetch(w, n, j)
+        prefetch(w, n, j)
 
 
 QBLOCK = 64  # int8 weights: one float32 scale per 64 consecutive elements of a row
@@ -184,7 +186,7 @@ def _accumulate(x, w_gate, w_up, w_down_t, b_up, scales, ids, lo, hi, code, acc)
             g, u = _F0, _dot(w_up, n, x, scales, 1)
         if biased:
             u += b_up[n]
-        a = np.float32(_act(g, u, code))
+        a = np.float32(act(g, u, code))
         if a != _F0:  # exact zeros (the ReLU family) skip the down row entirely
             _axpy(acc, a, w_down_t, n, scales, 2)
 
@@ -233,7 +235,7 @@ def _neuron_one(xs, w_gate, w_up, w_down_t, b_up, scales, n, b, code, outs):
         g, u = _F0, _dot(w_up, n, xs[b], scales, 1)
     if b_up.shape[0] > 0:
         u += b_up[n]
-    a = np.float32(_act(g, u, code))
+    a = np.float32(act(g, u, code))
     if a != _F0:
         _axpy(outs[b], a, w_down_t, n, scales, 2)
 
@@ -278,10 +280,10 @@ def _neuron_four(xs, w_gate, w_up, w_down_t, b_up, scales, n, b0, b1, b2, b3, co
         g0, g1, g2, g3 = _dot4(w_gate, n, xs, b0, b1, b2, b3, scales, 0)
     u0, u1, u2, u3 = _dot4(w_up, n, xs, b0, b1, b2, b3, scales, 1)
     bias = b_up[n] if b_up.shape[0] > 0 else _F0
-    a0 = np.float32(_act(g0, u0 + bias, code))
-    a1 = np.float32(_act(g1, u1 + bias, code))
-    a2 = np.float32(_act(g2, u2 + bias, code))
-    a3 = np.float32(_act(g3, u3 + bias, code))
+    a0 = np.float32(act(g0, u0 + bias, code))
+    a1 = np.float32(act(g1, u1 + bias, code))
+    a2 = np.float32(act(g2, u2 + bias, code))
+    a3 = np.float32(act(g3, u3 + bias, code))
     d = xs.shape[1]
     if scales.shape[0] == 0:
         _axpy4(outs, b0, b1, b2, b3, a0, a1, a2, a3, w_down_t, n, 0, d)
@@ -349,17 +351,14 @@ def cold_ffn(x, w_gate, w_up, w_down_t, b_up, scales, ids, count, act_code, out)
 
     x [d] f32; w_gate [C, d] or [0, d]; w_up, w_down_t [C, d] (C-contiguous), float32, or int8 with
     scales [3, C, ceil(d / QBLOCK)] f32 (gate, up, down block scales; ``quantize_rows``), or ``no_scales()``;
-    b_up [C] f32 or [0]; ids [K] int; count int; act_code from ACT_CODES; out [d] f32 (overwritten). Uses
+    b_up [C] f32 or [0]; ids [K] int; count int; act_code from act_code(); out [d] f32 (overwritten). Uses
     numba.get_num_threads() threads of the calling thread.
     """
     cold_ffn_nt(x, w_gate, w_up, w_down_t, b_up, scales, ids, count, act_code, out, numba.get_num_threads())
 
 
 def act_code(activation: str) -> int:
-    try:
-        return ACT_CODES[activation]
-    except KeyError:
-        raise ValueError(f"unknown activation {activation!r}; expected one of {sorted(ACT_CODES)}") from None
+    return activations.get(activation).code
 
 
 def empty_gate(d: int) -> np.ndarray:
@@ -415,20 +414,6 @@ def cold_ffn_call(x, w_gate, w_up, w_down_t, b_up, ids, count, activation, out=N
 # ----------------------------------------------------------------------------------------------------------------
 # numpy reference (float64 internally)
 
-def activation_ref(g: np.ndarray, u: np.ndarray, activation: str) -> np.ndarray:
-    if activation == "swiglu":
-        return g / (1.0 + np.exp(-g)) * u
-    if activation == "geglu":
-        return 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3))) * u
-    if activation == "reglu":
-        return np.maximum(g, 0.0) * u
-    if activation == "drelu":
-        return np.maximum(g, 0.0) * np.maximum(u, 0.0)
-    if activation == "relu":
-        return np.maximum(u, 0.0)
-    raise ValueError(f"unknown activation {activation!r}")
-
-
 def cold_ffn_ref(x, w_gate, w_up, w_down_t, b_up, ids, count, activation) -> np.ndarray:
     """Plain numpy version of ``cold_ffn`` with the same clipping rules; returns float32 [d]."""
     x = np.asarray(x, np.float64)
@@ -442,7 +427,7 @@ def cold_ffn_ref(x, w_gate, w_up, w_down_t, b_up, ids, count, activation) -> np.
         u = u + np.asarray(b_up, np.float64)[ids]
     gated = w_gate is not None and np.asarray(w_gate).shape[0] > 0
     g = np.asarray(w_gate, np.float64)[ids] @ x if gated else np.zeros_like(u)
-    a = activation_ref(g, u, activation)
+    a = activations.reference(activation, g, u)
     return (a @ np.asarray(w_down_t, np.float64)[ids]).astype(np.float32)
 
 
@@ -453,7 +438,7 @@ def dense_ffn_ref(x, w_gate, w_up, w_down_t, b_up, activation) -> np.ndarray:
     if b_up is not None and np.asarray(b_up).size:
         u = u + np.asarray(b_up, np.float64)
     g = np.asarray(w_gate, np.float64) @ x if activation != "relu" else np.zeros_like(u)
-    return (activation_ref(g, u, activation) @ np.asarray(w_down_t, np.float64)).astype(np.float32)
+    return (activations.reference(activation, g, u) @ np.asarray(w_down_t, np.float64)).astype(np.float32)
 
 
 def _start_numba_threads() -> None:

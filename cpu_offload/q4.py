@@ -33,9 +33,9 @@ from numba.extending import intrinsic  # noqa: E402
 
 from . import ffi, kernels  # noqa: E402
 from .qtensor import dequantize_q4_1  # noqa: E402
-from .kernels import _prefetch  # noqa: E402
+from .kernels import prefetch  # noqa: E402
 
-ffi.purge_stale_cache("q4", kernels)  # _prefetch is compiled into this module's cached functions
+ffi.purge_stale_cache("q4", kernels)  # prefetch is compiled into this module's cached functions
 
 BLOCK = 32          # weights per block
 BLOCK_BYTES = 20    # float16 d, float16 m, 16 bytes of nibbles
@@ -170,5 +170,5 @@ def gemv(q, xp, y, lo, hi):
     for r in range(lo, hi):
         if r + PREFETCH_ROWS < hi:
             for j in range(0, q.shape[1], 64):
-                _prefetch(q, r + PREFETCH_ROWS, j)
+                prefetch(q, r + PREFETCH_ROWS, j)
         y[r] = _row_dot(rows + r * q.strides[0], nb, xl, x2, xs)

@@ -34,7 +34,7 @@ from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import ffi, kernels, q4  # noqa: E402
-from .kernels import _prefetch  # noqa: E402
+from .kernels import prefetch  # noqa: E402
 from .q4 import BLOCK, BLOCK_BYTES  # noqa: E402
 
 ffi.purge_stale_cache("q4_sparse", kernels, q4)
@@ -178,7 +178,7 @@ def matvec(nib, d, m, idx, n, x, y, acc, b0, b1):
         while k < n and idx[k] < end:
             if k + PREFETCH_AHEAD < n:
                 for j in range(0, nib.shape[1], 64):
-                    _prefetch(nib, idx[k + PREFETCH_AHEAD], j)
+                    prefetch(nib, idx[k + PREFETCH_AHEAD], j)
             i = idx[k]
             _nib_axpy(aa, base + i * stride, groups, x[i])
             s += x[i]

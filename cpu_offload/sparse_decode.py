@@ -39,7 +39,7 @@ from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_
 from .host_decode import (H_EPS, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS, H_RUNTIME, H_TABLE, H_TASK, H_VOCAB,
                           K_KCACHE, K_LAYER, K_POS, K_STAGE, K_VCACHE, ST_ATTN, ST_DOWN, ST_GATE_UP, ST_HEAD, ST_O,
                           ST_QKV)
-from .kernels import _act
+from .kernels import act
 from .q4 import BLOCK
 
 from numba import carray, cfunc, njit, types  # noqa: E402
@@ -145,7 +145,7 @@ def _stage_py(header, tid, n):
             for r in range(1, n):
                 g += parts[r, i]
                 u += parts[r, ff + i]
-            gate[i] = _act(g, u, code)
+            gate[i] = act(g, u, code)
     elif stage == ST_DOWN:
         _matvec(header, layer, L_DOWN, ff, gate, count, _partials(header, n, d)[tid], _acc(header, tid, d), tid, n)
     elif stage == ST_HEAD:

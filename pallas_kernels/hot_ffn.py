@@ -75,10 +75,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pjinfer.model import activate  # one definition of each activation, shared with the dense model
-
-ACTIVATIONS = ("swiglu", "geglu", "reglu", "drelu", "relu")
-GATED = ("swiglu", "geglu", "reglu", "drelu")
+from pjinfer.activations import ACTIVATIONS, GATED, activate  # the activations' one home, shared with the model
 
 
 def _is_pow2(n: int) -> bool:
@@ -244,7 +241,7 @@ BACKENDS = {"triton": hot_ffn_triton}
 
 def _prepare(x, w_gate, w_up, w_down_t, ids, count, activation, b_up, block_k, block_d):
     if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+        raise ValueError(f"unknown activation {activation!r}; expected one of {tuple(ACTIVATIONS)}")
     if x.ndim != 1:
         raise ValueError(f"x must be [d] (one decode token), got shape {x.shape}")
     d = x.shape[0]
@@ -305,7 +302,7 @@ def hot_ffn_reference(x, w_gate, w_up, w_down_t, ids, count, *, activation: str,
     hot_ffn. The block/backend arguments are accepted and ignored so the two are interchangeable."""
     del block_k, block_d, interpret, n_split, backend
     if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+        raise ValueError(f"unknown activation {activation!r}; expected one of {tuple(ACTIVATIONS)}")
     K = ids.shape[0]
     valid = jnp.arange(K) < jnp.asarray(count, jnp.int32)
     rows = jnp.where(valid, ids.astype(jnp.int32), 0)

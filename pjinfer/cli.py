@@ -479,14 +479,14 @@ def _write_json(path, obj) -> None:
 
 def cmd_profile(args):
     from pjinfer import offline
-    from pjinfer.profile import EXACT_ACTIVATIONS
+    from pjinfer.activations import EXACT_ZERO
     from pjinfer import data
     from pjinfer.progress import Progress
 
     if args.text_file:
         data.read_text(args.text_file)  # a missing or empty file fails before the model loads
     engine = _load(args)
-    sparsity = None if engine.config.activation in EXACT_ACTIVATIONS else args.sparsity
+    sparsity = None if engine.config.activation in EXACT_ZERO else args.sparsity
     offline.run_profile(engine, args.bundle, text_file=args.text_file, tokens=args.tokens, sparsity=sparsity,
                         train_tokens=args.train_tokens, progress=Progress("profiling", 0, " tok"))
 

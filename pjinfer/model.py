@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from cpu_offload.qtensor import INT8_BLOCK, Q4_BLOCK, Q4_BLOCK_BYTES, Int8Tensor, Q4Tensor, is_quantized
+from pjinfer.activations import activate
 from pjinfer.config import ConfigError, ModelConfig
 
 
@@ -263,21 +264,6 @@ class Attention(nnx.Module):
         scores = jnp.where(visible, scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1)
         return jnp.einsum("bkgts,bskd->btkgd", probs, v_cache).reshape(B, T, c.n_heads * c.head_dim), k_cache, v_cache
-
-
-def activate(activation: str, gate, up):
-    """The FFN's per-neuron activation: what the sparse path predicts and skips."""
-    if activation == "swiglu":
-        return jax.nn.silu(gate) * up
-    if activation == "geglu":
-        return jax.nn.gelu(gate, approximate=True) * up
-    if activation == "reglu":
-        return jax.nn.relu(gate) * up
-    if activation == "drelu":
-        return jax.nn.relu(gate) * jax.nn.relu(up)
-    if activation == "relu":
-        return jax.nn.relu(up)
-    raise ConfigError(f"unknown activation {activation!r}")
 
 
 class FFN(nnx.Module):

@@ -16,10 +16,10 @@ import numpy as np
 from flax import nnx
 
 from pjinfer import data
+from pjinfer.activations import EXACT_ZERO
 from pjinfer.config import ConfigError
 from pjinfer.engine import Engine
 
-EXACT_ACTIVATIONS = ("reglu", "drelu", "relu")   # inactive means exactly zero
 WINDOW = 256                                     # tokens per profiled sequence
 BATCH = 4                                        # sequences per jitted call
 THRESHOLD_TOKENS = 2048                          # tokens whose contributions set the thresholds
@@ -90,7 +90,7 @@ def profile(engine: Engine, ids: list[int], *, tokens: int, sparsity: float | No
             seed: int = 0, progress=None) -> tuple[ActivationStats, TrainingData]:
     """Run the model over `tokens` calibration tokens (whole windows of 256) and count activity."""
     config = engine.config
-    exact = config.activation in EXACT_ACTIVATIONS
+    exact = config.activation in EXACT_ZERO
     if not exact and (sparsity is None or not 0 < sparsity < 1):
         raise ConfigError(f"{config.activation} never outputs exact zeros: give a target --sparsity in (0, 1)")
     per_call = WINDOW * BATCH

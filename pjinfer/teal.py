@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pjinfer.activations import EXACT_ZERO
 from pjinfer.config import ConfigError
 from pjinfer.model import KVCache, Threshold
 
@@ -37,7 +38,6 @@ WINDOW = 256
 FIT_WINDOWS = 4
 HELD_WINDOWS = 2
 MAX_TARGET = 0.9
-RELU_FAMILY = ("relu", "reglu", "drelu")
 
 
 def weight_shares(config) -> np.ndarray:
@@ -214,7 +214,7 @@ def run_calibrate(engine, bundle_path, *, target: float, text_file=None, progres
     if not 0.0 <= target <= MAX_TARGET:
         raise ConfigError(f"--target must be in [0, {MAX_TARGET}], got {target}")
     bundle = Bundle.create(bundle_path, model=offline.model_record(engine))
-    relu = engine.config.activation in RELU_FAMILY
+    relu = engine.config.activation in EXACT_ZERO
     fitted = calibrate(engine, prof.calibration_ids(engine, text_file), target=target, relu_family=relu,
                        progress=progress)
     save_stage(bundle, engine, fitted, target=target, text_file=text_file, out=out)

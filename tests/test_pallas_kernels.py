@@ -17,9 +17,8 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import hot_ffn, hot_ffn_reference
 from pallas_kernels.hot_ffn import _prepare, default_n_split, hot_ffn_triton
-from pjinfer.model import activate
+from pjinfer.activations import GATED, activate
 
-GATED = ("swiglu", "geglu", "reglu", "drelu")
 RTOL = 1e-5
 
 

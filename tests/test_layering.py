@@ -1,0 +1,95 @@
+"""The layers of the tree: kernel and training packages never import the app above them, and pjinfer's modules
+import each other without a cycle at import time. The activations have one home that every layer shares."""
+import ast
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LOWER = ("cpu_offload", "pallas_kernels", "train")
+# Bottom-level pjinfer modules (they import no other pjinfer module): the lower layers may use these.
+SHARED = {"pjinfer.config", "pjinfer.activations"}
+
+
+def imports(path: Path, *, top_level_only: bool) -> set[str]:
+    """Absolute module names `path` imports (every import, or only those run when the module is imported)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+@pytest.mark.parametrize("package", LOWER)
+def test_lower_layers_import_no_app_module(package):
+    wrong = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        app = {m for m in imports(path, top_level_only=False) if m.startswith("pjinfer")
+               and m not in SHARED and not any(m.startswith(s + ".") for s in SHARED) and m != "pjinfer"}
+        if app:
+            wrong[module_name(path)] = sorted(app)
+    assert not wrong, f"lower layers importing pjinfer's app modules: {wrong}"
+
+
+def test_shared_modules_are_bottom_level():
+    for name in SHARED:
+        path = ROOT / (name.replace(".", "/") + ".py")
+        inner = {m for m in imports(path, top_level_only=False) if m.startswith("pjinfer")}
+        assert inner <= {"pjinfer.config", "pjinfer.config.ConfigError"} - {name}, (name, inner)
+
+
+def test_no_import_cycle_at_import_time():
+    modules = {module_name(p): p for p in (ROOT / "pjinfer").glob("*.py")}
+    graph = {m: {i for i in imports(p, top_level_only=True) if i in modules and i != m}
+             | {i.rsplit(".", 1)[0] for i in imports(p, top_level_only=True)
+                if i.rsplit(".", 1)[0] in modules and i.rsplit(".", 1)[0] != m}
+             for m, p in modules.items()}
+    done, stack = set(), []
+
+    def visit(m):
+        if m in stack:
+            raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(m):] + [m]))
+        if m in done:
+            return
+        stack.append(m)
+        for n in sorted(graph[m]):
+            visit(n)
+        stack.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m)
+
+
+def test_every_form_of_each_activation_agrees():
+    """JAX (model, Pallas), Numba (host kernels) and the numpy reference, on fresh random inputs."""
+    import jax.numpy as jnp
+    from numba import njit
+
+    from cpu_offload.kernels import act
+    from pjinfer import activations
+    from pjinfer.config import ACTIVATIONS as PER_ARCH
+
+    assert {a for names in PER_ARCH.values() for a in names} <= set(activations.ACTIVATIONS)
+    numba_act = njit(lambda g, u, code: np.array([act(g[i], u[i], code) for i in range(g.size)], np.float32))
+    rng = np.random.default_rng(3)
+    g, u = (rng.standard_normal(1001).astype(np.float32) * 4 for _ in range(2))
+    for name, a in activations.ACTIVATIONS.items():
+        want = activations.reference(name, g if a.gated else None, u)
+        got_jax = np.asarray(activations.activate(name, jnp.asarray(g) if a.gated else None, jnp.asarray(u)))
+        np.testing.assert_allclose(got_jax, want, rtol=2e-5, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(numba_act(g, u, a.code), want, rtol=2e-5, atol=1e-5, err_msg=name)
+        if a.exact_zero:
+            assert (want[u < 0] == 0).all() if name == "relu" else (want[g < 0] == 0).all()
+    with pytest.raises(ValueError, match="unknown activation 'gelu'"):
+        activations.get("gelu")
