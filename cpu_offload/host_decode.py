@@ -610,6 +610,8 @@ class HostDecoder:
     fmt: how the layers' matrices are stored: "int8" (a float32 scale per 64) or "q4_1" (the GGUF's 4-bit
     blocks, cpu_offload/q4.py). The output head is int8 in both: the GGUF keeps it at 8 bits too (Q8_0)."""
 
+    target = TARGET_NAME    # the FFI target layer() and head() call (a subclass with its own handler names its own)
+
     def __init__(self, config, weights: dict, fmt: str = "int8"):
         c = config
         weights = quantize_weights(config, weights, fmt)
@@ -690,7 +692,7 @@ class HostDecoder:
             raise ValueError(f"x must hold one token's {self.config.d_model} features, got shape {x.shape}")
         result = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, jnp.float32),
                   jax.ShapeDtypeStruct(v_cache.shape, jnp.float32))
-        call = jax.ffi.ffi_call(TARGET_NAME, result, input_output_aliases={3: 1, 4: 2})
+        call = jax.ffi.ffi_call(self.target, result, input_output_aliases={3: 1, 4: 2})
         return call(jnp.int32(layer), jnp.asarray(pos, jnp.int32), x.astype(jnp.float32), k_cache, v_cache,
                     table=np.int64(self.address))
 
@@ -701,5 +703,5 @@ class HostDecoder:
 
         if hidden.shape != (self.config.d_model,):
             raise ValueError(f"hidden must be [{self.config.d_model}], got {hidden.shape}")
-        call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((self.config.vocab_size,), jnp.float32))
+        call = jax.ffi.ffi_call(self.target, jax.ShapeDtypeStruct((self.config.vocab_size,), jnp.float32))
         return call(hidden.astype(jnp.float32), table=np.int64(self.address))

@@ -41,6 +41,7 @@ from .host_decode import (H_EPS, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS, H_RUN
                           ST_QKV)
 from .kernels import act
 from .q4 import BLOCK
+from .qtensor import Int8Tensor
 
 from numba import carray, cfunc, njit, types  # noqa: E402
 
@@ -283,6 +284,8 @@ class SparseHostDecoder(hd.HostDecoder):
     its own float32 matrix, one at a time. thresholds: float32 [n_layers, 4] in TENSORS' order, each >= 0.
     The output head is int8, as in HostDecoder."""
 
+    target = TARGET_NAME
+
     def __init__(self, config, weights: dict, thresholds):
         c = config
         thresholds = np.ascontiguousarray(thresholds, np.float32)
@@ -370,31 +373,10 @@ class SparseHostDecoder(hd.HostDecoder):
             out[f"{p}.wo"] = deq(L_O)
             out[f"{p}.w_gate"], out[f"{p}.w_up"] = np.split(deq(L_GATE_UP), 2)
             out[f"{p}.w_down_t"] = np.ascontiguousarray(deq(L_DOWN).T)
-        out[self._head_name] = hd._dequantize(self._head, c.d_model)
+        out[self._head_name] = Int8Tensor(*self._head).float32()
         return out
 
-    # ------------------------------------------------------------ calls from inside jit
-    def layer(self, layer: int, x, pos, k_cache, v_cache):
-        """As HostDecoder.layer, through this module's FFI target."""
-        import jax
-        import jax.numpy as jnp
-
-        if not 0 <= int(layer) < self.config.n_layers:
-            raise ValueError(f"layer {layer} out of range [0, {self.config.n_layers})")
-        if x.size != self.config.d_model:
-            raise ValueError(f"x must hold one token's {self.config.d_model} features, got shape {x.shape}")
-        result = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, jnp.float32),
-                  jax.ShapeDtypeStruct(v_cache.shape, jnp.float32))
-        call = jax.ffi.ffi_call(TARGET_NAME, result, input_output_aliases={3: 1, 4: 2})
-        return call(jnp.int32(layer), jnp.asarray(pos, jnp.int32), x.astype(jnp.float32), k_cache, v_cache,
-                    table=np.int64(self.address))
-
-    def head(self, hidden):
-        """hidden [d] -> logits [vocab] from the int8 output head."""
-        import jax
-        import jax.numpy as jnp
-
-        if hidden.shape != (self.config.d_model,):
-            raise ValueError(f"hidden must be [{self.config.d_model}], got {hidden.shape}")
-        call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((self.config.vocab_size,), jnp.float32))
-        return call(hidden.astype(jnp.float32), table=np.int64(self.address))
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every stored matrix (the most a decode step reads; it reads the active inputs' share)."""
+        return int(sum(a.nbytes for arrays in [*self._quantized.values(), self._head] for a in arrays))
