@@ -39,7 +39,7 @@ def assert_clean_error(result, fragment):
     (["generate"], "--prompt"),
     (["generate", "--prompt", "x", "--bundle", "b", "--cold-weights", "int4"], "invalid choice"),
     (["generate", "--prompt", "x", "--weights", "int4"], "invalid choice"),
-    (["bench", "--weights", "float32,int4"], "expected distinct float32 / int8"),
+    (["bench", "--weights", "float32,int4"], "expected distinct auto / float32 / int8 / q4_1"),
     (["generate", "--prompt", "x", "--weights", "int8", "--bundle", "b"], "a sparse bundle takes --cold-weights int8"),
     (["perplexity", "--text-file", "/nonexistent.txt"], "text file not found"),
     (["generate", "--prompt", "x", "--model", "/nonexistent.gguf"], "model not found"),
