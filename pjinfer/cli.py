@@ -361,7 +361,7 @@ def cmd_bench(args):
         _check_bundle(args, args.bundle)
     from pjinfer.engine import resolve_weights
 
-    def name(weights):
+    def engine_name(weights):
         return "dense" if weights == "float32" else f"dense-{weights}"
 
     formats = [resolve_weights(w, args.model) for w in args.weights]
@@ -370,7 +370,7 @@ def cmd_bench(args):
     sparse_weights = resolve_weights("auto", args.model, args.bundle) if args.bundle else None
     if sparse_weights and sparse_weights not in formats:
         formats.append(sparse_weights)   # sparse is measured against the dense engine of its own weights
-    engines = {name(w): _load(args, weights=w) for w in formats}
+    engines = {engine_name(w): _load(args, weights=w) for w in formats}
     if args.bundle:  # sparse against dense, measured in the same run: thresholds with q4_1, else predictors
         engines["sparse"] = _load(args, args.bundle, weights=sparse_weights)
     result = bench.run(engines, prompt_len=args.prompt_len, new_tokens=args.new_tokens, runs=args.runs,
@@ -379,7 +379,7 @@ def cmd_bench(args):
         for name, engine in engines.items():
             result["engines"][name]["breakdown"] = bench.breakdown(engine)
     if args.bundle:
-        result["sparse_over_dense"] = result["engines"]["sparse"]["decode_over"][name(sparse_weights)]
+        result["sparse_over_dense"] = result["engines"]["sparse"]["decode_over"][engine_name(sparse_weights)]
     if args.json:
         print(json.dumps(result))
         return
@@ -399,7 +399,8 @@ def cmd_bench(args):
                                                         for k, v in b.items() if k != "step_ms")
                   + f"; step {b['step_ms']:.1f} ms")
     if args.bundle:
-        print(f"sparse decode / {dense} decode: {result['sparse_over_dense']:.2f}x (median of the runs' ratios)")
+        print(f"sparse decode / {engine_name(sparse_weights)} decode: {result['sparse_over_dense']:.2f}x "
+              "(median of the runs' ratios)")
 
 
 def cmd_eval(args):

@@ -163,3 +163,13 @@ def test_bench_reports_rates_bytes_and_bandwidth(capsys):
 def test_bench_peer_needs_llama_cpp(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if llama-cpp-python were not installed
     assert_clean_error(run_cli(capsys, "bench", "--peer", "llama-cpp"), "make bench-peer")
+
+
+def test_bench_measures_a_bundle_against_the_dense_engine_of_its_weights(capsys, small_bundle):
+    """--weights auto: the dense engine runs the file's q4_1; a predictor bundle runs float32, so bench adds the
+    float32 dense engine it is measured against (it used to end in KeyError 'dense')."""
+    code, out, err = run_cli(capsys, "bench", "--bundle", str(small_bundle.path), "--prompt-len", "16",
+                             "--new-tokens", "3", "--runs", "1")
+    assert code == 0, err
+    assert [line.split()[0] for line in out.splitlines()[2:5]] == ["dense-q4_1", "dense", "sparse"]
+    assert "sparse decode / dense decode:" in out.splitlines()[-1]
