@@ -223,9 +223,8 @@ def _check_bundle(args, path) -> None:
     from pathlib import Path
 
     from pjinfer.bundle import Bundle
-    from pjinfer.loader import default_model_path, model_identity
-
     from pjinfer.engine import check_bundle_weights
+    from pjinfer.loader import default_model_path, model_identity
 
     weights = getattr(args, "weights", "float32")
     if isinstance(weights, str):
@@ -283,8 +282,7 @@ def cmd_generate(args):
         decode = f", decode {timing['decode_tok_s']:.1f} tok/s" if timing["decode_tok_s"] else ""
         _say(f"load {timing['load_s']:.1f} s, compile {timing['compile_s']:.1f} s "
              f"({stats.executables} executables, {stats.cache_hits} from the disk cache), "
-             f"prefill {len(ids)} tokens {timing['prefill_s']:.2f} s, {len(out)} tokens{decode} "
-             f"[weights {engine.weights_format}{', sparse' if engine.bundle is not None else ''}]")
+             f"prefill {len(ids)} tokens {timing['prefill_s']:.2f} s, {len(out)} tokens{decode} [{engine.path}]")
     if interrupted:
         raise KeyboardInterrupt
 
@@ -316,8 +314,7 @@ def cmd_serve(args):
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     logging.getLogger("pjinfer").setLevel(logging.INFO)     # one line per request
     server = Server(_load(args), api_key=args.api_key, max_active=args.max_batch)
-    _say(f"pjinfer: serving {server.name} on http://{args.host}:{args.port}/v1 "
-         f"[weights {server.engine.weights_format}]")
+    _say(f"pjinfer: serving {server.name} on http://{args.host}:{args.port}/v1 [{server.engine.path}]")
     serve(server, host=args.host, port=args.port)
 
 
@@ -335,8 +332,8 @@ def cmd_perplexity(args):
     result = {"perplexity": ppl, "tokens": n, "weights": engine.weights_format, "load_s": round(engine.load_seconds, 3),
               "seconds": round(seconds, 3), "tok_s": round(n / seconds, 1)}
     _say(f"load {engine.load_seconds:.1f} s; scored {n} tokens in {seconds:.1f} s ({n / seconds:.0f} tok/s, "
-         f"compilation included) [weights {engine.weights_format}{', sparse' if engine.bundle is not None else ''}]")
-    if engine.bundle is not None:
+         f"compilation included) [{engine.path}]")
+    if engine.bundle is not None and engine.thresholds is None:   # the predictors' share; thresholds: manifest
         from pjinfer.sparse import skipped_share
 
         result["skipped"] = skipped_share(engine, ids[:args.window_len + 1])

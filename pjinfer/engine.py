@@ -62,7 +62,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.source = source
         self.weights_format = weights_format
-        self.bundle = None        # set by use_bundle: the engine then runs the hybrid sparse FFN
+        self.bundle = None        # the sparse bundle it runs: predictors (use_bundle) or thresholds (load)
         host = None
         if thresholds is not None and weights_format == "int8":
             raise ConfigError("input-sparsity thresholds run with --weights q4_1 or float32, not int8")
@@ -124,7 +124,11 @@ class Engine:
 
             thresholds = teal.load_thresholds(bundle, source, config)
         engine = cls(config, tensors, tokenizer, source=source, weights_format=weights, thresholds=thresholds)
-        if bundle is not None and thresholds is None:
+        if thresholds is not None:
+            from pjinfer.bundle import Bundle
+
+            engine.bundle = Bundle.open(bundle)
+        elif bundle is not None:
             engine.use_bundle(bundle, hot_backend=hot_backend, cold_weights=cold_weights)
         engine.load_seconds = time.perf_counter() - start
         return engine
@@ -141,6 +145,14 @@ class Engine:
         sparse.sparsify(model, hot, predictors, hot_backend=hot_backend, cold_weights=cold_weights)
         self.graphdef, self.state = nnx.split(model)
         self.bundle = bundle
+
+    @property
+    def path(self) -> str:
+        """Which engine runs, in words: the weights, and the sparse rule when a bundle is in use."""
+        if self.bundle is None:
+            return f"weights {self.weights_format}"
+        rule = "input thresholds" if self.thresholds is not None else "predictors"
+        return f"weights {self.weights_format}, sparse ({rule}, {self.bundle.path})"
 
     # ------------------------------------------------------------ generation
     def plan(self, prompt_len: int, max_new_tokens: int) -> tuple[int, int]:

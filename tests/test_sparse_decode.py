@@ -178,3 +178,26 @@ def test_real_model_host_decode_equals_xla_with_the_same_thresholds():
     tokens = [11, 260, 314, 1000]
     a, b = _step_logits(host, prompt, tokens), _step_logits(xla, prompt, tokens)
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max())
+
+
+def test_a_threshold_bundle_is_the_engine_path_that_runs(engine, tmp_path, capsys):
+    """--weights auto with a bundle holding thresholds runs them on q4_1, and says so: Engine.bundle (what eval
+    records), Engine.path and generate's --json `sparse` flag (both said "dense" for a threshold bundle before)."""
+    import json
+
+    from pjinfer import offline
+    from pjinfer.bundle import Bundle
+    from tests.test_cli import run_cli
+
+    path = tmp_path / "thresholds"
+    bundle = Bundle.create(path, model=offline.model_record(engine))
+    thresholds = np.tile(np.float32([0.05, 0.05, 0.05, 0.03]), (engine.config.n_layers, 1))
+    bundle.save_stage("thresholds", {"thresholds": thresholds}, {"target": None})
+    sparse = Engine.load(bundle=path)
+    assert sparse.weights_format == "q4_1" and sparse.bundle.path == path
+    np.testing.assert_array_equal(sparse.thresholds, thresholds)
+    assert sparse.path == f"weights q4_1, sparse (input thresholds, {path})"
+    code, out, err = run_cli(capsys, "generate", "--prompt", "Hi", "--max-new-tokens", "2", "--bundle", str(path),
+                             "--json")
+    assert code == 0, err
+    assert json.loads(out)["sparse"] is True and json.loads(out)["weights"] == "q4_1"
