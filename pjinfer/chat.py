@@ -45,14 +45,12 @@ class Conversation:
         when the caller stops early (Ctrl-C)."""
         self.turns.append({"role": "user", "content": text})
         ids = self.prompt_ids()
-        decoder, answer = StreamDecoder(self.engine.tokenizer), []
+        decoder = StreamDecoder(self.engine.tokenizer)
         try:
             for token in self.engine.stream(ids, max_new_tokens=self.max_new_tokens, sampling=self.sampling):
-                piece = decoder.push(token)
-                answer.append(piece)
-                yield piece
+                yield decoder.push(token)
         finally:
-            self.turns.append({"role": "assistant", "content": "".join(answer).strip()})
+            self.turns.append({"role": "assistant", "content": decoder.text.strip()})
 
 
 def repl(conversation: Conversation, *, read=input, out=sys.stdout) -> None:
