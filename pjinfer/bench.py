@@ -23,24 +23,16 @@ def bench_prompt(engine: Engine, prompt_len: int) -> list[int]:
 
 
 def _runner(engine: Engine, prompt: list[int], new_tokens: int):
-    """(prefill, whole): jitted prefill alone, and whole(n): the whole generate of n greedy tokens (one executable
+    """(prefill, whole): prefill alone, and whole(n): the whole generate of n greedy tokens (one executable
     for every n: the count is an operand and the cache is sized for 1 + new_tokens)."""
-    padded, cache_len = engine.plan(len(prompt), 1 + new_tokens)
-    params = Sampling().params()
-    tokens = engine.pad_prompt(prompt, padded)
-    length = jnp.int32(len(prompt))
-    key = jax.random.key(0)
-    no_stop = jnp.full((gen.MAX_STOP_IDS,), -1, jnp.int32)   # always run all new tokens
+    _, cache_len = engine.plan(len(prompt), 1 + new_tokens)
 
     def prefill():
-        token, _ = gen.prefill(engine.graphdef, engine.state, tokens, length, key, params,
-                               cache_len=cache_len, greedy=True)
-        jax.block_until_ready(token)
+        jax.block_until_ready(engine.prefill(prompt, cache_len=cache_len)[0])
 
     def whole(n):
-        out, count = gen.generate_tokens(engine.graphdef, engine.state, tokens, length, key, params,
-                                         jnp.int32(n), no_stop, cache_len=cache_len, greedy=True)
-        assert int(count) == n
+        out = engine.generate(prompt, max_new_tokens=n, stop_ids=[], cache_len=cache_len)  # every new token
+        assert len(out) == n
         return out
 
     return prefill, whole
@@ -126,8 +118,8 @@ def engine_bytes_per_token(engine: Engine, cache_len: int, mean_position: int) -
 
     config = engine.config
     model = nnx.merge(engine.graphdef, engine.state)
-    if model.host is not None:
-        return float(model.host.nbytes + 2 * config.n_layers * mean_position * config.n_kv_heads * config.head_dim * 4)
+    if engine.host is not None:
+        return float(engine.host.nbytes + 2 * config.n_layers * mean_position * config.n_kv_heads * config.head_dim * 4)
     total = state_bytes(engine)
     kv = 2 * config.n_layers * cache_len * config.n_kv_heads * config.head_dim * 4
     if not isinstance(model.layers[0].ffn, SparseFFN):
@@ -215,7 +207,7 @@ def breakdown(engine: Engine, *, cache_len: int = 256, repeats: int = 20) -> dic
 
     @jax.jit
     def step(state, token, cache):
-        return gen._step(nnx.merge(graphdef, state), token, pos, cache)
+        return nnx.merge(graphdef, state).decode(token, pos, cache)
 
     def ms(fn, *args):
         jax.block_until_ready(fn(*args))

@@ -11,11 +11,12 @@ import numpy as np
 from flax import nnx
 
 from pjinfer import generate as gen
+from pjinfer import host as pjinfer_host
 from pjinfer import loader
 from pjinfer.config import WEIGHT_CHOICES, WEIGHT_FORMATS, ConfigError, ModelConfig
 from cpu_offload.qtensor import is_quantized
 from pjinfer.model import Float32View, Transformer, float32_weights
-from pjinfer.sampling import Sampling, recent_window
+from pjinfer.sampling import REPEAT_WINDOW, Sampling
 from pjinfer.tokenizer import Tokenizer
 
 
@@ -63,6 +64,7 @@ class Engine:
         self.source = source
         self.weights_format = weights_format
         self.bundle = None        # the sparse bundle it runs: predictors (use_bundle) or thresholds (load)
+        self.load_seconds = None  # set by load(): reading the file to a ready engine
         host = None
         if thresholds is not None and weights_format == "int8":
             raise ConfigError("input-sparsity thresholds run with --weights q4_1 or float32, not int8")
@@ -84,7 +86,9 @@ class Engine:
         elif any(is_quantized(w) for w in weights.values()):
             weights = float32_weights(weights)
         model = Transformer(config, weights)
-        model.host = host
+        if host is not None:
+            pjinfer_host.attach(model, host)
+        self.host = host          # the host decoder one-token steps run on (None: every step through XLA)
         if thresholds is not None:
             from pjinfer import teal
 
@@ -177,10 +181,22 @@ class Engine:
         tokens[0, :len(prompt_ids)] = prompt_ids
         return jnp.asarray(tokens)
 
+    def prefill(self, prompt_ids, *, cache_len: int, sampling: Sampling = Sampling(), key=None):
+        """Run the prompt into a fresh cache of cache_len slots: (first new token, cache). key: the sampling
+        key (default: sampling.seed's)."""
+        padded = min(gen.bucket(len(prompt_ids), gen.MIN_PROMPT_BUCKET), cache_len)
+        key = jax.random.key(sampling.seed) if key is None else key
+        return gen.prefill(self.graphdef, self.state, self.pad_prompt(prompt_ids, padded),
+                           jnp.int32(len(prompt_ids)), key, sampling.params(), cache_len=cache_len,
+                           greedy=sampling.greedy)
+
     def generate(self, prompt_ids, *, max_new_tokens: int = 64, sampling: Sampling = Sampling(),
-                 stop_ids=None) -> list[int]:
-        """Generated ids (a final stop id dropped), produced by one jitted call."""
-        padded, cache_len = self.plan(len(prompt_ids), max_new_tokens)
+                 stop_ids=None, cache_len: int | None = None) -> list[int]:
+        """Generated ids (a final stop id dropped), produced by one jitted call. stop_ids: default the
+        tokenizer's end ids, [] for none. cache_len: at least what plan() gives (one executable for several
+        max_new_tokens)."""
+        padded, planned = self.plan(len(prompt_ids), max_new_tokens)
+        cache_len = planned if cache_len is None else max(cache_len, planned)
         stops = self._stop_ids(stop_ids)
         out, n = gen.generate_tokens(
             self.graphdef, self.state, self.pad_prompt(prompt_ids, padded), jnp.int32(len(prompt_ids)),
@@ -192,15 +208,14 @@ class Engine:
     def stream(self, prompt_ids, *, max_new_tokens: int = 64, sampling: Sampling = Sampling(),
                stop_ids=None) -> Iterator[int]:
         """Yields generated ids one by one (prefill, then one jitted decode step per token)."""
-        padded, cache_len = self.plan(len(prompt_ids), max_new_tokens)
+        _, cache_len = self.plan(len(prompt_ids), max_new_tokens)
         stops = set(np.asarray(self._stop_ids(stop_ids)).tolist())
         params = sampling.params()
-        key = jax.random.key(sampling.seed)
-        key, sub = jax.random.split(key)
-        tokens = self.pad_prompt(prompt_ids, padded)
-        token, cache = gen.prefill(self.graphdef, self.state, tokens, jnp.int32(len(prompt_ids)), sub, params,
-                                   cache_len=cache_len, greedy=sampling.greedy)
-        recent = np.asarray(recent_window(tokens[0], len(prompt_ids)))   # kept on the host: no device op per token
+        key, sub = jax.random.split(jax.random.key(sampling.seed))
+        token, cache = self.prefill(prompt_ids, cache_len=cache_len, sampling=sampling, key=sub)
+        recent = np.full(REPEAT_WINDOW, -1, np.int32)   # sampling.recent_window, kept on the host
+        tail = np.asarray(prompt_ids[-REPEAT_WINDOW:], np.int32)
+        recent[REPEAT_WINDOW - len(tail):] = tail
         for n in range(max_new_tokens):
             value = int(token)
             if value in stops:

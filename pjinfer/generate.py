@@ -33,11 +33,6 @@ def _prefill(model, tokens, length, cache_len):
     return model.logits(last), cache
 
 
-def _step(model, token, pos, cache):
-    hidden, cache = model(token.reshape(1, 1), pos, cache)
-    return model.logits(hidden[0, 0]), cache
-
-
 @partial(jax.jit, static_argnames=("graphdef", "cache_len", "greedy"))
 def prefill(graphdef, state, tokens, length, key, params, *, cache_len, greedy):
     """Run the prompt and sample the first new token."""
@@ -49,7 +44,7 @@ def prefill(graphdef, state, tokens, length, key, params, *, cache_len, greedy):
 def decode_step(graphdef, state, token, pos, cache, key, params, recent, *, greedy):
     """Feed `token` at position `pos`, sample the next one; the cache is updated in place. `recent` is the
     repetition penalty's window of the ids before the next one (sampling.recent_window, `token` included)."""
-    logits, cache = _step(nnx.merge(graphdef, state), token, pos, cache)
+    logits, cache = nnx.merge(graphdef, state).decode(token, pos, cache)
     return sample(logits, key, params, greedy, recent), cache
 
 
@@ -75,7 +70,7 @@ def generate_tokens(graphdef, state, tokens, length, key, params, max_new, stop_
         n, out, cache, key, recent, _ = carry
         key, sub = jax.random.split(key)
         recent = push_recent(recent, out[n - 1])
-        logits, cache = _step(model, out[n - 1], length + n - 1, cache)
+        logits, cache = model.decode(out[n - 1], length + n - 1, cache)
         token = sample(logits, sub, params, greedy, recent)
         return n + 1, out.at[n].set(token), cache, key, recent, jnp.isin(token, stop_ids)
 

@@ -291,12 +291,18 @@ class FFN(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, config: ModelConfig, weights: dict, i: int):
+    def __init__(self, attn_norm: Norm, attn: Attention, ffn_norm: Norm, ffn: FFN):
+        self.attn_norm, self.attn, self.ffn_norm, self.ffn = attn_norm, attn, ffn_norm, ffn
+
+    @classmethod
+    def build(cls, config: ModelConfig, weights: dict, i: int) -> "Block":
         p = f"layers.{i}"
-        self.attn_norm = Norm(weights, f"{p}.attn_norm", config.norm_eps)
-        self.attn = Attention(config, weights, p)
-        self.ffn_norm = Norm(weights, f"{p}.ffn_norm", config.norm_eps)
-        self.ffn = FFN(config, weights, p)
+        return cls(Norm(weights, f"{p}.attn_norm", config.norm_eps), Attention(config, weights, p),
+                   Norm(weights, f"{p}.ffn_norm", config.norm_eps), FFN(config, weights, p))
+
+    def parts(self) -> tuple:
+        """(attn_norm, attn, ffn_norm, ffn): what a swapped block is made of."""
+        return self.attn_norm, self.attn, self.ffn_norm, self.ffn
 
     def __call__(self, x, start, k_cache, v_cache):
         """Returns the block's output, the FFN's input (what predictors see) and the updated cache."""
@@ -305,16 +311,35 @@ class Block(nnx.Module):
         ffn_in = self.ffn_norm(x)
         return x + self.ffn(ffn_in), ffn_in, k_cache, v_cache
 
+    def decode(self, x, pos, k_cache, v_cache):
+        """One token: x [1, 1, d] at position pos -> (output [1, 1, d], updated cache arrays)."""
+        x, _, k_cache, v_cache = self(x, pos, k_cache, v_cache)
+        return x, k_cache, v_cache
+
+
+class Head(nnx.Module):
+    """The output projection: the embedding table itself when tied (one shared Param), else lm_head."""
+
+    def __init__(self, w):
+        self.w = w
+
+    def __call__(self, hidden):
+        """hidden [..., d] -> logits [..., vocab]."""
+        return linear(hidden, self.w[...])
+
+    def decode(self, hidden):
+        """One token's hidden [d] -> logits [vocab]."""
+        return self(hidden)
+
 
 class Transformer(nnx.Module):
     def __init__(self, config: ModelConfig, weights: dict):
         self.config = config
         self.embed = _param(weights, "embed")
         self.pos_embed = _param(weights, "pos_embed") if config.arch == "opt" else None
-        self.layers = nnx.List([Block(config, weights, i) for i in range(config.n_layers)])
+        self.layers = nnx.List([Block.build(config, weights, i) for i in range(config.n_layers)])
         self.final_norm = Norm(weights, "final_norm", config.norm_eps)
-        self.lm_head = None if config.tie_embeddings else _param(weights, "lm_head")
-        self.host = None  # a cpu_offload.host_decode.HostDecoder: one-token steps then run its int8 kernels
+        self.head = Head(self.embed if config.tie_embeddings else _param(weights, "lm_head"))
         expected = (config.vocab_size, config.d_model)
         if self.embed.shape != expected:
             raise ConfigError(f"embedding shape {self.embed.shape} does not match the config's {expected}")
@@ -323,8 +348,6 @@ class Transformer(nnx.Module):
         """tokens [B, T] at positions start..start+T-1 -> final hidden states [B, T, d], updated cache.
 
         With capture=True also returns every layer's FFN input [B, T, d] (for the profiler)."""
-        if self.host is not None and tokens.shape == (1, 1) and not capture:
-            return self._host_step(tokens, start, cache)
         x = _rows(self.embed, tokens)
         if self.pos_embed is not None:
             x = x + jax.lax.dynamic_slice_in_dim(self.pos_embed[...], start, tokens.shape[1])[None]
@@ -338,15 +361,18 @@ class Transformer(nnx.Module):
         out = self.final_norm(x), KVCache(k=ks, v=vs)
         return (*out, ffn_inputs) if capture else out
 
-    def _host_step(self, token, start, cache: KVCache):
-        """One token through the host's quantized layers (the same model: XLA reads the same stored blocks)."""
-        x = _rows(self.embed, token)
+    def decode(self, token, pos, cache: KVCache):
+        """One token (a scalar id) at position pos -> (logits [vocab], updated cache): each layer's and the
+        head's `decode`, which a host-backed engine swaps for its kernels (pjinfer.host)."""
+        x = _rows(self.embed, token.reshape(1, 1))
+        if self.pos_embed is not None:
+            x = x + jax.lax.dynamic_slice_in_dim(self.pos_embed[...], pos, 1)[None]
         ks, vs = [], []
-        for l, (k, v) in enumerate(zip(cache.k, cache.v)):
-            x, k, v = self.host.layer(l, x, start, k, v)
+        for layer, k, v in zip(self.layers, cache.k, cache.v):
+            x, k, v = layer.decode(x, pos, k, v)
             ks.append(k)
             vs.append(v)
-        return self.final_norm(x), KVCache(k=ks, v=vs)
+        return self.head.decode(self.final_norm(x)[0, 0]), KVCache(k=ks, v=vs)
 
     def forward_sequence(self, tokens, *, capture: bool = False):
         """A whole sequence [B, T] from position 0, nothing cached for later: the final hidden states
@@ -355,10 +381,8 @@ class Transformer(nnx.Module):
         return (hidden, ffn_inputs[0]) if capture else hidden
 
     def logits(self, hidden):
-        if self.host is not None and hidden.ndim == 1:
-            return self.host.head(hidden)
-        head = self.embed if self.lm_head is None else self.lm_head
-        return linear(hidden, head[...])
+        """hidden [..., d] -> logits [..., vocab] (the sequence path: prefill, scoring)."""
+        return self.head(hidden)
 
 
 def param_count(model: Transformer) -> int:

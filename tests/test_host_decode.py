@@ -128,13 +128,14 @@ def test_exp_matches_numpy_down_to_the_clamp():
 # ------------------------------------------------------------------------------------------------ whole model
 def _models(config, seed=0, fmt="int8"):
     """(host-decode model, XLA reference on the same dequantized weights, the HostDecoder)."""
+    from pjinfer import host as pjinfer_host
     from pjinfer.model import Transformer
 
     weights = random_weights(config, seed)
     host = hd.HostDecoder(config, weights, fmt)
     values = host.dequantized(weights)
     model = Transformer(config, values)
-    model.host = host
+    pjinfer_host.attach(model, host)
     return model, Transformer(config, values), host
 
 
@@ -142,11 +143,10 @@ def _decode(model, tokens, cache_len):
     """Logits [T, vocab] and the final caches of one-token decode steps through jit (cache donated)."""
     from flax import nnx
 
-    from pjinfer import generate as gen
     from pjinfer.model import KVCache
 
     graphdef, state = nnx.split(model)
-    step = jax.jit(lambda s, t, p, c: gen._step(nnx.merge(graphdef, s), t, p, c), donate_argnums=(3,))
+    step = jax.jit(lambda s, t, p, c: nnx.merge(graphdef, s).decode(t, p, c), donate_argnums=(3,))
     cache = KVCache.create(model.config, 1, cache_len)
     out = []
     for pos, token in enumerate(tokens):

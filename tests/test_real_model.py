@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from pjinfer import data
-from pjinfer import generate as gen
+from pjinfer import host as pjinfer_host
 from pjinfer.engine import Engine
 from pjinfer.model import KVCache
 
@@ -80,7 +80,7 @@ def _prefill_logits(graphdef, state, tokens, cache_len):
 @partial(jax.jit, static_argnames=("graphdef",))
 def _step_logits(graphdef, state, token, pos, cache):
     """One decode step (the host's kernels when the model has a HostDecoder): logits [vocab] and the cache."""
-    return gen._step(nnx.merge(graphdef, state), token, pos, cache)
+    return nnx.merge(graphdef, state).decode(token, pos, cache)
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +95,8 @@ def test_host_decode_equals_xla_at_long_positions(fmt, wiki_512):
     first, so the step's own cache write is checked too)."""
     host = Engine.load(weights=fmt)
     model = nnx.merge(host.graphdef, host.state)
-    assert model.host is not None
-    model.host = None
+    assert host.host is not None
+    pjinfer_host.detach(model)
     xla_graphdef, xla_state = nnx.split(model)   # the same values, every step through XLA
     all_logits, cache = _prefill_logits(xla_graphdef, xla_state, jnp.asarray(wiki_512), cache_len=512)
     for pos in (0, 255, 256, 511):

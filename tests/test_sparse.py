@@ -102,10 +102,9 @@ def decode_steps(model, tokens, cache_len=16):
     the jaxpr of one step."""
     import jax
 
-    from pjinfer import generate as gen
 
     graphdef, state = nnx.split(model)
-    step = jax.jit(lambda s, t, p, c: gen._step(nnx.merge(graphdef, s), t, p, c))
+    step = jax.jit(lambda s, t, p, c: nnx.merge(graphdef, s).decode(t, p, c))
     cache = KVCache.create(model.config, 1, cache_len)
     jaxpr = str(jax.make_jaxpr(step)(state, jnp.int32(tokens[0]), jnp.int32(0), cache))
     out = []

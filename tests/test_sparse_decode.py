@@ -10,6 +10,7 @@ import pytest
 from cpu_offload.sparse_decode import SparseHostDecoder
 from pjinfer import teal
 from pjinfer.config import ConfigError
+from pjinfer import host as pjinfer_host
 from pjinfer.engine import Engine
 from tests.conftest import random_weights, tiny_config
 
@@ -26,21 +27,19 @@ def _xla_twin(engine: Engine) -> Engine:
     """The same engine with its host decoder removed: one-token steps run through XLA on the same values."""
     twin = copy.copy(engine)
     model = nnx.merge(engine.graphdef, engine.state)
-    model.host = None
+    pjinfer_host.detach(model)
+    twin.host = None
     twin.graphdef, twin.state = nnx.split(model)
     return twin
 
 
 def _step_logits(engine: Engine, prompt, tokens):
     """Logits of each decode step feeding `tokens` after the prompt (prefill by XLA in both)."""
-    from pjinfer import generate as gen
-
     model = nnx.merge(engine.graphdef, engine.state)
-    padded, cache_len = engine.plan(len(prompt), len(tokens) + 1)
-    _, cache = gen._prefill(model, engine.pad_prompt(prompt, padded), len(prompt), cache_len)
+    _, cache = engine.prefill(prompt, cache_len=engine.plan(len(prompt), len(tokens) + 1)[1])
     out = []
     for i, t in enumerate(tokens):
-        logits, cache = gen._step(model, jnp.int32(t), len(prompt) + i, cache)
+        logits, cache = model.decode(jnp.int32(t), len(prompt) + i, cache)
         out.append(np.asarray(logits))
     return np.stack(out)
 
@@ -60,7 +59,8 @@ def test_host_decode_equals_xla_with_the_same_thresholds(activation, levels):
     weights = random_weights(config, seed=3)
     thresholds = _quantile_thresholds(config, weights, levels)
     host = Engine(config, weights, None, weights_format="q4_1", thresholds=thresholds)
-    assert isinstance(nnx.merge(host.graphdef, host.state).host, SparseHostDecoder)
+    assert isinstance(host.host, SparseHostDecoder)
+    assert isinstance(nnx.merge(host.graphdef, host.state).head, pjinfer_host.HostHead)
     xla = _xla_twin(host)
     prompt = [5, 17, 42, 8, 60]
     got = host.generate(prompt, max_new_tokens=16, stop_ids=[])
