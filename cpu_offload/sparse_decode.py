@@ -42,6 +42,7 @@ from .host_decode import (H_EPS, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS, H_RUN
 from .kernels import act
 from .q4 import BLOCK
 from .qtensor import Int8Tensor
+from pjinfer.config import THRESHOLD_INPUTS
 
 from numba import carray, cfunc, njit, types  # noqa: E402
 
@@ -53,7 +54,6 @@ MAGIC = 0x706A7370_0001  # "pjsp" + 1
 H_THRESH, H_IDX, H_PARTIAL, H_WIDEST = 21, 22, 23, 24
 HEADER_WIDTH = 32
 T_ATTN, T_O, T_FFN, T_DOWN = range(4)
-TENSORS = ("attn_in", "o_in", "ffn_in", "down_in")  # the names of the four thresholds, in this order
 # Layer table slots: per matrix three (q4_sparse.relayout's nib, d, m), then the norm scales.
 L_QKV, L_O, L_GATE_UP, L_DOWN = 0, 3, 6, 9
 L_ATTN_NORM, L_FFN_NORM = 12, 13
@@ -281,7 +281,7 @@ class SparseHostDecoder(hd.HostDecoder):
     inputs above fixed thresholds (see the module docstring).
 
     config: pjinfer.model's ModelConfig. weights: the canonical float32 weights; each stored matrix is built from
-    its own float32 matrix, one at a time. thresholds: float32 [n_layers, 4] in TENSORS' order, each >= 0.
+    its own float32 matrix, one at a time. thresholds: float32 [n_layers, 4] in THRESHOLD_INPUTS' order, each >= 0.
     The output head is int8, as in HostDecoder."""
 
     target = TARGET_NAME
@@ -289,8 +289,8 @@ class SparseHostDecoder(hd.HostDecoder):
     def __init__(self, config, weights: dict, thresholds):
         c = config
         thresholds = np.ascontiguousarray(thresholds, np.float32)
-        if thresholds.shape != (c.n_layers, len(TENSORS)):
-            raise ValueError(f"thresholds must be [{c.n_layers}, {len(TENSORS)}] (layers x {', '.join(TENSORS)}), "
+        if thresholds.shape != (c.n_layers, len(THRESHOLD_INPUTS)):
+            raise ValueError(f"thresholds must be [{c.n_layers}, {len(THRESHOLD_INPUTS)}] (layers x {', '.join(THRESHOLD_INPUTS)}), "
                              f"got {list(thresholds.shape)}")
         if not (np.isfinite(thresholds).all() and (thresholds >= 0).all()):
             raise ValueError("thresholds must be finite and >= 0")

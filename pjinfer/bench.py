@@ -119,9 +119,9 @@ def engine_bytes_per_token(engine: Engine, cache_len: int, mean_position: int) -
     config = engine.config
     model = nnx.merge(engine.graphdef, engine.state)
     if engine.host is not None:
-        return float(engine.host.nbytes + 2 * config.n_layers * mean_position * config.n_kv_heads * config.head_dim * 4)
+        return float(engine.host.nbytes + config.kv_cache_bytes(mean_position, 4))
     total = state_bytes(engine)
-    kv = 2 * config.n_layers * cache_len * config.n_kv_heads * config.head_dim * 4
+    kv = config.kv_cache_bytes(cache_len, 4)
     if not isinstance(model.layers[0].ffn, SparseFFN):
         return float(total + kv)
     ffn_rows = sum(np.asarray(p).nbytes for layer in model.layers
@@ -141,7 +141,7 @@ def gguf_bytes_per_token(engine: Engine, mean_position: int) -> float:
     names = {t.name for t in reader.tensors}
     # With a separate output head, the embedding table is only looked up (one row per token).
     weights = sum(int(t.n_bytes) for t in reader.tensors if t.name != "token_embd.weight" or "output.weight" not in names)
-    return float(weights + 2 * config.n_layers * mean_position * config.n_kv_heads * config.head_dim * 2)
+    return float(weights + config.kv_cache_bytes(mean_position, 2))
 
 
 def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pjinfer.config import ModelConfig
+
 # name -> (d_model, layers, heads, kv heads, d_ff); head_dim 64 except 7b (128). Parameters include the embedding.
 SIZES = {
     "0.5b": (1536, 20, 24, 4, 4096),
@@ -33,10 +35,11 @@ SIZES = {
 Q4_1, Q8_0 = 3, 8
 
 
-def param_count(size: str, vocab: int) -> int:
+def size_config(size: str, vocab: int = 49152) -> ModelConfig:
+    """The model a size's file holds (tied embeddings, SwiGLU, context 4096)."""
     d, layers, heads, kv, ff = SIZES[size]
-    hd = d // heads
-    return layers * (2 * d * heads * hd + 2 * d * kv * hd + 3 * d * ff) + vocab * d
+    return ModelConfig(arch="llama", vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=kv,
+                       head_dim=d // heads, d_ff=ff, activation="swiglu", max_seq_len=4096)
 
 
 def _q4_1_blocks(rng, rows: int, cols: int) -> np.ndarray:
@@ -185,7 +188,7 @@ def main(argv=None) -> int:
             print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - start:.0f} s",
                   file=sys.stderr)
         result = measure(path, args.runs)
-        result["size"], result["params_b"] = size, param_count(size, 49152) / 1e9
+        result["size"], result["params_b"] = size, size_config(size).n_params / 1e9
         print(json.dumps(result), flush=True)
         rows.append(result)
     print()

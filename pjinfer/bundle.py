@@ -21,10 +21,20 @@ from pathlib import Path
 
 import numpy as np
 
-from pjinfer.config import ConfigError
+from pjinfer.config import THRESHOLD_INPUTS, ConfigError
 
 FORMAT = 1
 MANIFEST = "manifest.json"
+THRESHOLDS = "thresholds"   # the stage of input-sparsity thresholds (pjinfer.teal)
+
+
+def model_record(config, source) -> dict:
+    """What a bundle records of the model it was made for; its identity is checked whenever it is opened."""
+    from pjinfer.loader import model_identity
+
+    c = config
+    return {"source": str(source), "identity": model_identity(Path(source)), "name": c.name, "arch": c.arch,
+            "activation": c.activation, "n_layers": c.n_layers, "d_ff": c.d_ff, "d_model": c.d_model}
 
 
 def _checkpointer():
@@ -53,7 +63,8 @@ class Bundle:
         return cls(path, {"format": FORMAT, "model": model, "stages": {}})  # written with its first stage
 
     @classmethod
-    def open(cls, path) -> "Bundle":
+    def open(cls, path, *, source=None) -> "Bundle":
+        """The bundle at path; with source (a model path), checked to have been made for that model."""
         path = Path(path)
         file = path / MANIFEST
         if not file.exists():
@@ -64,7 +75,12 @@ class Bundle:
                 raise ValueError(f"format {manifest.get('format')!r}")
         except (json.JSONDecodeError, ValueError, AttributeError) as e:
             raise ConfigError(f"bundle manifest {file} is corrupt ({e})") from None
-        return cls(path, manifest)
+        bundle = cls(path, manifest)
+        if source is not None:
+            from pjinfer.loader import model_identity
+
+            bundle.check_model(model_identity(Path(source)))
+        return bundle
 
     def check_model(self, identity: str) -> None:
         made_for = self.manifest["model"]
@@ -76,6 +92,31 @@ class Bundle:
         if stage not in self.manifest["stages"]:
             raise ConfigError(f"bundle {self.path} has no {stage} yet; run `pjinfer {_MAKES[stage]} --bundle {self.path}`")
         return self.manifest["stages"][stage]
+
+    # ------------------------------------------------------------ what the runtime reads
+    def thresholds(self, config) -> np.ndarray:
+        """The input-sparsity thresholds, float32 [n_layers, len(THRESHOLD_INPUTS)]."""
+        thresholds = np.asarray(self.load_stage(THRESHOLDS)["thresholds"], np.float32)
+        if thresholds.shape != (config.n_layers, len(THRESHOLD_INPUTS)):
+            raise ConfigError(f"bundle {self.path}: thresholds are {list(thresholds.shape)}, the model needs "
+                              f"[{config.n_layers}, {len(THRESHOLD_INPUTS)}]")
+        return thresholds
+
+    def predictors(self, config) -> list:
+        """One trained train.predictor.Predictor per layer, as the predictors stage stored them."""
+        from flax import nnx
+
+        from train.predictor import Predictor
+
+        record, tree = self.require("predictors"), self.load_stage("predictors")
+        out = []
+        for l, rank in enumerate(record["ranks"]):
+            predictor = Predictor(config.d_model, config.d_ff, rank, rngs=nnx.Rngs(0))
+            state = nnx.state(predictor)
+            nnx.replace_by_pure_dict(state, tree[str(l)])
+            nnx.update(predictor, state)
+            out.append(predictor)
+        return out
 
     # ------------------------------------------------------------ stages
     def save_stage(self, stage: str, tree: dict, record: dict, *, extra_files: dict | None = None) -> None:

@@ -490,13 +490,13 @@ def cmd_profile(args):
 
 
 def cmd_calibrate(args):
-    from pjinfer import teal
+    from pjinfer import offline, teal
     from pjinfer.progress import Progress
 
     if not 0.0 <= args.target <= teal.MAX_TARGET:  # before the model loads
         raise ConfigError(f"--target must be in [0, {teal.MAX_TARGET}], got {args.target}")
-    teal.run_calibrate(_load(args, weights="float32"), args.bundle, target=args.target, text_file=args.text_file,
-                       progress=Progress("calibrating", 0, " layers"))
+    offline.run_calibrate(_load(args, weights="float32"), args.bundle, target=args.target,
+                          text_file=args.text_file, progress=Progress("calibrating", 0, " layers"))
 
 
 def cmd_train_predictors(args):

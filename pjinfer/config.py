@@ -14,6 +14,11 @@ WEIGHT_FORMATS = ("float32", "int8", "q4_1")
 WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)
 
 
+# The matrix inputs a calibrated threshold gates, per layer (pjinfer.teal fits them, cpu_offload.sparse_decode
+# applies them): q/k/v's input, o's input, gate/up's input, down's input.
+THRESHOLD_INPUTS = ("attn_in", "o_in", "ffn_in", "down_in")
+
+
 class ConfigError(ValueError):
     """A model or setting that pjinfer cannot run; the message is one line for the user."""
 
@@ -57,6 +62,22 @@ class ModelConfig:
     @property
     def uses_rope(self) -> bool:
         return self.arch == "llama"
+
+    @property
+    def n_params(self) -> int:
+        """Weights the model stands for (a quantized matrix counts rows x cols): embeddings, every layer's
+        matrices, biases and norms, the final norm, and the head when it is not tied."""
+        d, q, kv = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        opt = self.arch == "opt"
+        layer = 2 * d * q + 2 * d * kv + (3 if self.gated else 2) * d * self.d_ff + (4 if opt else 2) * d
+        if opt:
+            layer += q + 2 * kv + d + self.d_ff + d
+        top = self.vocab_size * d * (1 if self.tie_embeddings else 2) + (2 if opt else 1) * d
+        return self.n_layers * layer + top + (self.max_seq_len * d if opt else 0)
+
+    def kv_cache_bytes(self, tokens: int, itemsize: int) -> int:
+        """Bytes of keys and values for `tokens` positions in every layer, itemsize bytes a value."""
+        return 2 * self.n_layers * tokens * self.n_kv_heads * self.head_dim * itemsize
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

@@ -15,7 +15,8 @@ from pjinfer import host as pjinfer_host
 from pjinfer import loader
 from pjinfer.config import WEIGHT_CHOICES, WEIGHT_FORMATS, ConfigError, ModelConfig
 from cpu_offload.qtensor import is_quantized
-from pjinfer.model import Float32View, Transformer, float32_weights
+from pjinfer.bundle import THRESHOLDS, Bundle
+from pjinfer.model import Float32View, Transformer, float32_weights, set_thresholds
 from pjinfer.sampling import REPEAT_WINDOW, Sampling
 from pjinfer.tokenizer import Tokenizer
 
@@ -29,10 +30,7 @@ def resolve_weights(weights: str, path=None, bundle=None) -> str:
     if loader.stored_format(path) != "q4_1":
         return "float32"
     if bundle is not None:
-        from pjinfer.bundle import Bundle
-        from pjinfer.teal import STAGE
-
-        return "q4_1" if STAGE in Bundle.open(bundle).manifest["stages"] else "float32"
+        return "q4_1" if THRESHOLDS in Bundle.open(bundle).manifest["stages"] else "float32"
     return "q4_1"
 
 
@@ -90,9 +88,7 @@ class Engine:
             pjinfer_host.attach(model, host)
         self.host = host          # the host decoder one-token steps run on (None: every step through XLA)
         if thresholds is not None:
-            from pjinfer import teal
-
-            teal.set_thresholds(model, thresholds)
+            set_thresholds(model, thresholds)
         self.thresholds = thresholds
         self.graphdef, self.state = nnx.split(model)
 
@@ -124,13 +120,9 @@ class Engine:
         source = str(path or loader.default_model_path())
         thresholds = None
         if weights == "q4_1" and bundle is not None:
-            from pjinfer import teal
-
-            thresholds = teal.load_thresholds(bundle, source, config)
+            thresholds = Bundle.open(bundle, source=source).thresholds(config)
         engine = cls(config, tensors, tokenizer, source=source, weights_format=weights, thresholds=thresholds)
         if thresholds is not None:
-            from pjinfer.bundle import Bundle
-
             engine.bundle = Bundle.open(bundle)
         elif bundle is not None:
             engine.use_bundle(bundle, hot_backend=hot_backend, cold_weights=cold_weights)
@@ -140,10 +132,10 @@ class Engine:
     def use_bundle(self, path, *, hot_backend: str = "xla", cold_weights: str = "float32") -> None:
         """Run sparse from now on: the bundle's predictors pick active neurons, its placement splits
         them into hot (accelerator) and cold (host memory, Numba) rows."""
-        from pjinfer import offline, sparse
+        from pjinfer import sparse
 
-        bundle = offline.open_bundle(self, path)
-        predictors = offline.load_predictors(self, bundle)
+        bundle = Bundle.open(path, source=self.source)
+        predictors = bundle.predictors(self.config)
         hot = np.asarray(bundle.load_stage("placement")["hot"], bool)
         model = nnx.merge(self.graphdef, self.state)
         sparse.sparsify(model, hot, predictors, hot_backend=hot_backend, cold_weights=cold_weights)

@@ -179,6 +179,13 @@ def sparsify_input(x, threshold):
     return x if threshold is None else jnp.where(jnp.abs(x) > threshold[...], x, 0.0)
 
 
+def set_thresholds(model, thresholds) -> None:
+    """Give every layer of a Transformer its four thresholds ([n_layers, 4]); None removes them."""
+    for l, block in enumerate(model.layers):
+        t = [None] * 4 if thresholds is None else [Threshold(jnp.float32(v)) for v in np.asarray(thresholds)[l]]
+        block.attn.t_in, block.attn.t_o, block.ffn.t_in, block.ffn.t_down = (nnx.data(v) for v in t)
+
+
 # ---------------------------------------------------------------- KV cache
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -383,11 +390,3 @@ class Transformer(nnx.Module):
     def logits(self, hidden):
         """hidden [..., d] -> logits [..., vocab] (the sequence path: prefill, scoring)."""
         return self.head(hidden)
-
-
-def param_count(model: Transformer) -> int:
-    """Weights the model stands for (a quantized matrix counts its rows x cols, not its bytes or scales)."""
-    quantized = [m for _, m in nnx.iter_graph(model) if isinstance(m, QMatrix)]
-    stored = sum(int(np.prod(p.shape)) for m in quantized for p in (m.data, m.scales) if p is not None)
-    total = sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    return int(total - stored + sum(int(np.prod(m.shape)) for m in quantized))

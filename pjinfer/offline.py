@@ -1,4 +1,4 @@
-"""The offline pipeline's stages as the command line runs them: profile, train predictors, solve.
+"""The offline pipeline's stages as the command line runs them: calibrate, profile, train predictors, solve.
 
 Each stage reads what the previous ones stored in the bundle and adds its own, with its settings
 and achieved figures in the manifest, and prints a per-layer table.
@@ -7,28 +7,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax
 import numpy as np
 
 from pjinfer import loader
 from pjinfer import profile as prof
-from pjinfer.bundle import Bundle
-from pjinfer.config import ConfigError
+from pjinfer import teal
+from pjinfer.activations import EXACT_ZERO
+from pjinfer.bundle import THRESHOLDS, Bundle, model_record
+from pjinfer.config import THRESHOLD_INPUTS, ConfigError
 from pjinfer.engine import Engine
-
-
-def model_record(engine: Engine) -> dict:
-    c = engine.config
-    return {"source": engine.source, "identity": loader.model_identity(Path(engine.source)),
-            "name": c.name, "arch": c.arch, "activation": c.activation, "n_layers": c.n_layers, "d_ff": c.d_ff,
-            "d_model": c.d_model}
-
-
-def open_bundle(engine: Engine, path) -> Bundle:
-    """The bundle at `path`, checked against the engine's model."""
-    bundle = Bundle.open(path)
-    bundle.check_model(model_record(engine)["identity"])
-    return bundle
 
 
 def table(header: list[str], rows: list[list], out=print) -> None:
@@ -44,7 +31,7 @@ def _fmt(v) -> str:
 
 def run_profile(engine: Engine, bundle_path, *, text_file=None, tokens: int, sparsity: float | None,
                 train_tokens: int, progress=None, out=print) -> Bundle:
-    bundle = Bundle.create(bundle_path, model=model_record(engine))
+    bundle = Bundle.create(bundle_path, model=model_record(engine.config, engine.source))
     ids = prof.calibration_ids(engine, text_file)
     stats, training = prof.profile(engine, ids, tokens=tokens, sparsity=sparsity, train_tokens=train_tokens,
                                    progress=progress)
@@ -86,17 +73,13 @@ def load_training_data(bundle: Bundle) -> prof.TrainingData:
     return prof.TrainingData(inputs, labels, bundle.manifest["model"]["d_ff"])
 
 
-def param_count(engine: Engine) -> int:
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(engine.state))
-
-
 def dense_bytes(engine: Engine, *, predictor_bytes: int, kv_tokens: int) -> dict:
     """What must sit on the accelerator before any FFN neuron: every weight that is not an FFN
     neuron row (attention, embeddings, head, norms, biases), the predictors, and a KV cache."""
     c = engine.config
-    total = 4 * param_count(engine)
+    total = 4 * c.n_params
     neurons = c.n_layers * c.d_ff * neuron_bytes(engine)
-    kv = 2 * c.n_layers * kv_tokens * c.n_kv_heads * c.head_dim * 4
+    kv = c.kv_cache_bytes(kv_tokens, 4)
     return {"weights": total - neurons, "predictors": predictor_bytes, "kv_cache": kv,
             "total": total - neurons + predictor_bytes + kv}
 
@@ -112,7 +95,7 @@ def run_solve(engine: Engine, bundle_path, *, device_memory: int, kv_tokens: int
               out=print) -> Bundle:
     from pjinfer import policy
 
-    bundle = open_bundle(engine, bundle_path)
+    bundle = Bundle.open(bundle_path, source=engine.source)
     stats = load_stats(bundle)
     pred = bundle.require("predictors")
     dense = dense_bytes(engine, predictor_bytes=pred["bytes"], kv_tokens=kv_tokens)
@@ -155,7 +138,7 @@ def run_train(engine: Engine, bundle_path, *, recall: float, max_rank: int, epoc
 
     if not 0 < recall < 1:
         raise ConfigError(f"--recall must be in (0, 1), got {recall}")
-    bundle = open_bundle(engine, bundle_path)
+    bundle = Bundle.open(bundle_path, source=engine.source)
     training = load_training_data(bundle)
     c = engine.config
     states, layers = {}, []
@@ -172,7 +155,7 @@ def run_train(engine: Engine, bundle_path, *, recall: float, max_rank: int, epoc
     params = sum(m["params"] for m in layers)
     record = {"recall_target": recall, "max_rank": max_rank, "epochs": epochs, "layers": layers,
               "ranks": [m["rank"] for m in layers], "params": params, "bytes": 4 * params + 4 * c.n_layers,
-              "size_vs_model": params / param_count(engine),
+              "size_vs_model": params / c.n_params,
               "recall_min": min(m["recall"] for m in layers),
               "predicted_sparsity_mean": float(np.mean([m["predicted_sparsity"] for m in layers]))}
     bundle.save_stage("predictors", states, record)
@@ -185,20 +168,33 @@ def run_train(engine: Engine, bundle_path, *, recall: float, max_rank: int, epoc
     return bundle
 
 
-def load_predictors(engine: Engine, bundle: Bundle) -> list:
-    """One trained train.predictor.Predictor per layer, as the bundle stored them."""
-    from flax import nnx
+def run_calibrate(engine, bundle_path, *, target: float, text_file=None, progress=None, out=print):
+    """The `pjinfer calibrate` stage: fit, allocate, store in the bundle, print a per-layer table."""
+    if not 0.0 <= target <= teal.MAX_TARGET:
+        raise ConfigError(f"--target must be in [0, {teal.MAX_TARGET}], got {target}")
+    bundle = Bundle.create(bundle_path, model=model_record(engine.config, engine.source))
+    relu = engine.config.activation in EXACT_ZERO
+    fitted = teal.calibrate(engine, prof.calibration_ids(engine, text_file), target=target, relu_family=relu,
+                            progress=progress)
+    save_calibration(bundle, engine, fitted, target=target, text_file=text_file, out=out)
+    return bundle
 
-    from train.predictor import Predictor
 
-    record = bundle.require("predictors")
-    tree = bundle.load_stage("predictors")
-    c = engine.config
-    out = []
-    for l, rank in enumerate(record["ranks"]):
-        predictor = Predictor(c.d_model, c.d_ff, rank, rngs=nnx.Rngs(0))
-        state = nnx.state(predictor)
-        nnx.replace_by_pure_dict(state, tree[str(l)])
-        nnx.update(predictor, state)
-        out.append(predictor)
-    return out
+def save_calibration(bundle, engine, fitted: dict, *, target: float, text_file=None, out=print) -> None:
+    """Store a calibration (teal.calibrate's or teal.Fit.allocate's result) as the bundle's thresholds stage."""
+    levels, shares = fitted["levels"], teal.weight_shares(engine.config)
+    per_tensor = levels.mean(0)
+    achieved = float((levels * shares).sum() / (shares.sum() * levels.shape[0]))
+    record = {"text": str(text_file or "exllamav2 calibration set (wiki's evaluation slice left out)"),
+              "target": target, "achieved_weighted": achieved,
+              "achieved_per_tensor": dict(zip(THRESHOLD_INPUTS, map(float, per_tensor))),
+              "levels": levels, "fit_tokens": fitted["fit_tokens"], "held_tokens": fitted["held_tokens"],
+              "calibration_loss_dense": fitted["loss_dense"], "calibration_loss": fitted["loss"],
+              "seconds": round(fitted["seconds"], 1)}
+    bundle.save_stage(THRESHOLDS, {"thresholds": fitted["thresholds"]}, record)
+    out(f"calibrated on {fitted['fit_tokens']} + {fitted['held_tokens']} held-back tokens in "
+        f"{fitted['seconds']:.0f} s: weight-weighted sparsity {achieved:.3f} (target {target}); held-back loss "
+        f"{fitted['loss']:.4f} (dense {fitted['loss_dense']:.4f})")
+    table(["layer", *[f"{t} level" for t in THRESHOLD_INPUTS], *THRESHOLD_INPUTS],
+          [[l, *map(float, levels[l]), *map(float, fitted["thresholds"][l])] for l in range(len(levels))], out)
+    out(f"wrote {bundle.path / THRESHOLDS}")

@@ -1,7 +1,7 @@
-"""Input sparsity with calibrated thresholds (TEAL, arXiv 2408.14690): the calibrate stage and the thresholds'
-place in the model.
+"""Input sparsity with calibrated thresholds (TEAL, arXiv 2408.14690): fitting them (the bundle stage that
+stores them is pjinfer.offline.run_calibrate; the model applies them, pjinfer.model.set_thresholds).
 
-Four thresholds per layer (cpu_offload.sparse_decode.TENSORS): the attention input (q/k/v), o's input, the FFN
+Four thresholds per layer (config.THRESHOLD_INPUTS): the attention input (q/k/v), o's input, the FFN
 input (gate/up) and the FFN intermediate (down's input). An input entry with |x| <= threshold counts as zero in
 every path: XLA (pjinfer.model.sparsify_input) and the host decode (cpu_offload.sparse_decode), so perplexity and
 eval with the bundle measure what decode computes.
@@ -27,11 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pjinfer.activations import EXACT_ZERO
-from pjinfer.config import ConfigError
-from pjinfer.model import KVCache, Threshold
+from pjinfer import model as model_lib
+from pjinfer.config import THRESHOLD_INPUTS, ConfigError
+from pjinfer.model import KVCache
 
-TENSORS = ("attn_in", "o_in", "ffn_in", "down_in")   # cpu_offload.sparse_decode.TENSORS' order
 LEVELS = np.round(np.arange(0.0, 0.91, 0.05), 2)     # sparsity levels a threshold can be fitted at
 TRIAL_LEVELS = (0.3, 0.5, 0.7)                       # levels whose held-back cost is measured per layer and group
 WINDOW = 256
@@ -46,13 +45,6 @@ def weight_shares(config) -> np.ndarray:
     attn = c.n_heads * c.head_dim
     return np.array([c.d_model * (attn + 2 * c.n_kv_heads * c.head_dim), attn * c.d_model,
                      c.d_model * c.d_ff * (2 if c.gated else 1), c.d_ff * c.d_model], np.float64)
-
-
-def set_thresholds(model, thresholds) -> None:
-    """Give every layer of a pjinfer.model.Transformer its four thresholds ([n_layers, 4]); None removes them."""
-    for l, block in enumerate(model.layers):
-        t = [None] * 4 if thresholds is None else [Threshold(jnp.float32(v)) for v in np.asarray(thresholds)[l]]
-        block.attn.t_in, block.attn.t_o, block.ffn.t_in, block.ffn.t_down = (nnx.data(v) for v in t)
 
 
 # ------------------------------------------------------------------------------------------------ fitting
@@ -114,12 +106,12 @@ class Fit:
         fit, self.held = jnp.asarray(batch[:FIT_WINDOWS]), jnp.asarray(batch[FIT_WINDOWS:])
         self.fit_tokens, self.held_tokens = int(fit.size), int(self.held.size)
         model = nnx.merge(engine.graphdef, engine.state)
-        set_thresholds(model, None)
+        model_lib.set_thresholds(model, None)
         graphdef, state = nnx.split(model)
         self.quantiles = np.asarray(_quantiles(graphdef, state, fit, jnp.asarray(LEVELS, jnp.float32)))
         L = self.quantiles.shape[0]
         self.loss_dense = float(_loss(graphdef, state, self.held))
-        set_thresholds(model, np.zeros((L, 4), np.float32))   # thresholds as state: no recompiling per trial
+        model_lib.set_thresholds(model, np.zeros((L, 4), np.float32))   # thresholds as state: no recompiling per trial
         self.model, self.graphdef = model, nnx.split(model)[0]
         self.groups = [(0, 1, 2)] + ([] if relu_family else [(3,)])    # "in", "down"
         shares = weight_shares(engine.config)
@@ -138,7 +130,7 @@ class Fit:
 
     def loss_at(self, levels) -> float:
         """Held-back loss with the thresholds of sparsity levels [L, 4]."""
-        set_thresholds(self.model, _thresholds(self.quantiles, levels))
+        model_lib.set_thresholds(self.model, _thresholds(self.quantiles, levels))
         return float(_loss(self.graphdef, nnx.state(self.model), self.held))
 
     def allocate(self, target: float) -> dict:
@@ -167,7 +159,7 @@ class Fit:
         thresholds = _thresholds(self.quantiles, levels)
         if self.relu_family:
             thresholds[:, 3] = 0.0
-        set_thresholds(self.model, thresholds)
+        model_lib.set_thresholds(self.model, thresholds)
         loss = float(_loss(self.graphdef, nnx.state(self.model), self.held))
         return {"thresholds": thresholds, "levels": levels, "fit_tokens": self.fit_tokens,
                 "held_tokens": self.held_tokens, "loss_dense": self.loss_dense, "loss": loss,
@@ -179,65 +171,10 @@ def uniform(engine, ids, levels4) -> np.ndarray:
     on the first FIT_WINDOWS windows of ids."""
     batch = jnp.asarray(np.asarray(ids[:FIT_WINDOWS * WINDOW], np.int32).reshape(-1, WINDOW))
     model = nnx.merge(engine.graphdef, engine.state)
-    set_thresholds(model, None)
+    model_lib.set_thresholds(model, None)
     graphdef, state = nnx.split(model)
     quantiles = np.asarray(_quantiles(graphdef, state, batch, jnp.asarray(LEVELS, jnp.float32)))
     return _thresholds(quantiles, np.broadcast_to(np.asarray(levels4, float), (quantiles.shape[0], 4)))
 
 
 # ------------------------------------------------------------------------------------------------ bundle stage
-STAGE = "thresholds"
-
-
-def load_thresholds(path, source: str, config) -> np.ndarray:
-    """The [n_layers, 4] thresholds of the bundle at path, checked against the model at source."""
-    from pathlib import Path
-
-    from pjinfer import loader
-    from pjinfer.bundle import Bundle
-
-    bundle = Bundle.open(path)
-    bundle.check_model(loader.model_identity(Path(source)))
-    thresholds = np.asarray(bundle.load_stage(STAGE)["thresholds"], np.float32)
-    if thresholds.shape != (config.n_layers, len(TENSORS)):
-        raise ConfigError(f"bundle {path}: thresholds are {list(thresholds.shape)}, the model needs "
-                          f"[{config.n_layers}, {len(TENSORS)}]")
-    return thresholds
-
-
-def run_calibrate(engine, bundle_path, *, target: float, text_file=None, progress=None, out=print):
-    """The `pjinfer calibrate` stage: fit, allocate, store in the bundle, print a per-layer table."""
-    from pjinfer import offline
-    from pjinfer import profile as prof
-    from pjinfer.bundle import Bundle
-
-    if not 0.0 <= target <= MAX_TARGET:
-        raise ConfigError(f"--target must be in [0, {MAX_TARGET}], got {target}")
-    bundle = Bundle.create(bundle_path, model=offline.model_record(engine))
-    relu = engine.config.activation in EXACT_ZERO
-    fitted = calibrate(engine, prof.calibration_ids(engine, text_file), target=target, relu_family=relu,
-                       progress=progress)
-    save_stage(bundle, engine, fitted, target=target, text_file=text_file, out=out)
-    return bundle
-
-
-def save_stage(bundle, engine, fitted: dict, *, target: float, text_file=None, out=print) -> None:
-    """Store a calibration (``calibrate``'s or ``Fit.allocate``'s result) as the bundle's thresholds stage."""
-    from pjinfer import offline
-
-    levels, shares = fitted["levels"], weight_shares(engine.config)
-    per_tensor = levels.mean(0)
-    achieved = float((levels * shares).sum() / (shares.sum() * levels.shape[0]))
-    record = {"text": str(text_file or "exllamav2 calibration set (wiki's evaluation slice left out)"),
-              "target": target, "achieved_weighted": achieved,
-              "achieved_per_tensor": dict(zip(TENSORS, map(float, per_tensor))),
-              "levels": levels, "fit_tokens": fitted["fit_tokens"], "held_tokens": fitted["held_tokens"],
-              "calibration_loss_dense": fitted["loss_dense"], "calibration_loss": fitted["loss"],
-              "seconds": round(fitted["seconds"], 1)}
-    bundle.save_stage(STAGE, {"thresholds": fitted["thresholds"]}, record)
-    out(f"calibrated on {fitted['fit_tokens']} + {fitted['held_tokens']} held-back tokens in "
-        f"{fitted['seconds']:.0f} s: weight-weighted sparsity {achieved:.3f} (target {target}); held-back loss "
-        f"{fitted['loss']:.4f} (dense {fitted['loss_dense']:.4f})")
-    offline.table(["layer", *[f"{t} level" for t in TENSORS], *TENSORS],
-                  [[l, *map(float, levels[l]), *map(float, fitted["thresholds"][l])] for l in range(len(levels))], out)
-    out(f"wrote {bundle.path / STAGE}")

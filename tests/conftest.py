@@ -84,6 +84,7 @@ class SmallBundle:
 
     def __init__(self, engine, path):
         from pjinfer import offline, policy
+        from pjinfer.bundle import Bundle
 
         self.path = path
         self.lines = {"profile": [], "train": [], "solve": []}
@@ -91,7 +92,7 @@ class SmallBundle:
         offline.run_train(engine, path, **self.TRAIN, out=self.lines["train"].append)
         offline.run_solve(engine, path, device_memory=policy.parse_bytes(self.DEVICE_MEMORY), kv_tokens=2048,
                           batch=64, hardware=policy.Hardware(), out=self.lines["solve"].append)
-        self.bundle = offline.open_bundle(engine, path)
+        self.bundle = Bundle.open(path, source=engine.source)
 
 
 @pytest.fixture(scope="session")

@@ -125,3 +125,14 @@ def test_plan_refuses_what_the_context_cannot_hold(tiny_engine):
         tiny_engine.plan(100, 29)
     with pytest.raises(ConfigError, match="empty"):
         tiny_engine.plan(0, 5)
+
+
+@pytest.mark.parametrize("arch,tied", [("llama", True), ("llama", False), ("opt", True), ("opt", False)])
+def test_n_params_counts_every_weight_of_the_model(arch, tied):
+    """config.n_params (the one parameter counter) equals the model's own arrays, a tied head counted once."""
+    from flax import nnx
+
+    config = tiny_config(arch, "swiglu" if arch == "llama" else "relu", tie_embeddings=tied)
+    model = Transformer(config, random_weights(config))
+    assert config.n_params == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert config.kv_cache_bytes(10, 2) == 2 * config.n_layers * 10 * config.n_kv_heads * config.head_dim * 2

@@ -18,7 +18,7 @@ def test_training_records_per_layer_figures_and_predictors_reload(engine, small_
     assert len(record["ranks"]) == L and all(16 <= r <= 32 for r in record["ranks"])
     assert record["bytes"] > 0 and 0 < record["size_vs_model"] < 0.05
     assert "recall" in lines[0] and len(lines) == L + 2
-    predictors = offline.load_predictors(engine, b)
+    predictors = b.predictors(engine.config)
     training = offline.load_training_data(b)
     # The stored per-layer recall is the held-back one: recomputed here on the test split (tokens the weights
     # and the threshold never saw) with the reloaded predictors, it is the same number.
@@ -37,7 +37,7 @@ def test_predictors_keep_their_recall_on_unseen_text(engine, small_bundle):
     # Wiki's evaluation slice is not in the calibration set: layer inputs and labels (contribution above the
     # profile's threshold) the predictors never saw in any split.
     stats = offline.load_stats(small_bundle.bundle)
-    predictors = offline.load_predictors(engine, small_bundle.bundle)
+    predictors = small_bundle.bundle.predictors(engine.config)
     ids = engine.tokenizer.encode(data.wiki_eval_text(), add_special=False)[:prof.BATCH * prof.WINDOW]
     inputs, contrib = prof.layer_activity(engine.graphdef, engine.state,
                                           jnp.asarray(np.asarray(ids, np.int32).reshape(prof.BATCH, prof.WINDOW)))

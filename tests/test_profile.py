@@ -83,7 +83,7 @@ def test_locality_on_hand_made_frequencies():
 def test_profile_stage_round_trips_through_the_bundle(engine, small_bundle):
     lines = small_bundle.lines["profile"]
     assert any("locality80" in l for l in lines) and len(lines) == engine.config.n_layers + 3
-    bundle = offline.open_bundle(engine, small_bundle.path)
+    bundle = Bundle.open(small_bundle.path, source=engine.source)
     record = bundle.require("profile")
     stats = offline.load_stats(bundle)
     assert stats.target_sparsity == 0.5 and stats.tokens == 2048 and record["train_tokens"] == 1024
@@ -99,7 +99,7 @@ def test_bundle_refuses_other_models_and_corruption(engine, tmp_path):
     assert not b.path.exists()  # nothing is written before the first stage
     b.save_stage("placement", {"hot": np.ones((1, 8), bool)}, {})
     with pytest.raises(ConfigError, match="made for another model"):
-        offline.open_bundle(engine, b.path)
+        Bundle.open(b.path, source=engine.source)
     with pytest.raises(ConfigError, match="has no profile yet"):
         b.require("profile")
     (b.path / "manifest.json").write_text("{not json")

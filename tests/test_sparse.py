@@ -171,8 +171,7 @@ def test_bad_placement_and_backend():
 def test_bad_bundles_are_clear_errors(engine, tmp_path, capsys):
     import copy
 
-    from pjinfer import offline
-    from pjinfer.bundle import Bundle
+    from pjinfer.bundle import Bundle, model_record
     from tests.test_cli import assert_clean_error, run_cli
 
     other = Bundle.create(tmp_path / "other", model={"identity": "0123456789abcdef", "name": "another model"})
@@ -181,7 +180,7 @@ def test_bad_bundles_are_clear_errors(engine, tmp_path, capsys):
     for bundle, fragment in ((tmp_path / "none", "not a pjinfer bundle"), (other.path, "made for another model")):
         assert_clean_error(run_cli(capsys, "generate", "--prompt", "Hi", "--bundle", str(bundle)), fragment)
     # Unreadable stage data shows only when the engine reads it.
-    corrupt = Bundle.create(tmp_path / "corrupt", model=offline.model_record(engine))
+    corrupt = Bundle.create(tmp_path / "corrupt", model=model_record(engine.config, engine.source))
     corrupt.save_stage("predictors", {"0": {"x": np.zeros(2, np.float32)}}, {"ranks": [16] * engine.config.n_layers})
     corrupt.save_stage("placement", {"hot": np.zeros((2, 2), bool)}, {})
     for f in (corrupt.path / "predictors").rglob("*"):
@@ -211,9 +210,7 @@ class MaskedFFN(nnx.Module):
 def masked_reference(engine, small_bundle):
     import copy
 
-    from pjinfer import offline
-
-    predictors = offline.load_predictors(engine, small_bundle.bundle)
+    predictors = small_bundle.bundle.predictors(engine.config)
     model = nnx.merge(engine.graphdef, engine.state)
     for layer, predictor in zip(model.layers, predictors):
         layer.ffn = MaskedFFN(layer.ffn, predictor)

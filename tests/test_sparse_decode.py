@@ -12,6 +12,7 @@ from pjinfer import teal
 from pjinfer.config import ConfigError
 from pjinfer import host as pjinfer_host
 from pjinfer.engine import Engine
+from pjinfer.model import set_thresholds
 from tests.conftest import random_weights, tiny_config
 
 jax = pytest.importorskip("jax")
@@ -77,7 +78,7 @@ def test_thresholds_change_the_model_and_zero_thresholds_do_not():
     zeros = Engine(config, weights, None, weights_format="q4_1", thresholds=np.zeros((config.n_layers, 4)))
     plain = _xla_twin(zeros)
     model = nnx.merge(plain.graphdef, plain.state)
-    teal.set_thresholds(model, None)
+    set_thresholds(model, None)
     plain.graphdef, plain.state = nnx.split(model)
     prompt, tokens = [1, 2, 3], [4, 5, 6, 7]
     np.testing.assert_allclose(_step_logits(zeros, prompt, tokens), _step_logits(plain, prompt, tokens),
@@ -185,12 +186,11 @@ def test_a_threshold_bundle_is_the_engine_path_that_runs(engine, tmp_path, capsy
     records), Engine.path and generate's --json `sparse` flag (both said "dense" for a threshold bundle before)."""
     import json
 
-    from pjinfer import offline
-    from pjinfer.bundle import Bundle
+    from pjinfer.bundle import Bundle, model_record
     from tests.test_cli import run_cli
 
     path = tmp_path / "thresholds"
-    bundle = Bundle.create(path, model=offline.model_record(engine))
+    bundle = Bundle.create(path, model=model_record(engine.config, engine.source))
     thresholds = np.tile(np.float32([0.05, 0.05, 0.05, 0.03]), (engine.config.n_layers, 1))
     bundle.save_stage("thresholds", {"thresholds": thresholds}, {"target": None})
     sparse = Engine.load(bundle=path)
