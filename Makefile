@@ -46,20 +46,20 @@ bench-peer: $(PEER_STAMP)
 
 # A bounded load test of `pjinfer serve` on loopback: 64 streaming requests from 8 clients, 64 tokens each.
 bench-serve: setup
-	$(PY) -m pjinfer.bench_serve --requests 64 --clients 8 --tokens 64 --weights q4_1
+	$(PY) -m pjinfer.measure.bench_serve --requests 64 --clients 8 --tokens 64 --weights q4_1
 
 # Random Llama GGUFs (Q4_1) of about 0.5B, 1.5B and 3B parameters (SCALE=7b adds 7B) written to out/scale, each
 # measured for peak RSS, load time, prefill 512 and decode 128 against llama.cpp in one run.
 bench-scale: $(PEER_STAMP)
-	$(PY) -m pjinfer.bench_scale --sizes 0.5b,1.5b,3b$(if $(filter 7b,$(SCALE)),$(comma)7b) --dir out/scale
+	$(PY) -m pjinfer.measure.bench_scale --sizes 0.5b,1.5b,3b$(if $(filter 7b,$(SCALE)),$(comma)7b) --dir out/scale
 
 comma := ,
 
 perplexity: setup
-	$(PY) -c "from pjinfer import data; open('/tmp/pjinfer-wiki.txt','w').write(data.wiki_eval_text())"
+	$(PY) -c "from pjinfer.load import data; open('/tmp/pjinfer-wiki.txt','w').write(data.wiki_eval_text())"
 	$(VENV)/bin/pjinfer perplexity --text-file /tmp/pjinfer-wiki.txt --windows 4 --window-len 256
 
-# The default model's sparse bundle, end to end: input-sparsity thresholds for --weights q4_1 (pjinfer.teal),
+# The default model's sparse bundle, end to end: input-sparsity thresholds for --weights q4_1 (pjinfer.offline.teal),
 # then profile, predictors, placement for the predictor path (about 15 min on 2 cores).
 # DEVICE_MEMORY holds the dense part, the predictors, a 2048-token KV cache and about a third of the FFN.
 BUNDLE ?= out/bundle

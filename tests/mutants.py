@@ -37,7 +37,7 @@ class Fault:
 
 
 FAULTS = [
-    Fault("the sparse path never skips (every neuron predicted active)", "pjinfer/sparse.py",
+    Fault("the sparse path never skips (every neuron predicted active)", "pjinfer/runtime/sparse.py",
           "        return self.predictor.active(x)\n",
           "        return jnp.ones((x.shape[0], self.hot_ids.shape[0] + self.cold_ids.shape[0]), bool)\n",
           ("tests/test_sparse.py",)),
@@ -47,10 +47,10 @@ FAULTS = [
     Fault("the Q4_1 GEMV drops the min term (m * block sum)", "cpu_offload/q4.py",
           "builder.fmul(m, s)", "builder.fmul(ir.Constant(_f32, 0.0), s)",
           ("tests/test_host_decode.py",)),
-    Fault("the placement ILP ignores the memory budget", "pjinfer/policy.py",
+    Fault("the placement ILP ignores the memory budget", "pjinfer/offline/policy.py",
           "<= budget_bytes // neuron_bytes", "<= 2**62",
           ("tests/test_policy.py",)),
-    Fault("the sampler ignores top-p", "pjinfer/sampling.py",
+    Fault("the sampler ignores top-p", "pjinfer/runtime/sampling.py",
           "cutoff = jnp.maximum(cutoff, ordered[last_kept])", "cutoff = cutoff",
           ("tests/test_sampling.py",)),
 ]

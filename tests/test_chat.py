@@ -5,7 +5,7 @@ import sys
 import pexpect
 import pytest
 
-from pjinfer.chat import Conversation
+from pjinfer.cli.chat import Conversation
 from pjinfer.config import ConfigError
 
 
@@ -30,7 +30,7 @@ def test_history_goes_through_the_template_and_old_turns_make_room(engine):
 @pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called")
 def test_terminal_session_two_turns_ctrl_c_and_ctrl_d():
     env = dict(os.environ, COLUMNS="100", LINES="24")
-    child = pexpect.spawn(sys.executable, ["-m", "pjinfer.cli", "chat", "--weights", "q4_1",
+    child = pexpect.spawn(sys.executable, ["-m", "pjinfer.cli.main", "chat", "--weights", "q4_1",
                                            "--max-new-tokens", "400"], env=env, encoding="utf-8", timeout=240)
     try:
         child.expect_exact("> ")

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from pjinfer import cli
+from pjinfer.cli import main as cli
 
 
 def run_cli(capsys, *args):
@@ -59,7 +59,7 @@ def assert_clean_error(result, fragment):
 ])
 def test_bad_arguments_fail_before_any_model_loads(capsys, monkeypatch, args, fragment):
     # Every case is refused before a checkpoint is read: reading one here fails the test.
-    from pjinfer import loader
+    from pjinfer.load import loader
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the arguments were checked")
@@ -109,20 +109,22 @@ def test_unexpected_exceptions_keep_their_traceback(capsys, monkeypatch):
     def broken(args):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setitem(cli.COMMANDS, "generate", broken)
+    from pjinfer.cli import run
+
+    monkeypatch.setattr(run, "cmd_generate", broken)
     with pytest.raises(ZeroDivisionError, match="a bug"):
         cli.main(["generate", "--prompt", "x"])
     assert "pjinfer: error" not in capsys.readouterr().err
 
 
 def test_entry_point_in_a_subprocess(tmp_path):
-    # The real entry point (`python -m pjinfer.cli`): a clean refusal, and a traceback for an unexpected failure.
-    r = subprocess.run([sys.executable, "-m", "pjinfer.cli", "perplexity", "--text-file", str(tmp_path / "none.txt")],
+    # The real entry point (`python -m pjinfer.cli.main`): a clean refusal, and a traceback for an unexpected failure.
+    r = subprocess.run([sys.executable, "-m", "pjinfer.cli.main", "perplexity", "--text-file", str(tmp_path / "none.txt")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [f"pjinfer: error: text file not found: {tmp_path / 'none.txt'}"]
-    code = ("import sys; from pjinfer import cli; cli.COMMANDS['generate'] = lambda a: {}['missing']; "
-            "sys.exit(cli.main(['generate', '--prompt', 'x']))")
+    code = ("import sys; from pjinfer.cli import main, run; run.cmd_generate = lambda a: {}['missing']; "
+            "sys.exit(main.main(['generate', '--prompt', 'x']))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "Traceback" in r.stderr and "KeyError: 'missing'" in r.stderr
 

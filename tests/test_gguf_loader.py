@@ -3,7 +3,7 @@ import gguf
 import numpy as np
 import pytest
 
-from pjinfer import loader
+from pjinfer.load import loader
 from pjinfer.config import ConfigError
 from tests.conftest import random_weights, tiny_config
 
@@ -134,8 +134,8 @@ def test_truncated_and_foreign_files_are_refused(tmp_path, tiny):
 
 
 def test_auto_weights_are_the_files_own_q4_1_blocks_or_float32(tmp_path):
-    """--weights auto (pjinfer.engine.resolve_weights) runs q4_1 only for a GGUF whose layers are all Q4_1."""
-    from pjinfer.engine import resolve_weights
+    """--weights auto (pjinfer.runtime.engine.resolve_weights) runs q4_1 only for a GGUF whose layers are all Q4_1."""
+    from pjinfer.runtime.engine import resolve_weights
 
     config = tiny_config(d_model=64, n_heads=4, head_dim=16, d_ff=128)
     weights = random_weights(config)

@@ -1,4 +1,4 @@
-"""The Hugging Face loader (`pjinfer.loader.load` on a directory) on tiny checkpoints written into tmp_path.
+"""The Hugging Face loader (`pjinfer.load.loader.load` on a directory) on tiny checkpoints written into tmp_path.
 
 a. Round trip without torch: HF tensor names -> canonical ones, checked against weights renamed by hand.
 b. Against transformers' own Llama / OPT (skipped when torch or transformers is not installed).
@@ -15,10 +15,10 @@ from safetensors.numpy import save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
-from pjinfer import loader
+from pjinfer.load import loader
 from pjinfer.config import ConfigError, ModelConfig
-from pjinfer.engine import Engine
-from pjinfer.model import KVCache, Transformer
+from pjinfer.runtime.engine import Engine
+from pjinfer.runtime.model import KVCache, Transformer
 
 VOCAB, D, LAYERS, HEADS, KV_HEADS, FF, MAX_POS = 128, 64, 2, 4, 2, 96, 64
 HD = D // HEADS
@@ -85,7 +85,7 @@ def opt_tensors(raw: dict, seed: int) -> dict:
 
 
 def llama_canonical(raw: dict, t: dict) -> dict:
-    """The canonical names of pjinfer/model.py, renamed by hand (independently of the loader's tables)."""
+    """The canonical names of pjinfer/runtime/model.py, renamed by hand (independently of the loader's tables)."""
     w = {"embed": t["model.embed_tokens.weight"], "final_norm.scale": t["model.norm.weight"]}
     if not raw["tie_word_embeddings"]:
         w["lm_head"] = t["lm_head.weight"]

@@ -128,8 +128,8 @@ def test_exp_matches_numpy_down_to_the_clamp():
 # ------------------------------------------------------------------------------------------------ whole model
 def _models(config, seed=0, fmt="int8"):
     """(host-decode model, XLA reference on the same dequantized weights, the HostDecoder)."""
-    from pjinfer import host as pjinfer_host
-    from pjinfer.model import Transformer
+    from pjinfer.runtime import host as pjinfer_host
+    from pjinfer.runtime.model import Transformer
 
     weights = random_weights(config, seed)
     host = hd.HostDecoder(config, weights, fmt)
@@ -143,7 +143,7 @@ def _decode(model, tokens, cache_len):
     """Logits [T, vocab] and the final caches of one-token decode steps through jit (cache donated)."""
     from flax import nnx
 
-    from pjinfer.model import KVCache
+    from pjinfer.runtime.model import KVCache
 
     graphdef, state = nnx.split(model)
     step = jax.jit(lambda s, t, p, c: nnx.merge(graphdef, s).decode(t, p, c), donate_argnums=(3,))
@@ -168,7 +168,7 @@ def test_host_decode_equals_xla_on_the_same_values(activation, fmt):
     for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
     # The quantization is real: the original weights give other logits.
-    from pjinfer.model import Transformer
+    from pjinfer.runtime.model import Transformer
 
     original, _ = _decode(Transformer(config, random_weights(config)), tokens, 16)
     assert np.abs(original - want).max() > 1e-3
@@ -182,7 +182,7 @@ def test_last_cache_slot_and_positions_past_the_cache(fmt):
     got, _ = _decode(model, tokens, 16)  # the last step writes slot 15 of 16
     want, _ = _decode(reference, tokens, 16)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-    from pjinfer.model import KVCache
+    from pjinfer.runtime.model import KVCache
 
     cache = KVCache.create(config, 1, 16)
     with pytest.raises(Exception, match="position outside the cache"):

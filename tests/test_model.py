@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from pjinfer.config import ConfigError
-from pjinfer.engine import Engine
-from pjinfer.model import KVCache, Transformer
-from pjinfer.runtime import CompileStats
-from pjinfer.sampling import Sampling
+from pjinfer.runtime.engine import Engine
+from pjinfer.runtime.model import KVCache, Transformer
+from pjinfer.runtime.compile_cache import CompileStats
+from pjinfer.runtime.sampling import Sampling
 from tests.conftest import random_weights, tiny_config
 
 FAMILIES = [("llama", "swiglu"), ("llama", "geglu"), ("llama", "reglu"), ("llama", "drelu"), ("opt", "relu")]

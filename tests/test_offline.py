@@ -4,8 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pjinfer import data, offline, policy
-from pjinfer import profile as prof
+from pjinfer.load import data
+from pjinfer.offline import stages
+from pjinfer.offline import policy
+from pjinfer.offline import profile as prof
 from pjinfer.config import ConfigError
 from train.predictor import split_indices
 
@@ -19,7 +21,7 @@ def test_training_records_per_layer_figures_and_predictors_reload(engine, small_
     assert record["bytes"] > 0 and 0 < record["size_vs_model"] < 0.05
     assert "recall" in lines[0] and len(lines) == L + 2
     predictors = b.predictors(engine.config)
-    training = offline.load_training_data(b)
+    training = stages.load_training_data(b)
     # The stored per-layer recall is the held-back one: recomputed here on the test split (tokens the weights
     # and the threshold never saw) with the reloaded predictors, it is the same number.
     _, _, test = split_indices(training.inputs.shape[1])
@@ -36,7 +38,7 @@ def test_training_records_per_layer_figures_and_predictors_reload(engine, small_
 def test_predictors_keep_their_recall_on_unseen_text(engine, small_bundle):
     # Wiki's evaluation slice is not in the calibration set: layer inputs and labels (contribution above the
     # profile's threshold) the predictors never saw in any split.
-    stats = offline.load_stats(small_bundle.bundle)
+    stats = stages.load_stats(small_bundle.bundle)
     predictors = small_bundle.bundle.predictors(engine.config)
     ids = engine.tokenizer.encode(data.wiki_eval_text(), add_special=False)[:prof.BATCH * prof.WINDOW]
     inputs, contrib = prof.layer_activity(engine.graphdef, engine.state,
@@ -60,11 +62,11 @@ def test_solver_places_what_fits_on_the_real_profile(engine, small_bundle):
     hot = b.load_stage("placement")["hot"]
     assert hot.shape == (engine.config.n_layers, engine.config.d_ff)
     assert record["bytes_used"] <= record["budget_bytes"]
-    assert record["bytes_used"] == hot.sum() * offline.neuron_bytes(engine)
+    assert record["bytes_used"] == hot.sum() * stages.neuron_bytes(engine)
     assert 0.2 < record["ffn_share_on_device"] < 0.45          # 400 MiB holds about a third of the FFN
     assert record["solve_seconds"] < 10 and record["status"] == "optimal"
     assert record["objective"] >= record["topk_objective"] - 1e-6
-    stats = offline.load_stats(b)
+    stats = stages.load_stats(b)
     for l in range(hot.shape[0]):  # each layer's hot neurons are its most frequent ones
         if 0 < hot[l].sum() < hot.shape[1]:
             assert stats.freq[l][hot[l]].min() >= stats.freq[l][~hot[l]].max() - 1e-6
@@ -74,5 +76,5 @@ def test_solver_places_what_fits_on_the_real_profile(engine, small_bundle):
 def test_budget_below_the_dense_part_is_a_clear_error(engine, small_bundle):
     path = small_bundle.path
     with pytest.raises(ConfigError, match="cannot hold the dense part"):
-        offline.run_solve(engine, path, device_memory=policy.parse_bytes("100MiB"), kv_tokens=2048, batch=64,
+        stages.run_solve(engine, path, device_memory=policy.parse_bytes("100MiB"), kv_tokens=2048, batch=64,
                           hardware=policy.Hardware(), out=lambda *_: None)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from pjinfer.config import ConfigError
-from pjinfer.policy import Hardware, neuron_budget, parse_bytes, seconds_saved, solve, topk_baseline
+from pjinfer.offline.policy import Hardware, neuron_budget, parse_bytes, seconds_saved, solve, topk_baseline
 
 # PuLP 3.x warns about every LpVariable and PULP_CBC_CMD (its 4.0 API); the policy keeps the API that
 # works across the pulp>=2.8 the project allows, and the thousands of warnings would bury real ones.

@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pjinfer import data, offline
-from pjinfer import profile as prof
-from pjinfer.bundle import Bundle
+from pjinfer.load import data
+from pjinfer.offline import stages
+from pjinfer.offline import profile as prof
+from pjinfer.offline.bundle import Bundle
 from pjinfer.config import ConfigError
-from pjinfer.engine import Engine
-from pjinfer.model import KVCache
+from pjinfer.runtime.engine import Engine
+from pjinfer.runtime.model import KVCache
 from tests.conftest import random_weights, tiny_config
 
 
@@ -19,7 +20,7 @@ def test_smooth_thresholds_hit_the_target_sparsity_on_held_back_tokens(small_bun
     # The thresholds are the 0.5 quantile of each layer's contributions on the profiled tokens, so there the
     # sparsity is 0.5 by construction; the check that can fail is on tokens the profile never saw: the next
     # 1024 calibration tokens, and wiki's evaluation slice (left out of the calibration set).
-    stats = offline.load_stats(small_bundle.bundle)
+    stats = stages.load_stats(small_bundle.bundle)
     L, F = engine.config.n_layers, engine.config.d_ff
     assert stats.freq.shape == (L, F) and stats.tokens == 2048 and stats.target_sparsity == 0.5
     assert ((stats.freq >= 0) & (stats.freq <= 1)).all() and (stats.thresholds > 0).all()
@@ -35,8 +36,8 @@ def test_smooth_thresholds_hit_the_target_sparsity_on_held_back_tokens(small_bun
 
 
 def test_training_data_labels_are_the_thresholded_contributions(small_bundle, engine):
-    stats = offline.load_stats(small_bundle.bundle)
-    training = offline.load_training_data(small_bundle.bundle)
+    stats = stages.load_stats(small_bundle.bundle)
+    training = stages.load_training_data(small_bundle.bundle)
     assert training.inputs.shape == (engine.config.n_layers, 1024, engine.config.d_model)
     model = nnx.merge(engine.graphdef, engine.state)
     for l in (0, 17, 29):
@@ -85,11 +86,11 @@ def test_profile_stage_round_trips_through_the_bundle(engine, small_bundle):
     assert any("locality80" in l for l in lines) and len(lines) == engine.config.n_layers + 3
     bundle = Bundle.open(small_bundle.path, source=engine.source)
     record = bundle.require("profile")
-    stats = offline.load_stats(bundle)
+    stats = stages.load_stats(bundle)
     assert stats.target_sparsity == 0.5 and stats.tokens == 2048 and record["train_tokens"] == 1024
     np.testing.assert_allclose(record["sparsity"], stats.sparsity(), rtol=1e-6)
     np.testing.assert_allclose(record["locality80"], stats.locality(), rtol=1e-6)
-    training = offline.load_training_data(bundle)
+    training = stages.load_training_data(bundle)
     assert training.inputs.shape[:2] == (engine.config.n_layers, 1024)
     assert (small_bundle.path / "profile" / "locality.png").stat().st_size > 10_000
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pjinfer import data
-from pjinfer import host as pjinfer_host
-from pjinfer.engine import Engine
-from pjinfer.model import KVCache
+from pjinfer.load import data
+from pjinfer.runtime import host as pjinfer_host
+from pjinfer.runtime.engine import Engine
+from pjinfer.runtime.model import KVCache
 
 LLAMA_CPP_PERPLEXITY = 17.18   # llama.cpp, wiki protocol, same GGUF
 
@@ -33,7 +33,7 @@ def test_perplexity_matches_llama_cpp(tmp_path, capsys):
 
 def test_greedy_continuation_names_paris():
     # The real entry point in a subprocess, end to end: load, prefill, jitted generate, JSON out.
-    result = subprocess.run([sys.executable, "-m", "pjinfer.cli", "generate", "--prompt", "The capital of France is",
+    result = subprocess.run([sys.executable, "-m", "pjinfer.cli.main", "generate", "--prompt", "The capital of France is",
                              "--max-new-tokens", "12", "--temperature", "0", "--json"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
@@ -60,7 +60,7 @@ def test_chat_generation_stops_at_end_of_turn(engine):
 def test_llama_cpp_peer_runs_the_same_greedy_decode(engine):
     # Only where `make bench-peer` installed llama-cpp-python (CI does not build it).
     pytest.importorskip("llama_cpp")
-    from pjinfer.peer import llama_cpp_runner
+    from pjinfer.measure.peer import llama_cpp_runner
 
     prompt = engine.tokenizer.encode("The capital of France is", add_special=False)
     prefill, whole = llama_cpp_runner(engine.source, prompt, 12, threads=1)
@@ -133,7 +133,7 @@ def test_q4_1_blocks_are_the_gguf_files_own():
     import gguf
 
     from cpu_offload import q4
-    from pjinfer import loader
+    from pjinfer.load import loader
 
     path = loader.default_model_path()
     config, weights, _ = loader.load(path)

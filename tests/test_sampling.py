@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from pjinfer.config import ConfigError
-from pjinfer.sampling import REPEAT_WINDOW, Sampling, penalize, push_recent, recent_window, sample
+from pjinfer.runtime.sampling import REPEAT_WINDOW, Sampling, penalize, push_recent, recent_window, sample
 
 LOGITS = jnp.log(jnp.array([0.05, 0.4, 0.1, 0.3, 0.15]))
 NONE_SEEN = jnp.full((REPEAT_WINDOW,), -1, jnp.int32)

@@ -12,8 +12,8 @@ import openai
 import pytest
 import uvicorn
 
-from pjinfer.bench_serve import free_port, wait_healthy
-from pjinfer.server import Server
+from pjinfer.measure.bench_serve import free_port, wait_healthy
+from pjinfer.serve.server import Server
 
 KEY = "test-key"
 
@@ -139,7 +139,7 @@ def test_a_client_that_disconnects_frees_its_slot(served):
 def test_sigterm_ends_open_streams_cleanly_and_exits_zero():
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "pjinfer.cli", "serve", "--port", str(port), "--weights", "q4_1"],
+    proc = subprocess.Popen([sys.executable, "-m", "pjinfer.cli.main", "serve", "--port", str(port), "--weights", "q4_1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
     try:
         wait_healthy(base, proc)

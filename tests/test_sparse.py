@@ -6,9 +6,9 @@ import pytest
 from flax import nnx
 
 from pjinfer.config import ConfigError
-from pjinfer.engine import Engine
-from pjinfer.model import KVCache, Transformer
-from pjinfer.sparse import SparseFFN, sparsify
+from pjinfer.runtime.engine import Engine
+from pjinfer.runtime.model import KVCache, Transformer
+from pjinfer.runtime.sparse import SparseFFN, sparsify
 from cpu_offload.kernels import dequantize_rows, quantize_rows
 from tests.conftest import random_weights, tiny_config
 from train.predictor import Predictor
@@ -171,7 +171,7 @@ def test_bad_placement_and_backend():
 def test_bad_bundles_are_clear_errors(engine, tmp_path, capsys):
     import copy
 
-    from pjinfer.bundle import Bundle, model_record
+    from pjinfer.offline.bundle import Bundle, model_record
     from tests.test_cli import assert_clean_error, run_cli
 
     other = Bundle.create(tmp_path / "other", model={"identity": "0123456789abcdef", "name": "another model"})
@@ -221,7 +221,7 @@ def masked_reference(engine, small_bundle):
 
 @pytest.fixture(scope="module")
 def wiki_window(engine):
-    from pjinfer import data
+    from pjinfer.load import data
 
     return engine.tokenizer.encode(data.wiki_eval_text(), add_special=False)[:257]
 
@@ -231,7 +231,7 @@ def test_sparse_layers_equal_the_masked_model_on_the_same_inputs(sparse_engine, 
     # the masked dense FFN, on the FFN inputs the sparse model itself produces for a real window: the same
     # predictor decisions, other summation orders only, so float32 rounding (measured <= 1.1e-6 of each
     # layer's largest output).
-    from pjinfer.sparse import SparseFFN
+    from pjinfer.runtime.sparse import SparseFFN
 
     model = nnx.merge(sparse_engine.graphdef, sparse_engine.state)
     reference = nnx.merge(masked_reference.graphdef, masked_reference.state)
@@ -262,7 +262,7 @@ def test_sparse_perplexity_is_the_masked_models_and_stays_near_dense(engine, spa
 
 
 def test_skipped_share_is_what_the_predictors_skip(sparse_engine, small_bundle, wiki_window):
-    from pjinfer.sparse import skipped_share
+    from pjinfer.runtime.sparse import skipped_share
 
     skipped = skipped_share(sparse_engine, wiki_window)
     record = small_bundle.bundle.require("predictors")

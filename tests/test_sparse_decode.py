@@ -1,4 +1,4 @@
-"""cpu_offload.sparse_decode and pjinfer.teal: the host decode that reads only inputs above fixed thresholds,
+"""cpu_offload.sparse_decode and pjinfer.offline.teal: the host decode that reads only inputs above fixed thresholds,
 against XLA applying the same thresholds to the same (dequantized) values."""
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from cpu_offload.sparse_decode import SparseHostDecoder
-from pjinfer import teal
+from pjinfer.offline import teal
 from pjinfer.config import ConfigError
-from pjinfer import host as pjinfer_host
-from pjinfer.engine import Engine
-from pjinfer.model import set_thresholds
+from pjinfer.runtime import host as pjinfer_host
+from pjinfer.runtime.engine import Engine
+from pjinfer.runtime.model import set_thresholds
 from tests.conftest import random_weights, tiny_config
 
 jax = pytest.importorskip("jax")
@@ -94,7 +94,7 @@ def test_every_input_below_its_threshold_leaves_the_residual_stream_alone():
     weights = random_weights(config, seed=5)
     host = Engine(config, weights, None, weights_format="q4_1", thresholds=np.full((config.n_layers, 4), 1e9))
     model = nnx.merge(host.graphdef, host.state)
-    from pjinfer.model import KVCache
+    from pjinfer.runtime.model import KVCache
 
     cache = KVCache.create(config, 1, config.max_seq_len)
     hidden, _ = model(jnp.asarray([[7]], jnp.int32), 3, cache)
@@ -167,7 +167,7 @@ def test_real_model_host_decode_equals_xla_with_the_same_thresholds():
     tokens agree between the host decode and XLA on the same values, and so do the logits of steps fed fixed
     tokens. (An input within float rounding of its threshold can land on either side in the two paths; that step's
     logits then differ by more than rounding: once seen feeding the greedy tokens of this prompt, max 1.4 of 30.)"""
-    from pjinfer import loader
+    from pjinfer.load import loader
 
     config, weights, tokenizer = loader.load(None)
     thresholds = np.tile(np.float32([0.05, 0.05, 0.05, 0.03]), (config.n_layers, 1))
@@ -186,7 +186,7 @@ def test_a_threshold_bundle_is_the_engine_path_that_runs(engine, tmp_path, capsy
     records), Engine.path and generate's --json `sparse` flag (both said "dense" for a threshold bundle before)."""
     import json
 
-    from pjinfer.bundle import Bundle, model_record
+    from pjinfer.offline.bundle import Bundle, model_record
     from tests.test_cli import run_cli
 
     path = tmp_path / "thresholds"

@@ -1,5 +1,5 @@
 """The default model's tokenizer, built from its GGUF metadata."""
-from pjinfer.tokenizer import StreamDecoder
+from pjinfer.load.tokenizer import StreamDecoder
 
 
 def test_digits_split_one_by_one_and_no_bos(engine):

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import numpy as np
 
-from pjinfer import loader
-from pjinfer import profile as prof
-from pjinfer import teal
+from pjinfer.load import loader
+from pjinfer.offline import profile as prof
+from pjinfer.offline import teal
 from pjinfer.activations import EXACT_ZERO
-from pjinfer.bundle import THRESHOLDS, Bundle, model_record
+from pjinfer.offline.bundle import THRESHOLDS, Bundle, model_record
 from pjinfer.config import THRESHOLD_INPUTS, ConfigError
-from pjinfer.engine import Engine
+from pjinfer.runtime.engine import Engine
 
 
 def table(header: list[str], rows: list[list], out=print) -> None:
@@ -93,7 +93,7 @@ def neuron_bytes(engine: Engine) -> int:
 
 def run_solve(engine: Engine, bundle_path, *, device_memory: int, kv_tokens: int, batch: int, hardware,
               out=print) -> Bundle:
-    from pjinfer import policy
+    from pjinfer.offline import policy
 
     bundle = Bundle.open(bundle_path, source=engine.source)
     stats = load_stats(bundle)

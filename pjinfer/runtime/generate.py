@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pjinfer.model import KVCache
-from pjinfer.sampling import push_recent, recent_window, sample
+from pjinfer.runtime.model import KVCache
+from pjinfer.runtime.sampling import push_recent, recent_window, sample
 
 MIN_PROMPT_BUCKET = 16
 MIN_CACHE_BUCKET = 256

@@ -29,9 +29,9 @@ import numpy as np
 from flax import nnx
 
 from pjinfer.config import ConfigError
-from pjinfer.generate import bucket
+from pjinfer.runtime.generate import bucket
 from pjinfer.progress import Progress
-from pjinfer.tasks import GENERATIVE, TASKS, Request, load_task
+from pjinfer.measure.tasks import GENERATIVE, TASKS, Request, load_task
 
 MIN_LEN_BUCKET = 32
 BATCH_ROWS = 16            # at most this many sequences per call
@@ -187,7 +187,7 @@ def _model_name(engine) -> str:
 def _model_identity(engine) -> str | None:
     from pathlib import Path
 
-    from pjinfer.loader import model_identity
+    from pjinfer.load.loader import model_identity
 
     source = getattr(engine, "source", "")
     return model_identity(Path(source)) if source and Path(source).exists() else None

@@ -8,7 +8,7 @@ default model's tokenizer, then measures in one run, each in its own process:
   --new-tokens 128`, alternated run by run).
 Random weights measure memory and speed only, never quality: the text they generate is noise.
 
-    python -m pjinfer.bench_scale [--sizes 0.5b,1.5b,3b] [--dir out/scale] [--runs 2]
+    python -m pjinfer.measure.bench_scale [--sizes 0.5b,1.5b,3b] [--dir out/scale] [--runs 2]
 """
 from __future__ import annotations
 
@@ -65,8 +65,8 @@ def write_model(path: Path, size: str, seed: int = 0) -> None:
     """A random Llama GGUF of this size, Q4_1 layers, tokenizer and chat template from the default model."""
     import gguf
 
-    from pjinfer.gguf_file import GGUFFile
-    from pjinfer.loader import default_model_path
+    from pjinfer.load.gguf_file import GGUFFile
+    from pjinfer.load.loader import default_model_path
 
     src = GGUFFile(default_model_path()).fields
     d, layers, heads, kv, ff = SIZES[size]
@@ -142,10 +142,10 @@ def _timed(cmd: list[str]) -> tuple[dict, float]:
 def measure(path: Path, runs: int) -> dict:
     py = sys.executable
     threads = str(os.cpu_count())
-    ours, ours_peak = _timed([py, "-m", "pjinfer.cli", "generate", "--model", str(path), "--weights", "q4_1",
+    ours, ours_peak = _timed([py, "-m", "pjinfer.cli.main", "generate", "--model", str(path), "--weights", "q4_1",
                               "--prompt", "The capital of France is", "--max-new-tokens", "32", "--json"])
     peer, peer_peak = _timed([py, "-c", LLAMA_CPP_GENERATE, str(path), threads])
-    bench, _ = _timed([py, "-m", "pjinfer.cli", "bench", "--model", str(path), "--weights", "q4_1", "--peer",
+    bench, _ = _timed([py, "-m", "pjinfer.cli.main", "bench", "--model", str(path), "--weights", "q4_1", "--peer",
                        "llama-cpp", "--prompt-len", "512", "--new-tokens", "128", "--runs", str(runs), "--json"])
     return {"file_gb": path.stat().st_size / 1e9, "pjinfer_peak_gb": ours_peak, "pjinfer_load_s": ours["load_s"],
             "llama_cpp_peak_gb": peer_peak, "llama_cpp_load_s": peer["load_s"], "bench": bench}
@@ -167,7 +167,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pjinfer.bench_scale", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m pjinfer.measure.bench_scale", description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="0.5b,1.5b,3b")
     p.add_argument("--dir", default="out/scale")
     p.add_argument("--runs", type=int, default=2)

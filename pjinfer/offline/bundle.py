@@ -7,7 +7,7 @@
                            the activation-frequency figure
     DIR/predictors/        orbax: one predictor state per layer
     DIR/placement/         orbax: which neurons are hot (live on the accelerator)
-    DIR/thresholds/        orbax: input-sparsity thresholds [layers, 4] for --weights q4_1 (pjinfer.teal)
+    DIR/thresholds/        orbax: input-sparsity thresholds [layers, 4] for --weights q4_1 (pjinfer.offline.teal)
 
 Every stage writes into a temporary directory and renames it into place, and the manifest is
 replaced atomically after it, so a failed or interrupted stage leaves the previous bundle intact.
@@ -25,12 +25,12 @@ from pjinfer.config import THRESHOLD_INPUTS, ConfigError
 
 FORMAT = 1
 MANIFEST = "manifest.json"
-THRESHOLDS = "thresholds"   # the stage of input-sparsity thresholds (pjinfer.teal)
+THRESHOLDS = "thresholds"   # the stage of input-sparsity thresholds (pjinfer.offline.teal)
 
 
 def model_record(config, source) -> dict:
     """What a bundle records of the model it was made for; its identity is checked whenever it is opened."""
-    from pjinfer.loader import model_identity
+    from pjinfer.load.loader import model_identity
 
     c = config
     return {"source": str(source), "identity": model_identity(Path(source)), "name": c.name, "arch": c.arch,
@@ -77,7 +77,7 @@ class Bundle:
             raise ConfigError(f"bundle manifest {file} is corrupt ({e})") from None
         bundle = cls(path, manifest)
         if source is not None:
-            from pjinfer.loader import model_identity
+            from pjinfer.load.loader import model_identity
 
             bundle.check_model(model_identity(Path(source)))
         return bundle

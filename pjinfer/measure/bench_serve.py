@@ -110,7 +110,7 @@ def run(base: str, *, requests: int, clients: int, tokens: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pjinfer.bench_serve", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m pjinfer.measure.bench_serve", description=__doc__)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--tokens", type=int, default=64)
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "pjinfer.cli", "serve", "--port", str(port), "--weights", args.weights,
+    cmd = [sys.executable, "-m", "pjinfer.cli.main", "serve", "--port", str(port), "--weights", args.weights,
            "--max-batch", str(args.clients)] + (["--model", args.model] if args.model else [])
     proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, env=os.environ.copy())
     try:

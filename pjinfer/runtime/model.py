@@ -240,7 +240,7 @@ class Attention(nnx.Module):
         self.config = config
         self.wq, self.wk, self.wv, self.wo = (_param(weights, f"{prefix}.{n}") for n in ("wq", "wk", "wv", "wo"))
         self.bq, self.bk, self.bv, self.bo = (_optional(weights, f"{prefix}.{n}") for n in ("bq", "bk", "bv", "bo"))
-        self.t_in = self.t_o = None  # Thresholds of the input of q/k/v and of o, when sparse (pjinfer.teal)
+        self.t_in = self.t_o = None  # Thresholds of the input of q/k/v and of o, when sparse (pjinfer.offline.teal)
 
     def __call__(self, x, start, k_cache, v_cache):
         """x [B, T, d] at positions start..start+T-1; returns the output and the updated cache arrays."""
@@ -283,7 +283,7 @@ class FFN(nnx.Module):
         self.w_down_t = _param(weights, f"{prefix}.w_down_t")
         self.b_up = _optional(weights, f"{prefix}.b_up")
         self.b_down = _optional(weights, f"{prefix}.b_down")
-        self.t_in = self.t_down = None  # Thresholds of the input of gate/up and of down, when sparse (pjinfer.teal)
+        self.t_in = self.t_down = None  # Thresholds of the input of gate/up and of down, when sparse (pjinfer.offline.teal)
 
     def neurons(self, x):
         """Per-neuron activations [..., d_ff]."""
@@ -370,7 +370,7 @@ class Transformer(nnx.Module):
 
     def decode(self, token, pos, cache: KVCache):
         """One token (a scalar id) at position pos -> (logits [vocab], updated cache): each layer's and the
-        head's `decode`, which a host-backed engine swaps for its kernels (pjinfer.host)."""
+        head's `decode`, which a host-backed engine swaps for its kernels (pjinfer.runtime.host)."""
         x = _rows(self.embed, token.reshape(1, 1))
         if self.pos_embed is not None:
             x = x + jax.lax.dynamic_slice_in_dim(self.pos_embed[...], pos, 1)[None]

@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pjinfer import data
-from pjinfer import generate as gen
+from pjinfer.load import data
+from pjinfer.runtime import generate as gen
 from pjinfer.config import ConfigError
-from pjinfer.engine import Engine
-from pjinfer.sampling import Sampling
+from pjinfer.runtime.engine import Engine
+from pjinfer.runtime.sampling import Sampling
 
 
 def bench_prompt(engine: Engine, prompt_len: int) -> list[int]:
@@ -55,7 +55,7 @@ def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: i
     _, cache_len = first.plan(prompt_len, 1 + new_tokens)
     runners = {name: _runner(e, prompt, new_tokens) for name, e in engines.items()}
     if peer == "llama-cpp":
-        from pjinfer.peer import llama_cpp_runner
+        from pjinfer.measure.peer import llama_cpp_runner
 
         runners[PEER] = llama_cpp_runner(first.source, prompt, new_tokens, threads=os.cpu_count() or 1)
     for prefill, whole in runners.values():  # warm-up: compile all
@@ -114,7 +114,7 @@ def engine_bytes_per_token(engine: Engine, cache_len: int, mean_position: int) -
     its stored weights and scales, and the cache up to the run's mean position."""
     from flax import nnx
 
-    from pjinfer.sparse import SparseFFN, skipped_share
+    from pjinfer.runtime.sparse import SparseFFN, skipped_share
 
     config = engine.config
     model = nnx.merge(engine.graphdef, engine.state)
@@ -174,7 +174,7 @@ def breakdown(engine: Engine, *, cache_len: int = 256, repeats: int = 20) -> dic
     head, each timed as its own jitted function on a one-token input (median ms), against the whole step."""
     from flax import nnx
 
-    from pjinfer.model import KVCache
+    from pjinfer.runtime.model import KVCache
 
     graphdef, state = engine.graphdef, engine.state
     cache = KVCache.create(engine.config, 1, cache_len)

@@ -29,10 +29,9 @@ from flax import nnx
 
 from cpu_offload.bridge import ColdFFN
 from pallas_kernels import hot_ffn, hot_ffn_reference
-from pjinfer.config import ConfigError
-from pjinfer.model import FFN, Transformer, activate, linear
+from pjinfer.config import HOT_BACKENDS, ConfigError
+from pjinfer.runtime.model import FFN, Transformer, activate, linear
 
-HOT_BACKENDS = ("xla", "pallas", "pallas-interpret")
 
 
 class Index(nnx.Variable):

@@ -34,10 +34,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pjinfer.config import ConfigError
-from pjinfer.sampling import Sampling
-from pjinfer.scheduler import Job, Scheduler, SchedulerClosed
+from pjinfer.runtime.sampling import Sampling
+from pjinfer.serve.scheduler import Job, Scheduler, SchedulerClosed
 
-log = logging.getLogger("pjinfer.server")
+log = logging.getLogger("pjinfer.serve.server")
 MAX_BODY_BYTES = 1 << 20
 
 

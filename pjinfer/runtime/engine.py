@@ -10,15 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pjinfer import generate as gen
-from pjinfer import host as pjinfer_host
-from pjinfer import loader
+from pjinfer.runtime import generate as gen
+from pjinfer.runtime import host as pjinfer_host
+from pjinfer.load import loader
 from pjinfer.config import WEIGHT_CHOICES, WEIGHT_FORMATS, ConfigError, ModelConfig
 from cpu_offload.qtensor import is_quantized
-from pjinfer.bundle import THRESHOLDS, Bundle
-from pjinfer.model import Float32View, Transformer, float32_weights, set_thresholds
-from pjinfer.sampling import REPEAT_WINDOW, Sampling
-from pjinfer.tokenizer import Tokenizer
+from pjinfer.offline.bundle import THRESHOLDS, Bundle
+from pjinfer.runtime.model import Float32View, Transformer, float32_weights, set_thresholds
+from pjinfer.runtime.sampling import REPEAT_WINDOW, Sampling
+from pjinfer.load.tokenizer import Tokenizer
 
 
 def resolve_weights(weights: str, path=None, bundle=None) -> str:
@@ -44,7 +44,7 @@ def check_bundle_weights(weights: str, bundle) -> None:
 class Engine:
     def __init__(self, config: ModelConfig, weights: dict, tokenizer: Tokenizer, *, source: str = "",
                  weights_format: str = "float32", thresholds=None):
-        """weights: canonical weights (pjinfer.model), float32 arrays or quantized matrices (cpu_offload.qtensor).
+        """weights: canonical weights (pjinfer.runtime.model), float32 arrays or quantized matrices (cpu_offload.qtensor).
         weights_format "float32": every matrix float32 in XLA (quantized ones dequantized here, one at a time).
         "int8" (every matrix quantized with a scale per block of 64) or "q4_1" (the layers in the GGUF's 4-bit
         blocks, a Q4Tensor of the file kept as it is; the head int8): the model holds only the quantized
@@ -52,7 +52,7 @@ class Engine:
         numpy array (a GGUF memory map's tensors) instead of copying it, and the host decode reads the same bytes.
         One-token decode steps run on the host through cpu_offload.host_decode; prefill and scoring through XLA,
         which dequantizes each matrix where it is used (a float32 transient), so every path computes one model.
-        thresholds ([n_layers, 4], pjinfer.teal): input sparsity in every path; with "q4_1" decode runs
+        thresholds ([n_layers, 4], pjinfer.offline.teal): input sparsity in every path; with "q4_1" decode runs
         cpu_offload.sparse_decode (the same Q4_1 numbers laid out by input column, only active inputs read; a
         second copy of the layers)."""
         if weights_format not in WEIGHT_FORMATS:
@@ -100,7 +100,7 @@ class Engine:
         on disk (runtime.enable_compilation_cache), so the next process does not compile again."""
         start = time.perf_counter()
         if compile_cache:
-            from pjinfer.runtime import enable_compilation_cache
+            from pjinfer.runtime.compile_cache import enable_compilation_cache
 
             enable_compilation_cache()
         if weights not in WEIGHT_CHOICES:
@@ -132,7 +132,7 @@ class Engine:
     def use_bundle(self, path, *, hot_backend: str = "xla", cold_weights: str = "float32") -> None:
         """Run sparse from now on: the bundle's predictors pick active neurons, its placement splits
         them into hot (accelerator) and cold (host memory, Numba) rows."""
-        from pjinfer import sparse
+        from pjinfer.runtime import sparse
 
         bundle = Bundle.open(path, source=self.source)
         predictors = bundle.predictors(self.config)

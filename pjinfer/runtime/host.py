@@ -1,5 +1,5 @@
 """The host decode as a module swap: an engine with quantized weights (--weights int8 / q4_1) replaces each
-Block with a HostBlock and the Head with a HostHead, the way pjinfer.sparse swaps FFNs.
+Block with a HostBlock and the Head with a HostHead, the way pjinfer.runtime.sparse swaps FFNs.
 
 A swapped module keeps the original's children, so prefill and scoring (`__call__`) still run through XLA on
 the same stored blocks; only `decode` (one token) changes: it calls the host decoder's FFI target
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from flax import nnx
 
-from pjinfer.model import Block, Head, Transformer
+from pjinfer.runtime.model import Block, Head, Transformer
 
 
 class HostBlock(Block):

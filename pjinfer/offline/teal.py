@@ -1,9 +1,9 @@
 """Input sparsity with calibrated thresholds (TEAL, arXiv 2408.14690): fitting them (the bundle stage that
-stores them is pjinfer.offline.run_calibrate; the model applies them, pjinfer.model.set_thresholds).
+stores them is pjinfer.offline.stages.run_calibrate; the model applies them, pjinfer.runtime.model.set_thresholds).
 
 Four thresholds per layer (config.THRESHOLD_INPUTS): the attention input (q/k/v), o's input, the FFN
 input (gate/up) and the FFN intermediate (down's input). An input entry with |x| <= threshold counts as zero in
-every path: XLA (pjinfer.model.sparsify_input) and the host decode (cpu_offload.sparse_decode), so perplexity and
+every path: XLA (pjinfer.runtime.model.sparsify_input) and the host decode (cpu_offload.sparse_decode), so perplexity and
 eval with the bundle measure what decode computes.
 
 Calibration (``calibrate``), on the calibration text only (profile.calibration_ids: wiki's evaluation slice is
@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pjinfer import model as model_lib
+from pjinfer.runtime import model as model_lib
 from pjinfer.config import THRESHOLD_INPUTS, ConfigError
-from pjinfer.model import KVCache
+from pjinfer.runtime.model import KVCache
 
 LEVELS = np.round(np.arange(0.0, 0.91, 0.05), 2)     # sparsity levels a threshold can be fitted at
 TRIAL_LEVELS = (0.3, 0.5, 0.7)                       # levels whose held-back cost is measured per layer and group

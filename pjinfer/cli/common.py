@@ -1,0 +1,161 @@
+"""What the subcommands share: argument types and option groups, loading the model, one-line messages, and
+result files written atomically."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pjinfer.config import COLD_WEIGHTS, HOT_BACKENDS, WEIGHT_CHOICES, ConfigError
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def port(text: str) -> int:
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
+    return value
+
+
+def weight_list(text: str) -> list[str]:
+    formats = [f.strip() for f in text.split(",") if f.strip()]
+    bad = [f for f in formats if f not in WEIGHT_CHOICES]
+    if not formats or bad or len(set(formats)) != len(formats):
+        raise argparse.ArgumentTypeError(f"expected distinct {' / '.join(WEIGHT_CHOICES)}, comma-separated, "
+                                         f"got {text!r}")
+    return formats
+
+
+def sparse_options(p):
+    p.add_argument("--bundle", help="sparse bundle (`make bundle`): run the hybrid sparse engine")
+    p.add_argument("--hot-backend", default="xla", choices=HOT_BACKENDS,
+                   help="hot neurons: XLA gather (CPU default), compiled Pallas (GPU), Pallas interpret mode")
+    p.add_argument("--cold-weights", default="float32", choices=COLD_WEIGHTS,
+                   help="cold rows in host memory as float32, or int8 with a scale per block of 64 (17/64 the bytes)")
+
+
+def weight_options(p, many=False):
+    p.add_argument("--weights", default="auto", type=weight_list if many else None,
+                   choices=None if many else WEIGHT_CHOICES,
+                   help=("comma-separated dense engines to run side by side, e.g. float32,q4_1; " if many else "")
+                   + "auto (default): the file's own quantization where the host decode runs it (q4_1 for the "
+                   "default model), float32 otherwise; float32: every matrix in XLA (the exact reference); int8 "
+                   "(a scale per block of 64) or q4_1 (the GGUF's 4-bit blocks, head int8): one-token steps on "
+                   "the host's Numba kernels (cpu_offload.host_decode), prefill through XLA on the same values")
+
+
+def sampling_options(p):
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 keeps every token")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0, help="keep tokens at least this share as likely as the "
+                   "most likely one (0 keeps every token)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="penalty on the last 64 tokens' ids "
+                   "(1 is none; llama.cpp's --repeat-penalty)")
+    p.add_argument("--seed", type=int, default=0, help="in [0, 2**32)")
+    p.add_argument("--threads", type=positive_int, help="host threads of the CPU kernels (default: every CPU)")
+
+
+def say(*parts):
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def load(args, bundle=None, weights=None):
+    """The model of --model; sparse when `bundle` names a bundle to run with."""
+    from pjinfer.runtime.engine import Engine
+    from pjinfer.progress import Progress
+    from pjinfer.runtime.compile_cache import enable_compilation_cache
+
+    enable_compilation_cache()
+    return Engine.load(args.model, bundle=bundle, hot_backend=getattr(args, "hot_backend", "xla"),
+                       cold_weights=getattr(args, "cold_weights", "float32"),
+                       weights=weights or getattr(args, "weights", "float32"),
+                       progress=Progress("loading tensors", 0))
+
+
+def sampling(args):
+    """The sampling settings of generate and chat, checked before the model loads; --threads applied."""
+    import os
+
+    from pjinfer.runtime.sampling import Sampling
+
+    if args.threads:
+        os.environ["PJINFER_HOST_THREADS"] = os.environ["PJINFER_COLD_THREADS"] = str(args.threads)
+    return Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                    min_p=args.min_p, repeat_penalty=args.repeat_penalty)
+
+
+def check_bundle(args, path) -> None:
+    """Before any weights load: the model file exists and the bundle at `path` is a pjinfer bundle made for it
+    (manifest and model hash; the stages themselves are read when the engine takes the bundle)."""
+    from pathlib import Path
+
+    from pjinfer.offline.bundle import Bundle
+    from pjinfer.runtime.engine import check_bundle_weights
+    from pjinfer.load.loader import default_model_path, model_identity
+
+    weights = getattr(args, "weights", "float32")
+    if isinstance(weights, str):
+        check_bundle_weights(weights, path)
+    model = Path(args.model) if args.model else default_model_path()
+    if not model.exists():
+        raise ConfigError(f"model not found: {model}")
+    Bundle.open(path).check_model(model_identity(model))
+
+
+def read_json(path) -> dict:
+    from pathlib import Path
+
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"results file not found: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not a results JSON file ({e})") from None
+
+
+def check_writable(path) -> None:
+    """Refuses, in one line, an output path that a later write would fail on."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    target = Path(path)
+    if target.is_dir():
+        raise ConfigError(f"--output {path} is a directory; give a file name")
+    parent = target.parent
+    if not parent.is_dir():
+        raise ConfigError(f"--output {path}: directory {parent} does not exist")
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{target.name}.", suffix=".tmp"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--output {path} is not writable ({e.strerror})") from None
+    if target.exists() and not os.access(target, os.W_OK):
+        raise ConfigError(f"--output {path} is not writable")
+
+
+def write_json(path, obj) -> None:
+    """Atomic: a temporary file beside `path`, renamed over it; never a half-written results file or a stray temp."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1)
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -1,0 +1,145 @@
+"""`pjinfer perplexity`, `bench` and `eval`: measuring the model, dense or sparse."""
+from __future__ import annotations
+
+import json
+import time
+
+from pjinfer.cli import common
+from pjinfer.config import ConfigError
+
+
+def add_commands(command) -> None:
+    """Register this module's subcommands: command(name, function, help) -> their parser."""
+    p = command("perplexity", cmd_perplexity, "perplexity of a text file (no BOS; consecutive windows from the start)")
+    p.add_argument("--text-file", required=True)
+    p.add_argument("--windows", type=common.positive_int, default=4)
+    p.add_argument("--window-len", type=common.positive_int, default=256, help="tokens scored per window")
+    common.sparse_options(p)
+    common.weight_options(p)
+
+    p = command("bench", cmd_bench, "prefill and decode tokens per second of the jitted generate")
+    p.add_argument("--prompt-len", type=common.positive_int, default=16)
+    p.add_argument("--new-tokens", type=common.positive_int, default=128)
+    p.add_argument("--runs", type=common.positive_int, default=5)
+    common.sparse_options(p)
+    common.weight_options(p, many=True)
+    p.add_argument("--breakdown", action="store_true", help="also time attention, FFN and head of one decode step")
+    p.add_argument("--peer", choices=["llama-cpp"],
+                   help="also run llama.cpp (llama-cpp-python, `make bench-peer`) on the same GGUF, alternating")
+
+    p = command("eval", cmd_eval, "downstream task accuracy (lm-evaluation-harness protocol), dense or with --bundle")
+    p.add_argument("--tasks", help="comma-separated, e.g. piqa,hellaswag,winogrande,arc_easy,arc_challenge")
+    p.add_argument("--limit", type=int, help="first N items of each task (MMLU: per subject)")
+    p.add_argument("--num-fewshot", type=int, help="shots (MMLU: 5 from its dev split by default)")
+    p.add_argument("--output", help="write the results JSON here")
+    common.weight_options(p)
+    p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print two result files side by side")
+    common.sparse_options(p)
+
+
+def cmd_perplexity(args):
+    from pjinfer.load import data
+
+    text = data.read_text(args.text_file)
+    if args.bundle:
+        common.check_bundle(args, args.bundle)
+    engine = common.load(args, args.bundle)
+    ids = engine.tokenizer.encode(text, add_special=False)
+    start = time.perf_counter()
+    ppl, n = engine.perplexity(ids, windows=args.windows, window_len=args.window_len)
+    seconds = time.perf_counter() - start
+    result = {"perplexity": ppl, "tokens": n, "weights": engine.weights_format, "load_s": round(engine.load_seconds, 3),
+              "seconds": round(seconds, 3), "tok_s": round(n / seconds, 1)}
+    common.say(f"load {engine.load_seconds:.1f} s; scored {n} tokens in {seconds:.1f} s ({n / seconds:.0f} tok/s, "
+         f"compilation included) [{engine.path}]")
+    if engine.bundle is not None and engine.thresholds is None:   # the predictors' share; thresholds: manifest
+        from pjinfer.runtime.sparse import skipped_share
+
+        result["skipped"] = skipped_share(engine, ids[:args.window_len + 1])
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"perplexity {ppl:.4f} over {n} tokens ({args.windows} windows of {args.window_len + 1})")
+    if "skipped" in result:
+        print(f"sparse: predictors skipped {100 * result['skipped']:.1f}% of FFN neurons (first window, all layers)")
+
+
+def cmd_bench(args):
+    from pjinfer.measure import bench
+    from pjinfer.progress import Progress
+
+    if args.peer:
+        from pjinfer.load.loader import default_model_path
+        from pjinfer.measure.peer import check_llama_cpp
+
+        check_llama_cpp(args.model or default_model_path())
+    if args.bundle:
+        common.check_bundle(args, args.bundle)
+    from pjinfer.runtime.engine import resolve_weights
+
+    def engine_name(weights):
+        return "dense" if weights == "float32" else f"dense-{weights}"
+
+    formats = [resolve_weights(w, args.model) for w in args.weights]
+    if len(set(formats)) != len(formats):
+        raise ConfigError(f"--weights {','.join(args.weights)} runs the same engine twice ({', '.join(formats)})")
+    sparse_weights = resolve_weights("auto", args.model, args.bundle) if args.bundle else None
+    if sparse_weights and sparse_weights not in formats:
+        formats.append(sparse_weights)   # sparse is measured against the dense engine of its own weights
+    engines = {engine_name(w): common.load(args, weights=w) for w in formats}
+    if args.bundle:  # sparse against dense, measured in the same run: thresholds with q4_1, else predictors
+        engines["sparse"] = common.load(args, args.bundle, weights=sparse_weights)
+    result = bench.run(engines, prompt_len=args.prompt_len, new_tokens=args.new_tokens, runs=args.runs,
+                       peer=args.peer, progress=Progress("bench runs", args.runs))
+    if args.breakdown:
+        for name, engine in engines.items():
+            result["engines"][name]["breakdown"] = bench.breakdown(engine)
+    if args.bundle:
+        result["sparse_over_dense"] = result["engines"]["sparse"]["decode_over"][engine_name(sparse_weights)]
+    if args.json:
+        print(json.dumps(result))
+        return
+    bandwidth = result["read_bandwidth_gb_s"]
+    print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, median of {args.runs} runs; "
+          f"measured read bandwidth {bandwidth:.1f} GB/s")
+    print(f"{'engine':10} {'prefill tok/s':>13} {'decode tok/s':>12} {'ms/token':>8} {'MB/token':>8} "
+          f"{'of bandwidth':>12}" + (f" {'decode vs llama.cpp':>19}" if args.peer else ""))
+    for name, r in result["engines"].items():
+        mb = r["bytes_per_token"] / 1e6
+        ratio = f" {r['decode_over_peer']:18.2f}x" if "decode_over_peer" in r else (" " * 20 if args.peer else "")
+        print(f"{name:10} {r['prefill_tok_s']:13.1f} {r['decode_tok_s']:12.1f} {r['decode_ms_per_token']:8.1f} "
+              f"{mb:8.1f} {100 * mb * r['decode_tok_s'] / 1e3 / bandwidth:11.0f}%" + ratio)
+        if "breakdown" in r:
+            b = r["breakdown"]
+            print(f"  {name} decode step: " + ", ".join(f"{k[:-3]} {v:.1f} ms ({100 * v / b['step_ms']:.0f}%)"
+                                                        for k, v in b.items() if k != "step_ms")
+                  + f"; step {b['step_ms']:.1f} ms")
+    if args.bundle:
+        print(f"sparse decode / {engine_name(sparse_weights)} decode: {result['sparse_over_dense']:.2f}x "
+              "(median of the runs' ratios)")
+
+
+def cmd_eval(args):
+    from pjinfer.measure import evaluate
+
+    if args.compare:
+        a, b = (evaluate.check_results(common.read_json(f), f) for f in args.compare)
+        for line in evaluate.count_mismatches(a, b):
+            common.say(f"pjinfer: warning: {line}")
+        print(evaluate.compare_table(a, b))
+        return
+    if not args.tasks:
+        raise ConfigError("give --tasks (or --compare A.json B.json)")
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit must be >= 1, got {args.limit}")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    evaluate.check_tasks(tasks)  # before the model loads
+    if args.output:
+        common.check_writable(args.output)  # before the evaluation runs, not after
+    if args.bundle:
+        common.check_bundle(args, args.bundle)
+    engine = common.load(args, args.bundle)
+    results = evaluate.evaluate(engine, tasks, limit=args.limit, num_fewshot=args.num_fewshot)
+    if args.output:
+        common.write_json(args.output, results)
+    print(json.dumps(results) if args.json else evaluate.format_table(results))

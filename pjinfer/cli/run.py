@@ -1,0 +1,144 @@
+"""`pjinfer generate`, `chat` and `serve`: text from the model, to a terminal or over HTTP."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from pjinfer.cli import common
+from pjinfer.config import ConfigError
+
+
+def add_commands(command) -> None:
+    """Register this module's subcommands: command(name, function, help) -> their parser."""
+    p = command("generate", cmd_generate, "generate text from a prompt, streamed as it comes")
+    common.sparse_options(p)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the prompt text")
+    source.add_argument("--prompt-file", help="read the prompt from this file (UTF-8); - reads standard input")
+    p.add_argument("--max-new-tokens", type=common.positive_int, default=64)
+    p.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="stop before this text (repeatable); the model's end-of-text tokens always stop")
+    common.sampling_options(p)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    common.weight_options(p)
+
+    p = command("chat", cmd_chat, "talk with the model: multi-turn, replies streamed (/reset, /exit, Ctrl-C stops a reply)")
+    p.add_argument("--system", help="system message that opens the conversation")
+    p.add_argument("--max-new-tokens", type=common.positive_int, default=256, help="the longest reply")
+    common.sampling_options(p)
+    common.weight_options(p)
+
+    p = command("serve", cmd_serve, "an OpenAI-compatible HTTP server (completions, chat completions, streaming)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=common.port, default=8080)
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 requests")
+    p.add_argument("--max-batch", type=common.positive_int, default=8, help="requests decoding at once; more wait")
+    common.weight_options(p)
+
+
+def cmd_generate(args):
+    from pjinfer.runtime.compile_cache import CompileStats
+    from pjinfer.load.tokenizer import StreamDecoder
+
+    sampling = common.sampling(args)
+    prompt = _prompt_text(args)
+    if any(not stop for stop in args.stop):
+        raise ConfigError("--stop needs a non-empty string")
+    if args.bundle:
+        common.check_bundle(args, args.bundle)
+    engine = common.load(args, args.bundle)
+    tok = engine.tokenizer
+    if args.chat:
+        ids = tok.encode(tok.apply_chat([{"role": "user", "content": prompt}]), add_special=False)
+    else:
+        ids = tok.encode(prompt)
+    engine.plan(len(ids), args.max_new_tokens)  # refuse an over-long prompt before compiling anything
+
+    # Streamed token by token, --json too: stop strings are checked between tokens, Ctrl-C keeps what was made.
+    stats = CompileStats()
+    out, interrupted = [], False
+    decoder = StreamDecoder(tok, args.stop)
+    marks = [time.perf_counter()]                 # start, then after each token
+    try:
+        for token in engine.stream(ids, max_new_tokens=args.max_new_tokens, sampling=sampling):
+            out.append(token)
+            piece = decoder.push(token)
+            marks.append(time.perf_counter())
+            if not args.json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            if decoder.stop is not None:
+                break
+    except KeyboardInterrupt:
+        interrupted = True
+    rest = decoder.flush()
+    if not args.json:
+        sys.stdout.write(rest + "\n")
+    text, stopped_by = decoder.text, decoder.stop
+    timing = _generate_timing(engine, stats, marks, len(ids), len(out))
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": out, "stop": stopped_by, "interrupted": interrupted,
+                          "weights": engine.weights_format, "sparse": engine.bundle is not None, **timing}))
+    else:
+        decode = f", decode {timing['decode_tok_s']:.1f} tok/s" if timing["decode_tok_s"] else ""
+        common.say(f"load {timing['load_s']:.1f} s, compile {timing['compile_s']:.1f} s "
+             f"({stats.executables} executables, {stats.cache_hits} from the disk cache), "
+             f"prefill {len(ids)} tokens {timing['prefill_s']:.2f} s, {len(out)} tokens{decode} [{engine.path}]")
+    if interrupted:
+        raise KeyboardInterrupt
+
+
+def _prompt_text(args) -> str:
+    """--prompt, or --prompt-file (- for standard input), as text; refuses what is not UTF-8 or is empty."""
+    if args.prompt is not None:
+        text = args.prompt
+        try:
+            text.encode("utf-8")    # argv that was not UTF-8 arrives with surrogate escapes
+        except UnicodeEncodeError:
+            raise ConfigError("the prompt is not valid UTF-8") from None
+    else:
+        name = "standard input" if args.prompt_file == "-" else args.prompt_file
+        try:
+            data = sys.stdin.buffer.read() if args.prompt_file == "-" else open(args.prompt_file, "rb").read()
+            text = data.decode("utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"prompt file not found: {args.prompt_file}") from None
+        except IsADirectoryError:
+            raise ConfigError(f"prompt file {args.prompt_file} is a directory") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"the prompt in {name} is not valid UTF-8") from None
+    if not text.strip():
+        raise ConfigError("the prompt is empty")
+    return text
+
+
+def _generate_timing(engine, stats, marks, prompt_tokens, new_tokens) -> dict:
+    """prefill_s: start to the first token (prefill and, on a cold cache, its compilation); decode_tok_s: from the
+    second token on, past the decode step's compilation (None with fewer than three tokens)."""
+    decode = (new_tokens - 2) / (marks[-1] - marks[2]) if new_tokens > 2 and marks[-1] > marks[2] else None
+    return {"load_s": round(engine.load_seconds, 3), "compile_s": round(stats.seconds, 3),
+            "executables": stats.executables, "from_disk_cache": stats.cache_hits,
+            "prefill_s": round(marks[1] - marks[0], 3) if new_tokens else None,
+            "decode_tok_s": round(decode, 2) if decode else None,
+            "generate_s": round(marks[-1] - marks[0], 3), "prompt_tokens": prompt_tokens, "new_tokens": new_tokens}
+
+
+def cmd_chat(args):
+    from pjinfer.cli.chat import Conversation, repl
+
+    sampling = common.sampling(args)
+    engine = common.load(args)
+    repl(Conversation(engine, system=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling))
+
+
+def cmd_serve(args):
+    import logging
+
+    from pjinfer.serve.server import Server, serve
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    logging.getLogger("pjinfer").setLevel(logging.INFO)     # one line per request
+    server = Server(common.load(args), api_key=args.api_key, max_active=args.max_batch)
+    common.say(f"pjinfer: serving {server.name} on http://{args.host}:{args.port}/v1 [{server.engine.path}]")
+    serve(server, host=args.host, port=args.port)
