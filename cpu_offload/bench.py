@@ -33,7 +33,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     reps = 5 if args.quick else 15
 
-    from . import bridge, kernels
+    from . import bridge, cold_handler, kernels
     import jax
     import jax.numpy as jnp
     import numba
@@ -134,7 +134,7 @@ def main(argv=None) -> None:
         out_ = np.empty(d, np.float32)
         l = int(l)
         kernels.cold_ffn_nt(np.asarray(h), *ws[l], empty_b, no_s, np.asarray(ids_), int(count), 0, out_,
-                            bridge.get_num_threads())
+                            cold_handler.get_num_threads())
         return out_
 
     @jax.jit
@@ -154,10 +154,10 @@ def main(argv=None) -> None:
     ref = numpy_token(2)
     got = np.asarray(token(x_dev))
     assert np.allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max()), "bridge disagrees with direct calls"
-    saved_threads = bridge.get_num_threads()
+    saved_threads = cold_handler.get_num_threads()
     print(f"(c) {n_layers} layers x {active} active cold neurons per token ({n_layers * nbytes / 1e6:.0f} MB):")
     for nt in (1, 2):
-        bridge.set_num_threads(nt)
+        cold_handler.set_num_threads(nt)
         t_loop = _median_time(lambda: token(x_dev).block_until_ready(), reps)
         t_unr = _median_time(lambda: token_unrolled(x_dev).block_until_ready(), reps)
         t_np = _median_time(lambda: numpy_token(nt), reps)
@@ -165,7 +165,7 @@ def main(argv=None) -> None:
         print(f"    {nt} thread(s): bridge jit fori_loop {1e3 * t_loop:6.2f} ms/token "
               f"({n_layers * nbytes / t_loop / 1e9:4.1f} GB/s) | bridge jit unrolled {1e3 * t_unr:6.2f} ms | "
               f"pure_callback fori_loop {1e3 * t_cb:6.2f} ms | Python loop of direct calls {1e3 * t_np:6.2f} ms")
-    bridge.set_num_threads(saved_threads)
+    cold_handler.set_num_threads(saved_threads)
     ids_sorted = jnp.asarray(np.sort(ids, axis=1))
 
     @jax.jit
@@ -182,7 +182,7 @@ def main(argv=None) -> None:
     t_all = time.perf_counter() - t
     print(f"    async dispatch kept ({saved_threads} thread(s)): token(x) returns after {1e3 * t_enq:.2f} ms, result ready after "
           f"{1e3 * t_all:.2f} ms")
-    bridge.set_num_threads(saved_threads)
+    cold_handler.set_num_threads(saved_threads)
     print(f"load average after: {os.getloadavg()}")
 
 

@@ -2,68 +2,12 @@
 
     y = sum_{k < count} act(w_gate[ids[k]] . x, w_up[ids[k]] . x (+ b_up[ids[k]])) * w_down_t[ids[k]]
 
-Only the rows named by the first ``count`` entries of ``ids`` are read; entries past ``count`` are
-padding and are never used as row indices (they are replaced by row 0 before any address is formed,
-and every load of such a row is masked off as well).
-
-Design (Triton-style Pallas: raw refs, explicit masked loads and pointer-style gathers)
----------------------------------------------------------------------------------------
-Two kernels rather than one fused kernel:
-
-1. ``_act_kernel``, grid ``(Kp / block_k,)``: program ``b`` owns active slots
-   ``[b*block_k, (b+1)*block_k)``. If ``b*block_k >= count`` it only stores ``block_k`` zeros
-   (early exit: no weight traffic). Otherwise it gathers its ``block_k`` rows of ``w_gate`` /
-   ``w_up`` one ``[block_k, block_d]`` tile at a time (a static loop over ``cdiv(d, block_d)``
-   column chunks), reduces them against ``x`` and writes ``act [block_k]`` (zero for slots >= count).
-2. ``_down_kernel``, grid ``(cdiv(d, block_d), n_split)``: program ``(t, s)`` owns output columns
-   ``[t*block_d, (t+1)*block_d)`` and the active slot blocks ``s, s + n_split, s + 2*n_split, ...``
-   below ``cdiv(count, block_k)``: a loop whose trip count is computed from ``count`` at run time,
-   so blocks past ``count`` are never visited. It accumulates ``act[k] * w_down_t[ids[k], tile]``
-   in registers and stores one partial row ``[n_split, d]``; the wrapper sums the ``n_split``
-   partials (a tiny XLA reduction).
-
-Why not one fused kernel: the two phases reduce over different axes (gate/up over d per neuron,
-down over neurons per output column), so their natural parallel axes differ. A fused kernel
-parallel over neuron blocks must combine the programs' ``[d]`` contributions with float atomics:
-the sum order then changes from run to run (non-deterministic decoding), the output must be
-zero-filled before the launch, and masked atomics (needed for a d that is not a power of two)
-do not run in interpret mode, so the one path we can test here would differ from the GPU path.
-Two kernels cost one extra launch and a ``Kp``-float round trip for ``act`` (6 KiB at K=1536),
-and give a deterministic result in which every output element is written exactly once.
-
-Padding and masking (what keeps the kernels GPU-legal)
-------------------------------------------------------
-- Every value a kernel loads, computes or stores has a power-of-two size: ``[block_k]``,
-  ``[block_d]`` or ``[block_k, block_d]`` with both block sizes powers of two (checked here).
-- ``d`` is never padded in memory (padding the weights would copy them on every call). The last
-  column chunk/tile is handled with masked loads (``other=0``) and masked stores (``col < d``):
-  masked-off lanes are not fetched on a GPU and contribute exact zeros.
-- ``K`` (the length of ``ids``) is padded with zeros up to ``Kp``, a multiple of ``block_k``, in
-  the wrapper (``K`` ints), so the ``ids``/``act`` slices of the last block are in bounds.
-- Row gathers use explicit ``[block_k, block_d]`` index arrays (row ids broadcast against column
-  ids), which is both what Triton lowers to a pointer tensor and what interpret mode can discharge
-  (interpret mode cannot discharge a load that mixes an index array with a ``pl.ds`` slice).
-- No float atomics, no dot (``tl.dot`` needs M >= 16; this is a matrix-vector product, done as
-  elementwise products and row/column reductions), no dynamic grid (not supported by Triton).
-
-Verified here vs. only GPU-legal by construction
-------------------------------------------------
-This machine has no GPU. Verified here: (1) numerics in Pallas interpret mode (``interpret=True``)
-against a plain jnp reference, with NaN-poisoned output buffers, odd ``d``/``H``, empty and full
-active sets, garbage padding ids and NaN in every inactive row; (2) the Pallas -> Triton IR
-lowering for the CUDA platform (``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``
-runs on CPU and applies the lowering's own checks: power-of-two load/store shapes, supported ops,
-``fori_loop`` with a run-time bound, ``pl.when``). NOT verified: Triton's compilation to PTX, a
-run on a GPU, performance, and the default ``block_d``/``n_split`` heuristics (educated guesses for
-an H100). Interpret mode clamps out-of-range gather indices instead of faulting, so a missing
-column mask on a weight load would not show up here; every weight load is masked on both rows
-(slot < count) and columns (col < d) for that reason.
-
-Backends: the kernels pass ``plt.CompilerParams`` so a GPU run selects the Triton backend (in
-jax 0.10 a ``pallas_call`` without it goes to Mosaic GPU). jax 0.11 deprecates Triton in favour of
-Mosaic GPU (``plgpu.kernel``): the public entry point ``hot_ffn`` only validates, pads and picks
-block sizes, then dispatches to ``BACKENDS[backend]``; a Mosaic GPU implementation can be
-registered there with the same arguments.
+Contract: only the rows named by the first ``count`` entries of ``ids`` are read; entries past ``count`` are
+padding and never form an address. Every output element is written exactly once, in a fixed order, so the result
+is deterministic. ``hot_ffn`` validates, pads ``ids`` to a multiple of the block, picks power-of-two block sizes
+and dispatches to ``BACKENDS[backend]`` (Triton-style Pallas today; a Mosaic GPU implementation can register
+there with the same arguments). ``interpret=True`` runs on the CPU. Two kernels, not one fused kernel, and the
+padding and masking rules that keep them GPU-legal: docs/architecture.md.
 """
 from __future__ import annotations
 

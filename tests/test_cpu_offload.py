@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from cpu_offload import bridge, ffi, kernels
+from cpu_offload import bridge, cold_handler, ffi, kernels
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
@@ -235,13 +235,13 @@ def test_handler_answers_metadata_query_and_ignores_other_stages():
     ext.extension_base.type = ffi.EXTENSION_METADATA
     ext.metadata = ctypes.addressof(md)
     frame = ffi._CallFrame(struct_size=ffi.CF_STRUCT_SIZE, extension_start=ctypes.addressof(ext))
-    assert bridge._handler.ctypes(ctypes.addressof(frame)) == 0
+    assert cold_handler._handler.ctypes(ctypes.addressof(frame)) == 0
     assert (md.api_version.major_version, md.api_version.minor_version) == ffi.FFI_API_VERSION
     assert md.api_version.struct_size == ffi.VERSION_STRUCT_SIZE and md.traits == 0
     # instantiate / prepare / initialize stages: nothing to do, no error, arguments not touched (all NULL here)
     for stage in (0, 1, 2):
         frame = ffi._CallFrame(struct_size=ffi.CF_STRUCT_SIZE, stage=stage)
-        assert bridge._handler.ctypes(ctypes.addressof(frame)) == 0
+        assert cold_handler._handler.ctypes(ctypes.addressof(frame)) == 0
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -288,18 +288,18 @@ def test_bridge_big_layer_threads_and_numpy_call():
     x = rng.standard_normal(d).astype(np.float32)
     ids = rng.permutation(c).astype(np.int32)
     f = jax.jit(lambda x, ids, n: cold(0, x, ids, n, out_init=jnp.full(x.shape, jnp.nan, jnp.float32)))
-    before = bridge.executions()
-    saved = bridge.get_num_threads()
+    before = cold_handler.executions()
+    saved = cold_handler.get_num_threads()
     try:
         for nt in (1, 2):
-            bridge.set_num_threads(nt)
+            cold_handler.set_num_threads(nt)
             for count in (0, 768, c):
                 want = kernels.cold_ffn_ref(x, gate, up, down, None, ids, count, "swiglu")
                 assert_close(f(x, ids, count), want)
                 assert_close(cold.numpy_call(0, x, ids, count), want)
     finally:
-        bridge.set_num_threads(saved)
-    assert bridge.executions() - before == 6
+        cold_handler.set_num_threads(saved)
+    assert cold_handler.executions() - before == 6
     assert_close(f(x, ids, c), kernels.dense_ffn_ref(x, gate, up, down, None, "swiglu"))
 
 
