@@ -33,10 +33,12 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     reps = 5 if args.quick else 15
 
-    from . import bridge, cold_handler, kernels
+    from types import SimpleNamespace
+
     import jax
-    import jax.numpy as jnp
     import numba
+
+    from . import bridge
 
     print(f"numba {numba.__version__} layer {numba.config.THREADING_LAYER} threads {numba.config.NUMBA_NUM_THREADS}"
           f" | jax {jax.__version__} | load average {os.getloadavg()}")
@@ -48,7 +50,23 @@ def main(argv=None) -> None:
     ids = np.stack([rng.permutation(c)[:active] for _ in range(n_layers)]).astype(np.int32)
     cold = bridge.ColdFFN([w[1] for w in ws], [w[2] for w in ws], [w[0] for w in ws], activation="swiglu")
     nbytes = active * 3 * d * 4
+    setup = SimpleNamespace(d=d, c=c, active=active, n_layers=n_layers, ws=ws, x0=x0, ids=ids, cold=cold,
+                            nbytes=nbytes)
+    call_overhead(setup, reps)
+    kernel_bandwidth(setup, reps)
+    bridge_token(setup, reps)
+    print(f"load average after: {os.getloadavg()}")
 
+
+def call_overhead(setup, reps: int) -> None:
+    """(a) What one bridge call costs inside jit, against pure_callback, and whether dispatch stays async."""
+    import jax
+    import jax.numpy as jnp
+
+    from . import kernels
+
+    d, c, active, n_layers, ws, x0, ids, cold, nbytes = (setup.d, setup.c, setup.active, setup.n_layers, setup.ws,
+                                                         setup.x0, setup.ids, setup.cold, setup.nbytes)
     # (a) overhead per call, count 0: a fori_loop of N dependent calls, minus the same loop without the call.
     n_calls = 2000
     ids0 = jnp.asarray(ids[0])
@@ -99,6 +117,13 @@ def main(argv=None) -> None:
         print(f"    async: 200 x jit({name}) enqueue {1e6 * t_enqueue:.1f} us/call, until last ready "
               f"{1e6 * t_all:.1f} us/call")
 
+
+def kernel_bandwidth(setup, reps: int) -> None:
+    """(b) The cold-neuron kernel called directly: GB/s cache-hot and from DRAM."""
+    from . import kernels
+
+    d, c, active, n_layers, ws, x0, ids, cold, nbytes = (setup.d, setup.c, setup.active, setup.n_layers, setup.ws,
+                                                         setup.x0, setup.ids, setup.cold, setup.nbytes)
     # (b) kernel bandwidth, direct calls
     out = np.empty(d, np.float32)
     empty_b, no_s = kernels.empty_bias(), kernels.no_scales()
@@ -113,6 +138,19 @@ def main(argv=None) -> None:
         print(f"    {nt} thread(s): cache-hot {1e6 * hot:7.1f} us = {nbytes / hot / 1e9:5.1f} GB/s | "
               f"30 layers in turn {1e6 * dram:7.1f} us = {nbytes / dram / 1e9:5.1f} GB/s")
 
+
+def bridge_token(setup, reps: int) -> None:
+    """(c) A 30-layer token through the bridge in one jitted function, against callbacks and direct calls."""
+    import jax
+    import jax.numpy as jnp
+
+    from . import cold_handler, kernels
+
+    d, c, active, n_layers, ws, x0, ids, cold, nbytes = (setup.d, setup.c, setup.active, setup.n_layers, setup.ws,
+                                                         setup.x0, setup.ids, setup.cold, setup.nbytes)
+    x_dev = jnp.asarray(x0)
+    out = np.empty(d, np.float32)
+    empty_b, no_s = kernels.empty_bias(), kernels.no_scales()
     # (c) 30 layers through the bridge in one jitted function
     ids_dev = jnp.asarray(ids)
     counts = jnp.full((n_layers,), active, jnp.int32)
@@ -166,6 +204,18 @@ def main(argv=None) -> None:
               f"({n_layers * nbytes / t_loop / 1e9:4.1f} GB/s) | bridge jit unrolled {1e3 * t_unr:6.2f} ms | "
               f"pure_callback fori_loop {1e3 * t_cb:6.2f} ms | Python loop of direct calls {1e3 * t_np:6.2f} ms")
     cold_handler.set_num_threads(saved_threads)
+    sorted_ids_and_async(setup, reps, token, counts, x_dev)
+
+
+def sorted_ids_and_async(setup, reps: int, token, counts, x_dev) -> None:
+    """(c, cont.) The same token with its active ids sorted, and whether async dispatch is kept."""
+    import jax
+    import jax.numpy as jnp
+
+    from . import cold_handler
+
+    ids, cold, n_layers, nbytes = setup.ids, setup.cold, setup.n_layers, setup.nbytes
+    saved_threads = cold_handler.get_num_threads()
     ids_sorted = jnp.asarray(np.sort(ids, axis=1))
 
     @jax.jit
@@ -183,7 +233,6 @@ def main(argv=None) -> None:
     print(f"    async dispatch kept ({saved_threads} thread(s)): token(x) returns after {1e3 * t_enq:.2f} ms, result ready after "
           f"{1e3 * t_all:.2f} ms")
     cold_handler.set_num_threads(saved_threads)
-    print(f"load average after: {os.getloadavg()}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 spinning, so handing them a stage costs about a microsecond.
 
 Why not Numba's ``prange``: a parallel launch through the workqueue layer measured ~170 us on this 2-vCPU VM (and
-the OpenMP layer spins for milliseconds when XLA's threads compete, shared/DESIGN.md). A decode layer has five
+the OpenMP layer spins for milliseconds when XLA's threads compete). A decode layer has five
 stages that each last 50-300 us, so a launch per stage would cost more than the second thread saves.
 
 Protocol (all words int64 in one control block that is never freed):

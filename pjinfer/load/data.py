@@ -8,7 +8,7 @@ from pathlib import Path
 from pjinfer.config import ConfigError
 
 CALIBRATION_FILES = ("wiki", "c4", "tiny", "technical", "code", "multilingual")
-WIKI_EVAL_CHARS = 20_000   # the perplexity protocol of shared/DESIGN.md
+WIKI_EVAL_CHARS = 20_000   # the perplexity protocol (docs/architecture.md)
 
 
 def calibration_dir() -> Path:
@@ -33,7 +33,7 @@ def wiki_eval_text() -> str:
     """The first 20,000 characters of wiki.utf8, <...> tags removed, stripped of surrounding white space.
 
     The strip matters: it drops the newline left by the first <doc> tag, which shifts every window by a
-    token. With it, llama.cpp scores 17.188 (shared/DESIGN.md's 17.18); without it, 16.80.
+    token. With it, llama.cpp scores 17.188; without it, 16.80.
     """
     return strip_tags(read_text(calibration_file("wiki"))[:WIKI_EVAL_CHARS]).strip()
 

@@ -1,6 +1,6 @@
 """Activation profiler: how often and how strongly each FFN neuron fires on general text.
 
-"Active" (shared/DESIGN.md): for the ReLU family a neuron is active when its activation is non-zero,
+"Active" (docs/architecture.md): for the ReLU family a neuron is active when its activation is non-zero,
 so skipping inactive ones is exact. For smooth gated FFNs (SwiGLU, GeGLU) nothing is exactly zero:
 a neuron is active when its contribution |act(gate) * up| clears a per-layer threshold, set at the
 `sparsity` quantile of that layer's contributions on the first calibration tokens.

@@ -161,6 +161,17 @@ def _optional(weights: dict, name: str) -> nnx.Param | None:
     return _param(weights, name) if name in weights else None
 
 
+def value(p):
+    """An optional parameter's array, or None."""
+    return None if p is None else p[...]
+
+
+def neurons(activation: str, x, w_gate, w_up, b_up=None):
+    """Per-neuron activations [..., rows] of FFN rows (all of a layer's, or a subset): act(gate . x, up . x)."""
+    up = linear(x, w_up, b_up)
+    return activate(activation, None if w_gate is None else linear(x, w_gate), up)
+
+
 def linear(x, w, b=None):
     # w is [out, in]: a row per output feature, so a GEMV streams contiguous rows.
     y = jnp.einsum("...i,oi->...o", x, w)
@@ -252,11 +263,10 @@ class Attention(nnx.Module):
         """The attention heads' output [B, T, H*hd] (o's input) and the updated cache arrays."""
         c = self.config
         B, T, _ = x.shape
-        val = lambda p: None if p is None else p[...]
         x = sparsify_input(x, self.t_in)
-        q = linear(x, self.wq[...], val(self.bq)).reshape(B, T, c.n_heads, c.head_dim)
-        k = linear(x, self.wk[...], val(self.bk)).reshape(B, T, c.n_kv_heads, c.head_dim)
-        v = linear(x, self.wv[...], val(self.bv)).reshape(B, T, c.n_kv_heads, c.head_dim)
+        q = linear(x, self.wq[...], value(self.bq)).reshape(B, T, c.n_heads, c.head_dim)
+        k = linear(x, self.wk[...], value(self.bk)).reshape(B, T, c.n_kv_heads, c.head_dim)
+        v = linear(x, self.wv[...], value(self.bv)).reshape(B, T, c.n_kv_heads, c.head_dim)
         positions = start + jnp.arange(T)
         if c.uses_rope:
             q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
@@ -287,9 +297,7 @@ class FFN(nnx.Module):
 
     def neurons(self, x):
         """Per-neuron activations [..., d_ff]."""
-        up = linear(x, self.w_up[...], None if self.b_up is None else self.b_up[...])
-        gate = None if self.w_gate is None else linear(x, self.w_gate[...])
-        return activate(self.activation, gate, up)
+        return neurons(self.activation, x, value(self.w_gate), self.w_up[...], value(self.b_up))
 
     def __call__(self, x):
         act = sparsify_input(self.neurons(sparsify_input(x, self.t_in)), self.t_down)

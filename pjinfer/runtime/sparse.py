@@ -30,7 +30,7 @@ from flax import nnx
 from cpu_offload.bridge import ColdFFN
 from pallas_kernels import hot_ffn, hot_ffn_reference
 from pjinfer.config import HOT_BACKENDS, ConfigError
-from pjinfer.runtime.model import FFN, Transformer, activate, linear
+from pjinfer.runtime.model import FFN, Transformer, neurons, value
 
 
 
@@ -91,15 +91,12 @@ class SparseFFN(nnx.Module):
         only its own predicted-active neurons, the same sums as the per-token gather. Hot neurons are the
         ones that fire most, so a batch's union of active sets is nearly all of them and gathering per token
         would read each row once per token instead."""
-        val = lambda p: None if p is None else p[...]
-        up = linear(x, self.w_up[...], val(self.b_up))
-        gate = None if self.w_gate is None else linear(x, self.w_gate[...])
-        return jnp.where(mask, activate(self.activation, gate, up), 0.0) @ self.w_down_t[...]
+        act = neurons(self.activation, x, value(self.w_gate), self.w_up[...], value(self.b_up))
+        return jnp.where(mask, act, 0.0) @ self.w_down_t[...]
 
     def _hot(self, x, ids, count):
-        val = lambda p: None if p is None else p[...]
-        args = (x, val(self.w_gate), self.w_up[...], self.w_down_t[...], ids, count)
-        kw = dict(activation=self.activation, b_up=val(self.b_up))
+        args = (x, value(self.w_gate), self.w_up[...], self.w_down_t[...], ids, count)
+        kw = dict(activation=self.activation, b_up=value(self.b_up))
         if self.hot_backend == "xla":
             return hot_ffn_reference(*args, **kw)
         return hot_ffn(*args, **kw, interpret=self.hot_backend == "pallas-interpret")
