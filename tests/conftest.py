@@ -83,8 +83,8 @@ class SmallBundle:
     DEVICE_MEMORY = "400MiB"
 
     def __init__(self, engine, path):
-        from pjinfer.offline import stages
         from pjinfer.offline import policy
+        from pjinfer.offline import stages
         from pjinfer.offline.bundle import Bundle
 
         self.path = path

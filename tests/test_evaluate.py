@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from pjinfer.measure import evaluate as ev
 from pjinfer.config import ConfigError
+from pjinfer.measure import evaluate as ev
 from pjinfer.measure.tasks import TASKS, Request, data_installed, load_task
 
 needs_data = pytest.mark.skipif(

@@ -3,8 +3,8 @@ import gguf
 import numpy as np
 import pytest
 
-from pjinfer.load import loader
 from pjinfer.config import ConfigError
+from pjinfer.load import loader
 from tests.conftest import random_weights, tiny_config
 
 

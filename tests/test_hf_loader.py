@@ -15,8 +15,8 @@ from safetensors.numpy import save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
-from pjinfer.load import loader
 from pjinfer.config import ConfigError, ModelConfig
+from pjinfer.load import loader
 from pjinfer.runtime.engine import Engine
 from pjinfer.runtime.model import KVCache, Transformer
 

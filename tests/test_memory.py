@@ -13,8 +13,8 @@ from cpu_offload import host_decode as hd
 from cpu_offload import kernels, q4
 from cpu_offload.qtensor import Int8Tensor, Q4Tensor, dequantize_int8, dequantize_q4_1
 from pjinfer.load import loader
-from pjinfer.runtime import model
 from pjinfer.load.gguf_file import GGUFFile
+from pjinfer.runtime import model
 from tests.conftest import random_weights, tiny_config
 from tests.test_gguf_loader import write_tiny_gguf
 
@@ -99,8 +99,8 @@ def test_int8_head_from_the_real_q8_0_embedding():
 LIVE_ARRAYS = r"""
 import gc, json, sys
 import jax, numpy as np
-from pjinfer.runtime.engine import Engine
 from pjinfer.load.gguf_file import GGUFFile
+from pjinfer.runtime.engine import Engine
 
 engine = Engine.load(weights="q4_1")
 ids = engine.tokenizer.encode("The capital of France is")

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from pjinfer.config import ConfigError
+from pjinfer.runtime.compile_cache import CompileStats
 from pjinfer.runtime.engine import Engine
 from pjinfer.runtime.model import KVCache, Transformer
-from pjinfer.runtime.compile_cache import CompileStats
 from pjinfer.runtime.sampling import Sampling
 from tests.conftest import random_weights, tiny_config
 

@@ -4,11 +4,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pjinfer.config import ConfigError
 from pjinfer.load import data
-from pjinfer.offline import stages
 from pjinfer.offline import policy
 from pjinfer.offline import profile as prof
-from pjinfer.config import ConfigError
+from pjinfer.offline import stages
 from train.predictor import split_indices
 
 

@@ -22,7 +22,7 @@ LLAMA_CPP_PERPLEXITY = 17.18   # llama.cpp, wiki protocol, same GGUF
 def test_perplexity_matches_llama_cpp(tmp_path, capsys):
     # Through the command line (in this process), as a user runs it: first 20,000 characters of wiki.utf8, tags
     # removed, 4 windows of 257 tokens.
-    from pjinfer.cli import main
+    from pjinfer.cli.main import main
 
     text_file = tmp_path / "wiki.txt"
     text_file.write_text(data.wiki_eval_text())

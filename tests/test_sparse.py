@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from cpu_offload.kernels import dequantize_rows, quantize_rows
 from pjinfer.config import ConfigError
 from pjinfer.runtime.engine import Engine
 from pjinfer.runtime.model import KVCache, Transformer
 from pjinfer.runtime.sparse import SparseFFN, sparsify
-from cpu_offload.kernels import dequantize_rows, quantize_rows
 from tests.conftest import random_weights, tiny_config
 from train.predictor import Predictor
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from cpu_offload.sparse_decode import SparseHostDecoder
-from pjinfer.offline import teal
 from pjinfer.config import ConfigError
+from pjinfer.offline import teal
 from pjinfer.runtime import host as pjinfer_host
 from pjinfer.runtime.engine import Engine
 from pjinfer.runtime.model import set_thresholds

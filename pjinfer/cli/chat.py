@@ -10,8 +10,8 @@ import sys
 from typing import Iterator
 
 from pjinfer.config import ConfigError
-from pjinfer.runtime.sampling import Sampling
 from pjinfer.load.tokenizer import StreamDecoder
+from pjinfer.runtime.sampling import Sampling
 
 COMMANDS_HELP = "/reset clears the conversation, /exit (or Ctrl-D) leaves; Ctrl-C stops a reply"
 

@@ -71,9 +71,9 @@ def say(*parts):
 
 def load(args, bundle=None, weights=None):
     """The model of --model; sparse when `bundle` names a bundle to run with."""
-    from pjinfer.runtime.engine import Engine
     from pjinfer.progress import Progress
     from pjinfer.runtime.compile_cache import enable_compilation_cache
+    from pjinfer.runtime.engine import Engine
 
     enable_compilation_cache()
     return Engine.load(args.model, bundle=bundle, hot_backend=getattr(args, "hot_backend", "xla"),
@@ -99,9 +99,9 @@ def check_bundle(args, path) -> None:
     (manifest and model hash; the stages themselves are read when the engine takes the bundle)."""
     from pathlib import Path
 
+    from pjinfer.load.loader import default_model_path, model_identity
     from pjinfer.offline.bundle import Bundle
     from pjinfer.runtime.engine import check_bundle_weights
-    from pjinfer.load.loader import default_model_path, model_identity
 
     weights = getattr(args, "weights", "float32")
     if isinstance(weights, str):

@@ -42,9 +42,9 @@ def add_commands(command) -> None:
 
 
 def cmd_profile(args):
-    from pjinfer.offline import stages
     from pjinfer.activations import EXACT_ZERO
     from pjinfer.load import data
+    from pjinfer.offline import stages
     from pjinfer.progress import Progress
 
     if args.text_file:
@@ -78,8 +78,8 @@ def cmd_train_predictors(args):
 
 
 def cmd_solve(args):
-    from pjinfer.offline import stages
     from pjinfer.offline import policy
+    from pjinfer.offline import stages
 
     device_memory = policy.parse_bytes(args.device_memory)
     for name in ("cpu_bandwidth", "device_bandwidth"):

@@ -38,8 +38,8 @@ def add_commands(command) -> None:
 
 
 def cmd_generate(args):
-    from pjinfer.runtime.compile_cache import CompileStats
     from pjinfer.load.tokenizer import StreamDecoder
+    from pjinfer.runtime.compile_cache import CompileStats
 
     sampling = common.sampling(args)
     prompt = _prompt_text(args)

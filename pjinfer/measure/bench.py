@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pjinfer.config import ConfigError
 from pjinfer.load import data
 from pjinfer.runtime import generate as gen
-from pjinfer.config import ConfigError
 from pjinfer.runtime.engine import Engine
 from pjinfer.runtime.sampling import Sampling
 

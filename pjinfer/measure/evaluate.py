@@ -29,9 +29,9 @@ import numpy as np
 from flax import nnx
 
 from pjinfer.config import ConfigError
-from pjinfer.runtime.generate import bucket
-from pjinfer.progress import Progress
 from pjinfer.measure.tasks import GENERATIVE, TASKS, Request, load_task
+from pjinfer.progress import Progress
+from pjinfer.runtime.generate import bucket
 
 MIN_LEN_BUCKET = 32
 BATCH_ROWS = 16            # at most this many sequences per call

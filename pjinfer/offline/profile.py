@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pjinfer.load import data
 from pjinfer.activations import EXACT_ZERO
 from pjinfer.config import ConfigError
+from pjinfer.load import data
 from pjinfer.runtime.engine import Engine
 
 WINDOW = 256                                     # tokens per profiled sequence

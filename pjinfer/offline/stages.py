@@ -9,12 +9,12 @@ from pathlib import Path
 
 import numpy as np
 
+from pjinfer.activations import EXACT_ZERO
+from pjinfer.config import THRESHOLD_INPUTS, ConfigError
 from pjinfer.load import loader
 from pjinfer.offline import profile as prof
 from pjinfer.offline import teal
-from pjinfer.activations import EXACT_ZERO
 from pjinfer.offline.bundle import THRESHOLDS, Bundle, model_record
-from pjinfer.config import THRESHOLD_INPUTS, ConfigError
 from pjinfer.runtime.engine import Engine
 
 

@@ -10,15 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from cpu_offload.qtensor import is_quantized
+from pjinfer.config import WEIGHT_CHOICES, WEIGHT_FORMATS, ConfigError, ModelConfig
+from pjinfer.load import loader
+from pjinfer.load.tokenizer import Tokenizer
+from pjinfer.offline.bundle import THRESHOLDS, Bundle
 from pjinfer.runtime import generate as gen
 from pjinfer.runtime import host as pjinfer_host
-from pjinfer.load import loader
-from pjinfer.config import WEIGHT_CHOICES, WEIGHT_FORMATS, ConfigError, ModelConfig
-from cpu_offload.qtensor import is_quantized
-from pjinfer.offline.bundle import THRESHOLDS, Bundle
 from pjinfer.runtime.model import Float32View, Transformer, float32_weights, set_thresholds
 from pjinfer.runtime.sampling import REPEAT_WINDOW, Sampling
-from pjinfer.load.tokenizer import Tokenizer
 
 
 def resolve_weights(weights: str, path=None, bundle=None) -> str:

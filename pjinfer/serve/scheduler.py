@@ -17,8 +17,8 @@ import threading
 import time
 from typing import Callable
 
-from pjinfer.runtime.sampling import Sampling
 from pjinfer.load.tokenizer import StreamDecoder
+from pjinfer.runtime.sampling import Sampling
 
 
 class SchedulerClosed(Exception):
