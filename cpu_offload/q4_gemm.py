@@ -11,7 +11,9 @@ GROUP re-reads the row from L1 for the next group.
 ``gemm_int8(w, s, x, y, y_rows, nt, lo, hi)`` is the int8 form (the output head, and layers with ``--weights int8``): it
 walks the rows in tiles of TILE rows and runs ``host_decode._gemv`` over the tile for each token in turn, so the
 tile is read from memory once and from cache nt - 1 times, and every token's result is the single-token GEMV's
-(the same compiled loop over the same rows; tiles are multiples of 4 rows, the GEMV's row group).
+(the same loop over the same rows; tiles are multiples of 4 rows, the GEMV's row group). That equality rests on
+LLVM compiling _gemv's fastmath loop the same way inside both stage functions: the whole-step tests check it (a
+direct call of _gemv from Python has measured 1-2 ulps apart from it).
 """
 from __future__ import annotations
 

@@ -104,6 +104,7 @@ class Batch:
         self.engine, self.max_batch = engine, max_batch
         self.decoder = BatchDecoder(nnx.merge(engine.graphdef, engine.state).host, max_batch)
         self.pool = KVCache.create(engine.config, max_batch, gen.MIN_CACHE_BUCKET)
+        self.widest = 0     # the most requests one step has advanced (for tests and logs)
 
     def start(self, slot: int, prompt_ids, max_new_tokens: int, sampling: Sampling) -> State:
         """Prefill a request (Engine.plan refuses what the context cannot hold) into `slot`."""
@@ -122,6 +123,7 @@ class Batch:
     def step(self, states: list[State]) -> None:
         """One token for each state (state.token fed at its next position, the new one stored in state.token)."""
         b = self.max_batch
+        self.widest = max(self.widest, len(states))
         tokens, pos = np.zeros(b, np.int32), np.full(b, -1, np.int32)
         keys = np.zeros((b, 2), np.uint32)
         recent = np.full((b, len(states[0].recent)), -1, np.int32)

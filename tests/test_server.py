@@ -96,6 +96,7 @@ def test_eight_concurrent_streams_each_equal_their_single_output(served, q4_engi
     for t in threads:
         t.join(timeout=300)
     assert got == want
+    assert served[0].scheduler.batch.widest >= 2        # requests did share decode steps
 
 
 @pytest.mark.parametrize("body,status,fragment", [
