@@ -3,9 +3,8 @@
 ``gemm(q, xp, y, nt, lo, hi)`` is the Q4_1 form: y[t, r] = row r of the Q4_1 matrix q dotted with token t's input,
 for t < nt and r in [lo, hi), xp[t] = ``q4.prepare`` of token t's input. Each row's blocks are loaded from memory
 once and their bytes converted to floats once (c and q_hi of ``q4``'s identity) for up to GROUP tokens; every
-token then takes exactly the float operations ``q4.gemv``'s ``_row_dot`` takes for it alone (the same two FMAs and
-scale FMA per block, the same scalar chain for m * block sum, the same horizontal-sum tree), so a token's result is
-the single-token GEMV's bit for bit (tests/test_batched_decode.py checks it on random rows). A batch wider than
+token then takes exactly the float operations ``q4.gemv`` takes for it alone (both are ``q4.emit_rows_dot``), so a
+token's result is the single-token GEMV's bit for bit (tests/test_batched_decode.py checks it on random rows). A batch wider than
 GROUP re-reads the row from L1 for the next group.
 
 ``gemm_int8(w, s, x, y, y_rows, nt, lo, hi)`` is the int8 form (the output head, and layers with ``--weights int8``): it
@@ -23,12 +22,11 @@ from . import _threading  # noqa: F401  (sets NUMBA_THREADING_LAYER before numba
 
 from llvmlite import ir  # noqa: E402
 from numba import njit, types  # noqa: E402
-from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import ffi, host_decode, kernels, q4  # noqa: E402
 from .kernels import prefetch  # noqa: E402
-from .q4 import BLOCK, BLOCK_BYTES, PREFETCH_ROWS, _load, _vector_intrinsic  # noqa: E402
+from .q4 import BLOCK, BLOCK_BYTES, PREFETCH_ROWS  # noqa: E402
 
 ffi.purge_stale_cache("q4_gemm", kernels, q4, host_decode, ffi)
 
@@ -36,8 +34,6 @@ GROUP = 8     # tokens per pass over a row: 8 accumulators of 16 floats (AVX-512
 TILE = 16     # int8 rows per tile: 16 x 576 bytes sit in L1
 
 _f32, _i32, _i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
-_v16f = ir.VectorType(_f32, 16)
-_v16b = ir.VectorType(ir.IntType(8), 16)
 
 
 def _make_rows_dot(nt: int):
@@ -52,39 +48,11 @@ def _make_rows_dot(nt: int):
 
         def codegen(context, builder, sig, args):
             row, nb, xp, xp_stride, y, y_stride = args
-            floor = _vector_intrinsic(builder, "llvm.floor", 1)
-            fma = _vector_intrinsic(builder, "llvm.fma", 3)
             cols4 = builder.mul(nb, _i64(4 * BLOCK))            # bytes of cols floats
             xls = [builder.add(xp, builder.mul(xp_stride, _i64(t))) for t in range(nt)]
             x2s = [builder.add(a, builder.udiv(cols4, _i64(2))) for a in xls]
             xss = [builder.add(a, cols4) for a in xls]
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(_v16f, [0.0] * 16)) for _ in range(nt)]
-            maccs = [cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0)) for _ in range(nt)]
-            sixteenth = ir.Constant(_v16f, [1.0 / 16] * 16)
-            lane0 = ir.Constant(ir.VectorType(_i32, 16), [0] * 16)
-            with cgutils.for_range(builder, nb) as loop:
-                b = loop.index
-                p = builder.add(row, builder.mul(b, _i64(BLOCK_BYTES)))
-                d = builder.fpext(_load(builder, p, ir.HalfType(), 1), _f32)
-                m = builder.fpext(_load(builder, builder.add(p, _i64(2)), ir.HalfType(), 1), _f32)
-                c = builder.uitofp(_load(builder, builder.add(p, _i64(4)), _v16b, 1), _v16f)
-                q_hi = builder.call(floor, [builder.fmul(c, sixteenth)])
-                d16 = builder.shuffle_vector(builder.insert_element(ir.Constant(_v16f, ir.Undefined), d, _i32(0)),
-                                             ir.Constant(_v16f, ir.Undefined), lane0)
-                off = builder.mul(b, _i64(64))
-                for t in range(nt):   # q4._row_dot's operations, in its order, for each token
-                    dot = builder.call(fma, [q_hi, _load(builder, builder.add(x2s[t], off), _v16f, 4),
-                                             builder.fmul(c, _load(builder, builder.add(xls[t], off), _v16f, 4))])
-                    builder.store(builder.call(fma, [dot, d16, builder.load(accs[t])]), accs[t])
-                    s = _load(builder, builder.add(xss[t], builder.mul(b, _i64(4))), _f32, 4)
-                    builder.store(builder.fadd(builder.fmul(m, s), builder.load(maccs[t])), maccs[t])
-            for t in range(nt):
-                v = builder.load(accs[t])
-                for width in (8, 4, 2, 1):
-                    halves = [builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, width),
-                                                                       list(range(k, k + width)))) for k in (0, width)]
-                    v = builder.fadd(*halves)
-                total = builder.fadd(builder.extract_element(v, _i32(0)), builder.load(maccs[t]))
+            for t, total in enumerate(q4.emit_rows_dot(builder, row, nb, xls, x2s, xss)):
                 addr = builder.add(y, builder.mul(y_stride, _i64(t)))
                 builder.store(total, builder.inttoptr(addr, _f32.as_pointer()), align=4)
             return context.get_dummy_value()
