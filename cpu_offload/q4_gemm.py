@@ -89,6 +89,9 @@ def gemm(q, xp, y, nt, lo, hi):
     """y[t, r] = row r of q (uint8 [rows, q4.row_bytes(cols)], rows contiguous) dotted with token t's input, for
     t < nt, r in [lo, hi); xp float32 [>= nt, >= q4.prepared_size(cols)] rows of q4.prepare; y float32
     [>= nt, >= hi]. Rows PREFETCH_ROWS ahead are prefetched line by line, as q4.gemv does."""
+    if nt == 1:       # the single-token GEMV itself (the same emitter): faster than the group dispatch below
+        q4.gemv(q, xp[0], y[0], lo, hi)
+        return
     nb = q.shape[1] // BLOCK_BYTES
     rows = q.ctypes.data
     xs, ys = xp.strides[0], y.strides[0]
