@@ -2,8 +2,9 @@
 
 Starts the server as a child process on a free 127.0.0.1 port, measures one stream alone (before and after the
 concurrent phase, pooled: the rate on a shared machine drifts), then sends `requests` streaming completions from
-`clients` concurrent clients, each asking for `tokens` tokens (greedy, no end-of-text stop: a fixed amount of work). Reports the aggregate completion rate against the single stream's, the time to the
-first token (p50, p99) and the requests lost (an error, a wrong token count, or no [DONE]). Then stops the server.
+`clients` concurrent clients, each asking for `tokens` tokens (greedy, no end-of-text stop: a fixed amount of work).
+Reports the aggregate completion rate against the single stream's, the time to the first token (p50, p99) and the
+requests lost (an error, a wrong token count, or no [DONE]). Then stops the server.
 """
 from __future__ import annotations
 
