@@ -253,7 +253,9 @@ def _execute_head(header, api, args, rets, mb, d):
         h[t, :] = hidden[slots[t]]
     store_i64(load_i64(header + 8 * H_TASK) + 8 * K_NT, max(nt, 0))
     store_i64(load_i64(header + 8 * H_TASK) + 8 * K_OUT, out.ctypes.data)
+    env = team.enter()
     _run(header, ST_HEAD)
+    team.leave(env)
     unlock(load_i64(header + 8 * H_RUNTIME))
     return 0
 
@@ -305,7 +307,9 @@ def _execute(frame, api):
     x_out[:, :] = x_in
     for t in range(nt):
         x[t, :] = x_out[slots[t]]
+    env = team.enter()
     _layer(header, layer, nt, k_ptr, v_ptr, s_len)
+    team.leave(env)
     for t in range(nt):
         x_out[slots[t], :] = x[t]
     unlock(load_i64(header + 8 * H_RUNTIME))

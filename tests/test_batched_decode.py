@@ -173,3 +173,21 @@ def test_engines_that_cannot_batch_say_why(engine):
     assert "--weights q4_1 or int8" in unsupported(engine)
     with pytest.raises(ValueError, match="batched decode runs the dense host decode"):
         Batch(engine, 4)
+
+
+def test_decode_handlers_compute_in_one_floating_point_environment():
+    """team.enter sets FTZ/DAZ (what XLA's threads compute with) whatever the thread had; leave gives it back."""
+    from numba import njit
+
+    from cpu_offload import team
+
+    @njit
+    def probe():
+        before = team.get_fpenv()
+        saved = team.enter()
+        inside = team.get_fpenv()
+        team.leave(saved)
+        return before, saved, inside, team.get_fpenv()
+
+    before, saved, inside, after = probe()
+    assert saved == before and inside == team.FPENV and after == before and before != team.FPENV
