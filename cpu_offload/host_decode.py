@@ -429,7 +429,9 @@ def _execute(frame, api):
             return make_error(api, ERRC_INVALID_ARGUMENT,
                               cstr("pjinfer_host_decode: head form is hidden f32 [d] -> logits f32 [vocab]"))
         lock(load_i64(header + 8 * H_RUNTIME))
+        env = team.enter()
         _head(header, _f32(load_i64(b_x + BUF_DATA), d), load_i64(b_out + BUF_DATA))
+        team.leave(env)
         unlock(load_i64(header + 8 * H_RUNTIME))
         return 0
     if nargs != 5 or nrets != 3:
@@ -464,7 +466,9 @@ def _execute(frame, api):
     for j in range(d):
         x[j] = x_in[j]
     lock(load_i64(header + 8 * H_RUNTIME))
+    env = team.enter()
     _layer(header, layer, pos, x, k_ptr, v_ptr)
+    team.leave(env)
     unlock(load_i64(header + 8 * H_RUNTIME))
     return 0
 

@@ -13,7 +13,8 @@ The GEMV. Per block, with c = q_lo + 16 q_hi the stored byte and q_hi = floor(c 
 
     q_lo . x_lo + q_hi . x_hi = c . x_lo + q_hi . (x_hi - 16 x_lo)
 
-so a block is one byte-to-float conversion, a floor and two FMAs on 16 lanes, with no nibble masking.
+so a block is one byte-to-float conversion, a floor and two FMAs on 16 lanes, with no nibble masking
+(``emit_rows_dot``; the conversion is shared when several inputs read the row, q4_gemm).
 ``prepare(x, xp)`` computes x_lo, x_hi - 16 x_lo and the block sums of x once per input vector, and
 ``gemv(q, xp, y, lo, hi)`` gives y[r] = sum over blocks of d (c . x_lo + q_hi . x2) + m sum(x_block).
 ``_row_dot`` is written as LLVM vector IR because Numba's autovectorizer turned the same loop into byte-by-byte
@@ -102,6 +103,48 @@ def _load(builder, addr, ty, align):
     return builder.load(builder.inttoptr(addr, ty.as_pointer()), align=align)
 
 
+def emit_rows_dot(builder, row, nb, xls, x2s, xss):
+    """LLVM IR for the dots of one Q4_1 row (nb blocks at address row) with len(xls) prepared inputs (addresses of
+    each one's x_lo, x2 and block sums); returns the float32 results. The single-token GEMV (``_row_dot``) and the
+    batched one (``q4_gemm``) both emit this, so a token's result is the same in both.
+
+    Per block, shared by the tokens: the byte-to-float conversion c, q_hi and the broadcast d; per token: the block
+    dot as c x_lo + q_hi x2 (a multiply and an FMA), one FMA of d into the accumulator, m times the block sum into
+    a scalar chain; finally one horizontal sum per token. (Multiplying d into c and q_hi once per block and
+    keeping two accumulators per token measured no faster batched, and 1.5x slower with 8 tokens: spills.)"""
+    floor = _vector_intrinsic(builder, "llvm.floor", 1)
+    fma = _vector_intrinsic(builder, "llvm.fma", 3)
+    acc = [cgutils.alloca_once_value(builder, ir.Constant(_v16f, [0.0] * 16)) for _ in xls]  # sum of d * block dot
+    macc = [cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0)) for _ in xls]        # sum of m * block sum
+    sixteenth = ir.Constant(_v16f, [1.0 / 16] * 16)
+    lane0 = ir.Constant(ir.VectorType(_i32, 16), [0] * 16)
+    with cgutils.for_range(builder, nb) as loop:
+        b = loop.index
+        p = builder.add(row, builder.mul(b, _i64(BLOCK_BYTES)))
+        d = builder.fpext(_load(builder, p, ir.HalfType(), 1), _f32)
+        m = builder.fpext(_load(builder, builder.add(p, _i64(2)), ir.HalfType(), 1), _f32)
+        c = builder.uitofp(_load(builder, builder.add(p, _i64(4)), _v16b, 1), _v16f)
+        q_hi = builder.call(floor, [builder.fmul(c, sixteenth)])
+        d16 = builder.shuffle_vector(builder.insert_element(ir.Constant(_v16f, ir.Undefined), d, _i32(0)),
+                                     ir.Constant(_v16f, ir.Undefined), lane0)
+        off = builder.mul(b, _i64(64))  # 16 floats of x_lo / x2 per block
+        for t in range(len(xls)):
+            dot = builder.call(fma, [q_hi, _load(builder, builder.add(x2s[t], off), _v16f, 4),
+                                     builder.fmul(c, _load(builder, builder.add(xls[t], off), _v16f, 4))])
+            builder.store(builder.call(fma, [dot, d16, builder.load(acc[t])]), acc[t])
+            s = _load(builder, builder.add(xss[t], builder.mul(b, _i64(4))), _f32, 4)
+            builder.store(builder.fadd(builder.fmul(m, s), builder.load(macc[t])), macc[t])
+    out = []
+    for t in range(len(xls)):
+        v = builder.load(acc[t])
+        for width in (8, 4, 2, 1):  # horizontal sum, once per row
+            halves = [builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, width), list(range(k, k + width))))
+                      for k in (0, width)]
+            v = builder.fadd(*halves)
+        out.append(builder.fadd(builder.extract_element(v, _i32(0)), builder.load(macc[t])))
+    return out
+
+
 @intrinsic
 def _row_dot(typingctx, row, nb, xl, x2, xs):
     """float32 dot of one Q4_1 row (nb blocks at address row) with a prepared input (addresses of x_lo, x2 and
@@ -111,33 +154,7 @@ def _row_dot(typingctx, row, nb, xl, x2, xs):
 
     def codegen(context, builder, sig, args):
         row, nb, xl, x2, xs = args
-        floor = _vector_intrinsic(builder, "llvm.floor", 1)
-        fma = _vector_intrinsic(builder, "llvm.fma", 3)
-        acc = cgutils.alloca_once_value(builder, ir.Constant(_v16f, [0.0] * 16))   # sum of d * block dot
-        macc = cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0))          # sum of m * block sum
-        sixteenth = ir.Constant(_v16f, [1.0 / 16] * 16)
-        lane0 = ir.Constant(ir.VectorType(_i32, 16), [0] * 16)
-        with cgutils.for_range(builder, nb) as loop:
-            b = loop.index
-            p = builder.add(row, builder.mul(b, _i64(BLOCK_BYTES)))
-            d = builder.fpext(_load(builder, p, ir.HalfType(), 1), _f32)
-            m = builder.fpext(_load(builder, builder.add(p, _i64(2)), ir.HalfType(), 1), _f32)
-            c = builder.uitofp(_load(builder, builder.add(p, _i64(4)), _v16b, 1), _v16f)
-            q_hi = builder.call(floor, [builder.fmul(c, sixteenth)])
-            off = builder.mul(b, _i64(64))  # 16 floats of x_lo / x2 per block
-            dot = builder.call(fma, [q_hi, _load(builder, builder.add(x2, off), _v16f, 4),
-                                     builder.fmul(c, _load(builder, builder.add(xl, off), _v16f, 4))])
-            d16 = builder.shuffle_vector(builder.insert_element(ir.Constant(_v16f, ir.Undefined), d, _i32(0)),
-                                         ir.Constant(_v16f, ir.Undefined), lane0)
-            builder.store(builder.call(fma, [dot, d16, builder.load(acc)]), acc)
-            s = _load(builder, builder.add(xs, builder.mul(b, _i64(4))), _f32, 4)
-            builder.store(builder.fadd(builder.fmul(m, s), builder.load(macc)), macc)
-        v = builder.load(acc)
-        for width in (8, 4, 2, 1):  # horizontal sum, once per row
-            halves = [builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, width), list(range(k, k + width))))
-                      for k in (0, width)]
-            v = builder.fadd(*halves)
-        return builder.fadd(builder.extract_element(v, _i32(0)), builder.load(macc))
+        return emit_rows_dot(builder, row, nb, [xl], [x2], [xs])[0]
     return types.float32(types.int64, types.int64, types.int64, types.int64, types.int64), codegen
 
 

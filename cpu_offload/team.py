@@ -9,8 +9,8 @@ Protocol (all words int64 in one control block that is never freed):
 - ``run(ctrl, fn, arg)`` (Numba, caller holds the ffi lock): stores the task (``fn``: the address of a cfunc
   ``void(int64 arg, int64 tid, int64 n)``, and ``arg``), bumps the generation word with release order, runs
   ``fn(arg, 0, n)`` itself, then waits until every worker has stored the new generation in its done word.
-- worker ``w`` (1..n-1, a daemon Python thread inside a nogil Numba loop): waits for a new generation, runs
-  ``fn(arg, w, n)``, stores the generation in its done word. It spins with ``pause`` for a while, then yields
+- worker ``w`` (1..n-1, a daemon Python thread inside a nogil Numba loop): waits for a new generation, takes the
+  caller's floating-point environment (MXCSR: denormal flushing), runs ``fn(arg, w, n)``, stores the generation in its done word. It spins with ``pause`` for a while, then yields
   the core with ``sched_yield``, and after ~20 ms without work sleeps 200 us between looks, so an idle team
   costs almost nothing while back-to-back decode steps find it awake.
 - Tasks split their work by ``tid`` and ``n`` and write disjoint outputs; ``run`` returns once all are done.
@@ -34,7 +34,7 @@ from llvmlite import ir  # noqa: E402
 from numba import njit, types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-C_GEN, C_FN, C_ARG, C_SIZE, C_STOP, C_USLEEP, C_YIELD = range(7)
+C_GEN, C_FN, C_ARG, C_SIZE, C_STOP, C_USLEEP, C_YIELD, C_FPENV = range(8)
 LINE = 8  # int64 words per 64-byte cache line: each worker's done word sits on its own line
 SPINS = 4000  # pause rounds before yielding (~100-500 us)
 YIELDS = 20000  # sched_yield rounds before sleeping (~20 ms when nothing else wants the core)
@@ -49,6 +49,54 @@ def _pause(typingctx):
         builder.call(fn, [])
         return context.get_dummy_value()
     return types.void(), codegen
+
+
+def _mxcsr_call(builder, name, slot):
+    fn = builder.module.declare_intrinsic(name, fnty=ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()]))
+    builder.call(fn, [builder.bitcast(slot, ir.IntType(8).as_pointer())])
+
+
+@intrinsic
+def get_fpenv(typingctx):
+    """This thread's x86 MXCSR (denormal flushing, rounding, exception masks)."""
+    def codegen(context, builder, sig, args):
+        slot = builder.alloca(ir.IntType(32))
+        _mxcsr_call(builder, "llvm.x86.sse.stmxcsr", slot)
+        return builder.zext(builder.load(slot), ir.IntType(64))
+    return types.int64(), codegen
+
+
+@intrinsic
+def set_fpenv(typingctx, value):
+    """Sets this thread's MXCSR."""
+    if not isinstance(value, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        slot = builder.alloca(ir.IntType(32))
+        builder.store(builder.trunc(context.cast(builder, args[0], sig.args[0], types.int64), ir.IntType(32)), slot)
+        _mxcsr_call(builder, "llvm.x86.sse.ldmxcsr", slot)
+        return context.get_dummy_value()
+    return types.void(value), codegen
+
+
+# The floating-point environment the decode handlers compute in (``enter``): exceptions masked, round to nearest,
+# denormals flushed (FTZ) and read as zero (DAZ), as XLA's CPU runtime computes. Without a fixed one, a result
+# depended on which thread computed it: XLA's thread and the team's workers do not share one.
+FPENV = 0x9FC0
+
+
+@njit(**NOJIT)
+def enter():
+    """Sets FPENV on this thread; returns the environment to give back to ``leave``."""
+    saved = get_fpenv()
+    set_fpenv(FPENV)
+    return saved
+
+
+@njit(**NOJIT)
+def leave(saved):
+    set_fpenv(saved)
 
 
 @intrinsic
@@ -109,6 +157,7 @@ def _worker(ctrl, w):
         if load_i64(ctrl + 8 * C_STOP) != 0:
             store_release_i64(ctrl + 8 * LINE * w, g)
             return
+        set_fpenv(load_i64(ctrl + 8 * C_FPENV))     # the caller's: a result must not depend on the thread
         _call_task(load_i64(ctrl + 8 * C_FN), load_i64(ctrl + 8 * C_ARG), w, load_i64(ctrl + 8 * C_SIZE))
         store_release_i64(ctrl + 8 * LINE * w, g)
 
@@ -122,6 +171,7 @@ def run(ctrl, fn, arg):
         return
     store_i64(ctrl + 8 * C_FN, fn)
     store_i64(ctrl + 8 * C_ARG, arg)
+    store_i64(ctrl + 8 * C_FPENV, get_fpenv())
     g = load_i64(ctrl + 8 * C_GEN) + 1
     store_release_i64(ctrl + 8 * C_GEN, g)
     _call_task(fn, arg, 0, n)

@@ -73,6 +73,14 @@ def engine():
     return Engine.load(weights="float32")   # the exact model: references are float32
 
 
+@pytest.fixture(scope="session")
+def q4_engine():
+    """The same model on the host decode with the file's Q4_1 blocks (what `pjinfer serve` runs by default)."""
+    from pjinfer.runtime.engine import Engine
+
+    return Engine.load(weights="q4_1")
+
+
 class SmallBundle:
     """A sparse bundle of the real model built once per session with small settings (seconds, not `make
     bundle`'s minutes): profile 2048 calibration tokens at target sparsity 0.5 keeping 1024 for training;

@@ -19,9 +19,9 @@ KEY = "test-key"
 
 
 @pytest.fixture(scope="module")
-def served(engine):
-    """The session's real model behind a server in a thread of this process (one model load for every test)."""
-    server = Server(engine, api_key=KEY, max_active=8, max_body_bytes=64 * 1024)
+def served(q4_engine):
+    """The session's real model on the Q4_1 host decode (batched) behind a server in a thread of this process."""
+    server = Server(q4_engine, api_key=KEY, max_active=8, max_body_bytes=64 * 1024)
     port = free_port()
     runner = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=runner.run, daemon=True)
@@ -47,9 +47,9 @@ def test_models_and_health(served):
     assert httpx.get(f"{base}/health").json()["status"] == "ok"
 
 
-def test_greedy_completion_equals_generate_streamed_or_not(served, engine):
+def test_greedy_completion_equals_generate_streamed_or_not(served, q4_engine):
     server, _, client = served
-    want = expected(engine, "The capital of France is", 12)
+    want = expected(q4_engine, "The capital of France is", 12)
     whole = client.completions.create(model=server.name, prompt="The capital of France is", max_tokens=12,
                                       temperature=0)
     assert whole.choices[0].text == want and whole.choices[0].finish_reason == "length"
@@ -59,11 +59,11 @@ def test_greedy_completion_equals_generate_streamed_or_not(served, engine):
     assert "".join(c.choices[0].text for c in chunks) == want and chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_chat_stops_at_end_of_turn_and_streams_the_same_text(served, engine):
+def test_chat_stops_at_end_of_turn_and_streams_the_same_text(served, q4_engine):
     _, _, client = served
     messages = [{"role": "user", "content": "Say hello."}]
     whole = client.chat.completions.create(model="", messages=messages, max_tokens=60, temperature=0)
-    assert whole.choices[0].message.content == expected(engine, "Say hello.", 60, chat=True)
+    assert whole.choices[0].message.content == expected(q4_engine, "Say hello.", 60, chat=True)
     assert whole.choices[0].finish_reason == "stop"             # the end-of-turn token came before 60 tokens
     stream = client.chat.completions.create(model="", messages=messages, max_tokens=60, temperature=0, stream=True,
                                             stream_options={"include_usage": True})
@@ -72,18 +72,18 @@ def test_chat_stops_at_end_of_turn_and_streams_the_same_text(served, engine):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
-def test_stop_strings(served, engine):
+def test_stop_strings(served, q4_engine):
     _, _, client = served
     out = client.completions.create(model="", prompt="The capital of France is", max_tokens=12, temperature=0,
                                     stop=["\n"])
     assert out.choices[0].text == " Paris." and out.choices[0].finish_reason == "stop"
 
 
-def test_eight_concurrent_streams_each_equal_their_single_output(served, engine):
+def test_eight_concurrent_streams_each_equal_their_single_output(served, q4_engine):
     _, _, client = served
     prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The best way to learn is",
                "Water boils at", "My favourite animal is", "In 1492,", "The opposite of hot is"]
-    want = [expected(engine, p, 8) for p in prompts]
+    want = [expected(q4_engine, p, 8) for p in prompts]
     got = [None] * len(prompts)
 
     def one(i):
@@ -96,6 +96,7 @@ def test_eight_concurrent_streams_each_equal_their_single_output(served, engine)
     for t in threads:
         t.join(timeout=300)
     assert got == want
+    assert served[0].scheduler.batch.widest >= 2        # requests did share decode steps
 
 
 @pytest.mark.parametrize("body,status,fragment", [

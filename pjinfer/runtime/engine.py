@@ -18,7 +18,7 @@ from pjinfer.offline.bundle import THRESHOLDS, Bundle
 from pjinfer.runtime import generate as gen
 from pjinfer.runtime import host as pjinfer_host
 from pjinfer.runtime.model import Float32View, Transformer, float32_weights, set_thresholds
-from pjinfer.runtime.sampling import REPEAT_WINDOW, Sampling
+from pjinfer.runtime.sampling import Sampling, recent_ids
 
 
 def resolve_weights(weights: str, path=None, bundle=None) -> str:
@@ -205,9 +205,7 @@ class Engine:
         params = sampling.params()
         key, sub = jax.random.split(jax.random.key(sampling.seed))
         token, cache = self.prefill(prompt_ids, cache_len=cache_len, sampling=sampling, key=sub)
-        recent = np.full(REPEAT_WINDOW, -1, np.int32)   # sampling.recent_window, kept on the host
-        tail = np.asarray(prompt_ids[-REPEAT_WINDOW:], np.int32)
-        recent[REPEAT_WINDOW - len(tail):] = tail
+        recent = recent_ids(prompt_ids)   # kept on the host: no device op per token
         for n in range(max_new_tokens):
             value = int(token)
             if value in stops:

@@ -152,7 +152,7 @@ def _order_after(y):
         _ORDER.zero = s != s
 
 
-def _rows(w, ids):
+def embedding_rows(w, ids):
     """Rows ids of an embedding table (float32 Param or QMatrix) as float32."""
     return w.rows(ids) if isinstance(w, QMatrix) else w[...][ids]
 
@@ -363,7 +363,7 @@ class Transformer(nnx.Module):
         """tokens [B, T] at positions start..start+T-1 -> final hidden states [B, T, d], updated cache.
 
         With capture=True also returns every layer's FFN input [B, T, d] (for the profiler)."""
-        x = _rows(self.embed, tokens)
+        x = embedding_rows(self.embed, tokens)
         if self.pos_embed is not None:
             x = x + jax.lax.dynamic_slice_in_dim(self.pos_embed[...], start, tokens.shape[1])[None]
         ks, vs, ffn_inputs = [], [], []
@@ -379,7 +379,7 @@ class Transformer(nnx.Module):
     def decode(self, token, pos, cache: KVCache):
         """One token (a scalar id) at position pos -> (logits [vocab], updated cache): each layer's and the
         head's `decode`, which a host-backed engine swaps for its kernels (pjinfer.runtime.host)."""
-        x = _rows(self.embed, token.reshape(1, 1))
+        x = embedding_rows(self.embed, token.reshape(1, 1))
         if self.pos_embed is not None:
             x = x + jax.lax.dynamic_slice_in_dim(self.pos_embed[...], pos, 1)[None]
         ks, vs = [], []

@@ -13,6 +13,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pjinfer.config import ConfigError
 
@@ -57,6 +58,14 @@ def recent_window(tokens, length):
     """The last REPEAT_WINDOW ids of tokens[:length] (tokens [T], int32), -1 where the text is shorter."""
     idx = length - REPEAT_WINDOW + jnp.arange(REPEAT_WINDOW)
     return jnp.where(idx >= 0, tokens[jnp.clip(idx, 0, tokens.shape[0] - 1)], -1).astype(jnp.int32)
+
+
+def recent_ids(prompt_ids) -> np.ndarray:
+    """recent_window of a whole prompt, computed on the host (numpy int32 [REPEAT_WINDOW])."""
+    recent = np.full(REPEAT_WINDOW, -1, np.int32)
+    tail = np.asarray(prompt_ids[-REPEAT_WINDOW:], np.int32)
+    recent[REPEAT_WINDOW - len(tail):] = tail
+    return recent
 
 
 def push_recent(recent, token):

@@ -1,23 +1,26 @@
-"""Runs many generation requests on one Engine from one thread, a token at a time each, in turns.
+"""Runs many generation requests on one Engine from one thread.
 
 The server's request handlers submit `Job`s from any thread; the scheduler thread alone calls the engine. Each round
-admits waiting jobs (up to `max_active`), then advances every active job by one token: a new job's first turn is its
-prefill. A job that is cancelled (its client went away) is dropped at its next turn. Every job's tokens are what
-`Engine.stream` gives for it alone, so a request's greedy output does not depend on what else runs.
+admits waiting jobs (up to `max_active`; a new job's prefill runs when it is admitted and gives its first token),
+then advances every active job by one token. A job that is cancelled (its client went away) is dropped at the next
+round, freeing its place. Every job's tokens are what `Engine.stream` gives for it alone, bit for bit, so a
+request's output does not depend on what else runs.
 
-Each job decodes with its own KV cache and its own decode step: the weights are read once per job per token, so
-the aggregate rate of N jobs is about one stream's. A batched decode step (one weight read for every active job)
-is not built yet.
+With the dense host decode (--weights q4_1 or int8, no bundle) a round is one batched step (`pjinfer.runtime.batch`): every
+active job's token in one call that reads the weights once. Other engines cannot batch: their jobs take turns, one
+decode step per job per round (the scheduler says so on stderr once), so N jobs share one stream's rate.
 """
 from __future__ import annotations
 
 import dataclasses
 import queue
+import sys
 import threading
 import time
 from typing import Callable
 
 from pjinfer.load.tokenizer import StreamDecoder
+from pjinfer.runtime import batch as batching
 from pjinfer.runtime.sampling import Sampling
 
 
@@ -43,12 +46,26 @@ class Job:
     finish_reason: str | None = None
 
 
+@dataclasses.dataclass
+class _Active:
+    """An admitted job: its text decoder, and either its token iterator (turns) or its batch state and stop ids."""
+    job: Job
+    decoder: StreamDecoder
+    tokens: object = None
+    state: batching.State | None = None
+    stops: frozenset = frozenset()
+
+
 class Scheduler:
     def __init__(self, engine, *, max_active: int = 8):
         self.engine, self.max_active = engine, max_active
         self._waiting: queue.Queue[Job] = queue.Queue()
-        self._active: list[tuple[Job, object, StreamDecoder]] = []
+        self._active: list[_Active] = []
         self._closing = threading.Event()
+        reason = batching.unsupported(engine)
+        self.batch = None if reason else batching.Batch(engine, max_active)
+        if reason:
+            print(f"pjinfer: requests take turns, one decode step each per round: {reason}", file=sys.stderr)
         self._thread = threading.Thread(target=self._run, name="pjinfer-scheduler", daemon=True)
         self._thread.start()
 
@@ -75,8 +92,14 @@ class Scheduler:
                 self._end_all()
                 return
             self._admit(block=not self._active)
-            for entry in list(self._active):
-                self._advance(entry)
+            if self.batch is None:
+                for entry in list(self._active):
+                    self._advance(entry)
+                continue
+            for entry in [e for e in self._active if e.job.cancelled.is_set()]:
+                self._finish(entry, "cancelled")
+            if self._active:
+                self._step([e for e in self._active])
 
     def _admit(self, block: bool) -> None:
         while len(self._active) < self.max_active:
@@ -85,22 +108,53 @@ class Scheduler:
             except queue.Empty:
                 return
             block = False
-            tokens = self.engine.stream(job.prompt_ids, max_new_tokens=job.max_tokens, sampling=job.sampling,
-                                        stop_ids=job.stop_ids)
-            self._active.append((job, tokens, StreamDecoder(self.engine.tokenizer, job.stops)))
+            entry = _Active(job, StreamDecoder(self.engine.tokenizer, job.stops))
+            self._active.append(entry)
+            if self.batch is None:
+                entry.tokens = self.engine.stream(job.prompt_ids, max_new_tokens=job.max_tokens,
+                                                  sampling=job.sampling, stop_ids=job.stop_ids)
+                continue
+            taken = {e.state.slot for e in self._active if e.state is not None}
+            slot = min(set(range(self.max_active)) - taken)
+            entry.stops = frozenset(self.engine._stop_ids(job.stop_ids).tolist())
+            try:
+                entry.state = self.batch.start(slot, job.prompt_ids, job.max_tokens, job.sampling)
+            except Exception as e:            # the engine refusing, or a bug: the job ends, the server goes on
+                self._finish(entry, None, error=f"{type(e).__name__}: {e}")
+                continue
+            self._deliver(entry, entry.state.token)
 
-    def _advance(self, entry) -> None:
-        job, tokens, decoder = entry
-        if job.cancelled.is_set():
+    def _step(self, entries: list[_Active]) -> None:
+        """One batched decode step for every entry, then each one's new token."""
+        try:
+            self.batch.step([e.state for e in entries])
+        except Exception as e:                # a bug: these jobs end, the server goes on
+            for entry in entries:
+                self._finish(entry, None, error=f"{type(e).__name__}: {e}")
+            return
+        for entry in entries:
+            self._deliver(entry, entry.state.token)
+
+    def _advance(self, entry: _Active) -> None:
+        """A turn: one token from the job's own Engine.stream."""
+        if entry.job.cancelled.is_set():
             self._finish(entry, "cancelled")
             return
         try:
-            token = next(tokens)
+            token = next(entry.tokens)
         except StopIteration:
             self._finish(entry, "stop")       # an end-of-text id
             return
         except Exception as e:                # a bug, or the engine refusing: the job ends, the server goes on
             self._finish(entry, None, error=f"{type(e).__name__}: {e}")
+            return
+        self._deliver(entry, token)
+
+    def _deliver(self, entry: _Active, token: int) -> None:
+        """Hands a job its next token, and ends the job where Engine.stream would stop."""
+        job, decoder = entry.job, entry.decoder
+        if token in entry.stops:
+            self._finish(entry, "stop")       # an end-of-text id (batched; Engine.stream drops it itself)
             return
         if job.first_token is None:
             job.first_token = time.perf_counter()
@@ -113,10 +167,11 @@ class Scheduler:
         elif job.completion_tokens >= job.max_tokens:
             self._finish(entry, "length")
 
-    def _finish(self, entry, reason: str | None, *, error: str | None = None) -> None:
-        job, tokens, decoder = entry
+    def _finish(self, entry: _Active, reason: str | None, *, error: str | None = None) -> None:
+        job, decoder = entry.job, entry.decoder
         self._active.remove(entry)
-        tokens.close()
+        if entry.tokens is not None:
+            entry.tokens.close()
         job.finished, job.finish_reason = time.perf_counter(), reason
         if error is not None:
             job.emit(("error", error))

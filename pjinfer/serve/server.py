@@ -11,9 +11,9 @@ Every error is an OpenAI-style JSON object {"error": {"message", "type", "param"
 400 bad JSON, bad values or a prompt past the context; 401 a missing or wrong API key (when one is set); 404 an
 unknown model or path; 413 a body over the size limit; 422 a body of the wrong shape; 503 shutting down.
 
-Requests run on `scheduler.Scheduler` (one thread owns the engine; requests take turns a token at a time). A client
-that disconnects frees its place at its next turn. One log line per request: id, tokens in and out, time to first
-token, decode rate.
+Requests run on `scheduler.Scheduler` (one thread owns the engine; every active request advances a token per round,
+in one batched step on the host decode). A client that disconnects frees its place at the next round. One log line
+per request: id, tokens in and out, time to first token, decode rate.
 """
 from __future__ import annotations
 

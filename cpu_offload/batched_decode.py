@@ -1,0 +1,391 @@
+"""The host decode step for a batch of tokens: one token per live request, each at its own position with its own KV
+cache rows, every weight matrix read once per step for all of them (``q4_gemm``).
+
+Usage::
+
+    host = HostDecoder(config, stored, "q4_1")           # the single-token decoder (host_decode.py)
+    batch = BatchDecoder(host, max_batch=8)             # reads host's weights, team and lock; its own scratch
+    x, k, v = batch.layer(l, x, pos, k, v)              # inside jit: x [B, ..., d], pos int32 [B] (-1: empty slot),
+                                                        # caches [B, S, KV, hd] aliased to the results
+    logits = batch.head(hidden, pos)                    # hidden [B, d] -> [B, vocab] (zeros for empty slots)
+
+B is the fixed slot count (max_batch): a request joins by taking a free slot and leaves by freeing it, so one
+executable serves every mix of live requests. Empty slots (pos < 0) cost nothing: the handler gathers the live
+slots into a compact batch of nt tokens, runs the layer on them and scatters x back.
+
+One layer, under the ffi lock, stages as in host_decode (the team splits rows, or (token, head) pairs for ATTN):
+every per-token operation (RMSNorm, RoPE, the cache write, attention, the activation, the residual adds, the
+prepared GEMV input) is host_decode's own function applied to that token, and the GEMMs give each token the
+single-token GEMV's result bit for bit (q4_gemm). A token's output therefore does not depend on what else is in
+the batch, and equals HostDecoder's (tests/test_batched_decode.py checks both on the real model).
+
+Lifetime: as host_decode's, the header is never freed; the BatchDecoder keeps its HostDecoder (and so the weights)
+alive.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+from numba import carray, cfunc, njit, types
+
+from . import ffi, host_decode, kernels, q4, q4_gemm, team
+from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F32, DT_S32, ERRC_INVALID_ARGUMENT,
+                  ERRC_OUT_OF_RANGE, NOJIT, buffer_numel, cstr, find_table_attr, load_i32, load_i64, lock,
+                  make_error, ptr_f32, ptr_f64, ptr_i32, ptr_u8, store_i64, unlock)
+from .host_decode import (F_Q4_1, H_EPS, H_FORMAT, H_HEAD, H_HEAD_SCALES, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS,
+                          H_RUNTIME, H_STAGE, H_TABLE, H_TASK, H_TEAM, H_VOCAB, H_WIDTH, L_ATTN_NORM, L_DOWN,
+                          L_FFN_NORM, L_GATE, L_K, L_O, L_Q, L_UP, L_V, L_WIDTH, ST_ATTN, ST_DOWN, ST_GATE_UP,
+                          ST_HEAD, ST_O, ST_QKV, _attend, _cache_rows, _dims, _f32, _matrix, _rmsnorm, _rope, _share)
+from .kernels import act
+
+
+TARGET_NAME = "pjinfer_host_decode_batch"
+MAGIC = 0x706A626174_0001  # "pjbat" + 1
+
+# Slots after host_decode's header (a copy of the HostDecoder's, with its own task, scratch, stage and magic).
+(B_MB, B_PSIZE, B_X, B_H, B_QKV, B_ATT, B_O, B_GATE, B_UP, B_DOWN, B_XP, B_SCORES, B_SLOTS, B_POS,
+ B_IDENT) = range(H_WIDTH, H_WIDTH + 15)
+WIDTH = H_WIDTH + 16
+# Task slots.
+K_STAGE, K_LAYER, K_NT, K_KCACHE, K_VCACHE, K_S, K_OUT = range(7)
+
+_ptr_i64 = ffi.typed_pointer("ptr_i64", types.int64)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Views of the batch scratch (rows: compact token index 0..nt-1).
+
+@njit(**NOJIT)
+def _rows(header, slot, cols):
+    return carray(ptr_f32(load_i64(header + 8 * slot)), (load_i64(header + 8 * B_MB), cols))
+
+
+@njit(**NOJIT)
+def _i64s(header, slot):
+    return carray(_ptr_i64(load_i64(header + 8 * slot)), (load_i64(header + 8 * B_MB),))
+
+
+@njit(**NOJIT)
+def _bscratch(header):
+    """x [MB, d], h [MB, d], qkv [MB, (H + 2 KV) hd], att [MB, H hd], o [MB, d], gate, up [MB, F], down [MB, d],
+    xp [MB, q4.prepared_size(widest)]."""
+    d, nh, nkv, hd, ff = _dims(header)
+    return (_rows(header, B_X, d), _rows(header, B_H, d), _rows(header, B_QKV, (nh + 2 * nkv) * hd),
+            _rows(header, B_ATT, nh * hd), _rows(header, B_O, d), _rows(header, B_GATE, ff),
+            _rows(header, B_UP, ff), _rows(header, B_DOWN, d), _rows(header, B_XP, load_i64(header + 8 * B_PSIZE)))
+
+
+@njit(**NOJIT)
+def _prepare(header, x, xp):
+    if load_i64(header + 8 * H_FORMAT) == F_Q4_1:
+        q4.prepare(x, xp)
+
+
+@njit(**NOJIT)
+def _matmul(header, layer, slot, rows, x, xp, y, nt, lo, hi):
+    """y[t, lo:hi] = rows lo..hi-1 of the layer's matrix in slot times x[t], t < nt (Q4_1: xp[t] = prepare(x[t]))."""
+    cols = x.shape[1]
+    if load_i64(header + 8 * H_FORMAT) == F_Q4_1:
+        blocks = carray(ptr_u8(load_i64(load_i64(header + 8 * H_TABLE) + 8 * (L_WIDTH * layer + slot))),
+                        (rows, q4.row_bytes(cols)))
+        q4_gemm.gemm(blocks, xp, y, nt, lo, hi)
+    else:
+        w, s = _matrix(header, layer, slot, rows, cols)
+        q4_gemm.gemm_int8(w, s, x, y, _i64s(header, B_IDENT), nt, lo, hi)
+
+
+def _stage_py(header, tid, n):
+    task = load_i64(header + 8 * H_TASK)
+    stage = load_i64(task + 8 * K_STAGE)
+    layer = load_i64(task + 8 * K_LAYER)
+    nt = load_i64(task + 8 * K_NT)
+    d, nh, nkv, hd, ff = _dims(header)
+    x, h, qkv, att, o, gate, up, down, xp = _bscratch(header)
+    if stage == ST_QKV:
+        lo, hi = _share(qkv.shape[1], tid, n, 4)
+        nq, nk = nh * hd, nkv * hd
+        for slot, r0, r1 in ((L_Q, 0, nq), (L_K, nq, nq + nk), (L_V, nq + nk, nq + 2 * nk)):
+            a, b = max(lo, r0), min(hi, r1)
+            if a < b:
+                _matmul(header, layer, slot, r1 - r0, h, xp, qkv[:, r0:r1], nt, a - r0, b - r0)
+    elif stage == ST_ATTN:
+        s_len = load_i64(task + 8 * K_S)
+        slots, poss = _i64s(header, B_SLOTS), _i64s(header, B_POS)
+        scores = carray(ptr_f32(load_i64(header + 8 * B_SCORES)),
+                        (load_i64(header + 8 * B_MB) * nh, load_i64(header + 8 * H_MAXLEN)))
+        lo, hi = _share(nt * nh, tid, n, 1)
+        for p in range(lo, hi):
+            i, q_head = p // nh, p % nh
+            pos = poss[i]
+            base = 4 * slots[i] * s_len * nkv * hd
+            kc = carray(ptr_f32(load_i64(task + 8 * K_KCACHE) + base), (pos + 1, nkv, hd))
+            vc = carray(ptr_f32(load_i64(task + 8 * K_VCACHE) + base), (pos + 1, nkv, hd))
+            _attend(qkv[i, q_head * hd:(q_head + 1) * hd], kc, vc, q_head // (nh // nkv), pos, scores[p],
+                    att[i, q_head * hd:(q_head + 1) * hd])
+    elif stage == ST_O:
+        lo, hi = _share(d, tid, n, 4)
+        _matmul(header, layer, L_O, d, att, xp, o, nt, lo, hi)
+    elif stage == ST_GATE_UP:
+        lo, hi = _share(ff, tid, n, 4)
+        _matmul(header, layer, L_GATE, ff, h, xp, gate, nt, lo, hi)
+        _matmul(header, layer, L_UP, ff, h, xp, up, nt, lo, hi)
+        code = load_i64(header + 8 * host_decode.H_ACT)
+        for t in range(nt):
+            for i in range(lo, hi):
+                gate[t, i] = act(gate[t, i], up[t, i], code)
+    elif stage == ST_DOWN:
+        lo, hi = _share(d, tid, n, 4)
+        _matmul(header, layer, L_DOWN, d, gate, xp, down, nt, lo, hi)
+    elif stage == ST_HEAD:
+        vocab = load_i64(header + 8 * H_VOCAB)
+        w = host_decode._i8(load_i64(header + 8 * H_HEAD), vocab, d)
+        s = host_decode._f32_2d(load_i64(header + 8 * H_HEAD_SCALES), vocab, d // kernels.QBLOCK)
+        out = carray(ptr_f32(load_i64(task + 8 * K_OUT)), (load_i64(header + 8 * B_MB), vocab))
+        lo, hi = _share(vocab, tid, n, 4)
+        q4_gemm.gemm_int8(w, s, h, out, _i64s(header, B_SLOTS), nt, lo, hi)
+
+
+ffi.purge_stale_cache("batched_decode", kernels, ffi, q4, q4_gemm, host_decode, team)
+
+_stage = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True, cache=True)(_stage_py)
+
+
+@njit(**NOJIT)
+def _run(header, stage):
+    store_i64(load_i64(header + 8 * H_TASK) + 8 * K_STAGE, stage)
+    team.run(load_i64(header + 8 * H_TEAM), load_i64(header + 8 * H_STAGE), header)
+
+
+@njit(**NOJIT)
+def _layer(header, layer, nt, k_ptr, v_ptr, s_len):
+    """One decoder layer for the nt compact tokens in x (updated in place); caches [MB, S, KV, hd] written at each
+    token's slot and position. Each token's operations are host_decode._layer's, in its order."""
+    d, nh, nkv, hd, ff = _dims(header)
+    eps = np.float32(carray(ptr_f64(header + 8 * H_EPS), (1,))[0])
+    x, h, qkv, att, o, gate, up, down, xp = _bscratch(header)
+    slots, poss = _i64s(header, B_SLOTS), _i64s(header, B_POS)
+    table = load_i64(header + 8 * H_TABLE) + 8 * L_WIDTH * layer
+    task = load_i64(header + 8 * H_TASK)
+    store_i64(task + 8 * K_LAYER, layer)
+    store_i64(task + 8 * K_NT, nt)
+    store_i64(task + 8 * K_KCACHE, k_ptr)
+    store_i64(task + 8 * K_VCACHE, v_ptr)
+    store_i64(task + 8 * K_S, s_len)
+    attn_norm = _f32(load_i64(table + 8 * L_ATTN_NORM), d)
+    ffn_norm = _f32(load_i64(table + 8 * L_FFN_NORM), d)
+    for t in range(nt):
+        _rmsnorm(x[t], attn_norm, eps, h[t])
+        _prepare(header, h[t], xp[t])
+    _run(header, ST_QKV)
+    inv_freq = _f32(load_i64(header + 8 * H_INV_FREQ), hd // 2)
+    kv = nkv * hd
+    for t in range(nt):
+        pos = poss[t]
+        _rope(qkv[t, :nh * hd], nh, hd, inv_freq, pos)
+        _rope(qkv[t, nh * hd:(nh + nkv) * hd], nkv, hd, inv_freq, pos)
+        row = 4 * (slots[t] * s_len + pos) * kv
+        kc = _f32(k_ptr + row, kv)
+        vc = _f32(v_ptr + row, kv)
+        for j in range(kv):
+            kc[j] = qkv[t, nh * hd + j]
+            vc[j] = qkv[t, nh * hd + kv + j]
+    _run(header, ST_ATTN)
+    for t in range(nt):
+        _prepare(header, att[t], xp[t])
+    _run(header, ST_O)
+    for t in range(nt):
+        xt, ot = x[t], o[t]
+        for j in range(d):
+            xt[j] += ot[j]
+        _rmsnorm(xt, ffn_norm, eps, h[t])
+        _prepare(header, h[t], xp[t])
+    _run(header, ST_GATE_UP)
+    for t in range(nt):
+        _prepare(header, gate[t], xp[t])
+    _run(header, ST_DOWN)
+    for t in range(nt):
+        xt, dt = x[t], down[t]
+        for j in range(d):
+            xt[j] += dt[j]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The handler. Two call forms, told apart by their operand count:
+# - layer: (layer i32 [], pos i32 [MB], x f32 [MB * d elements], k f32 [MB, S, KV, hd], v like k)
+#          -> (x f32 like the operand, k, v), k and v aliased to operands 3 and 4;
+# - head:  (hidden f32 [MB * d elements], pos i32 [MB]) -> logits f32 [MB * vocab elements].
+# A slot with pos < 0 is empty: its x is passed through, its logits are zeros.
+
+@njit(**NOJIT)
+def _gather(header, b_pos, mb, limit):
+    """Stores the live slots and their positions (compact); returns their count, or -1 when a position >= limit."""
+    pos = carray(ptr_i32(load_i64(b_pos + BUF_DATA)), (mb,))
+    slots, poss = _i64s(header, B_SLOTS), _i64s(header, B_POS)
+    nt = 0
+    for b in range(mb):
+        if pos[b] >= 0:
+            if pos[b] >= limit:
+                return -1
+            slots[nt] = b
+            poss[nt] = pos[b]
+            nt += 1
+    return nt
+
+
+@njit(**NOJIT)
+def _execute_head(header, api, args, rets, mb, d):
+    b_x, b_pos, b_out = load_i64(args), load_i64(args + 8), load_i64(rets)
+    vocab = load_i64(header + 8 * H_VOCAB)
+    if (load_i32(b_x + BUF_DTYPE) != DT_F32 or load_i32(b_pos + BUF_DTYPE) != DT_S32
+            or load_i32(b_out + BUF_DTYPE) != DT_F32 or buffer_numel(b_x, False) != mb * d
+            or buffer_numel(b_pos, False) != mb or buffer_numel(b_out, False) != mb * vocab):
+        return make_error(api, ERRC_INVALID_ARGUMENT, cstr(
+            "pjinfer_host_decode_batch: head form is (hidden f32 [B, d], pos i32 [B]) -> logits f32 [B, vocab]"))
+    lock(load_i64(header + 8 * H_RUNTIME))
+    nt = _gather(header, b_pos, mb, load_i64(header + 8 * H_MAXLEN))
+    hidden = carray(ptr_f32(load_i64(b_x + BUF_DATA)), (mb, d))
+    out = carray(ptr_f32(load_i64(b_out + BUF_DATA)), (mb, vocab))
+    h = _bscratch(header)[1]
+    slots = _i64s(header, B_SLOTS)
+    out[:, :] = 0
+    for t in range(max(nt, 0)):
+        h[t, :] = hidden[slots[t]]
+    store_i64(load_i64(header + 8 * H_TASK) + 8 * K_NT, max(nt, 0))
+    store_i64(load_i64(header + 8 * H_TASK) + 8 * K_OUT, out.ctypes.data)
+    env = team.enter()
+    _run(header, ST_HEAD)
+    team.leave(env)
+    unlock(load_i64(header + 8 * H_RUNTIME))
+    return 0
+
+
+@njit(**NOJIT)
+def _execute(frame, api):
+    header = find_table_attr(frame)
+    if header == 0 or load_i64(header + 8 * H_MAGIC) != MAGIC:
+        return make_error(api, ERRC_INVALID_ARGUMENT, cstr("pjinfer_host_decode_batch: 'table' is not a BatchDecoder"))
+    nargs, nrets = load_i64(frame + CF_NARGS), load_i64(frame + CF_NRETS)
+    args, rets = load_i64(frame + CF_ARGS), load_i64(frame + CF_RETS)
+    d, nh, nkv, hd, ff = _dims(header)
+    mb = load_i64(header + 8 * B_MB)
+    if nargs == 2 and nrets == 1:
+        return _execute_head(header, api, args, rets, mb, d)
+    if nargs != 5 or nrets != 3:
+        return make_error(api, ERRC_INVALID_ARGUMENT,
+                          cstr("pjinfer_host_decode_batch: expected 5 operands and 3 results, or 2 and 1"))
+    b_layer, b_pos, b_x = load_i64(args), load_i64(args + 8), load_i64(args + 16)
+    b_k, b_v = load_i64(args + 24), load_i64(args + 32)
+    r_x, r_k, r_v = load_i64(rets), load_i64(rets + 8), load_i64(rets + 16)
+    if (load_i32(b_layer + BUF_DTYPE) != DT_S32 or load_i32(b_pos + BUF_DTYPE) != DT_S32
+            or load_i32(b_x + BUF_DTYPE) != DT_F32 or load_i32(b_k + BUF_DTYPE) != DT_F32
+            or load_i32(b_v + BUF_DTYPE) != DT_F32 or load_i32(r_x + BUF_DTYPE) != DT_F32
+            or buffer_numel(b_layer, False) != 1 or buffer_numel(b_pos, False) != mb
+            or buffer_numel(b_x, False) != mb * d or buffer_numel(r_x, False) != mb * d):
+        return make_error(api, ERRC_INVALID_ARGUMENT, cstr(
+            "pjinfer_host_decode_batch: layer form is (int32 [], int32 [B], f32 [B, d], f32 cache, f32 cache)"))
+    rows = _cache_rows(b_k, nkv, hd)
+    s_len = rows // mb
+    if (rows < mb or rows % mb or _cache_rows(b_v, nkv, hd) != rows or s_len > load_i64(header + 8 * H_MAXLEN)):
+        return make_error(api, ERRC_INVALID_ARGUMENT, cstr(
+            "pjinfer_host_decode_batch: caches must be [B, S, kv_heads, head_dim], S at most the model's context"))
+    k_ptr, v_ptr = load_i64(b_k + BUF_DATA), load_i64(b_v + BUF_DATA)
+    if load_i64(r_k + BUF_DATA) != k_ptr or load_i64(r_v + BUF_DATA) != v_ptr:
+        return make_error(api, ERRC_INVALID_ARGUMENT,
+                          cstr("pjinfer_host_decode_batch: the caches must be aliased to results 2 and 3"))
+    layer = carray(ptr_i32(load_i64(b_layer + BUF_DATA)), (1,))[0]
+    if layer < 0 or layer >= load_i64(header + 8 * H_NLAYERS):
+        return make_error(api, ERRC_OUT_OF_RANGE, cstr("pjinfer_host_decode_batch: layer index out of range"))
+    x_in = carray(ptr_f32(load_i64(b_x + BUF_DATA)), (mb, d))
+    x_out = carray(ptr_f32(load_i64(r_x + BUF_DATA)), (mb, d))
+    lock(load_i64(header + 8 * H_RUNTIME))
+    nt = _gather(header, b_pos, mb, s_len)
+    if nt < 0:
+        unlock(load_i64(header + 8 * H_RUNTIME))
+        return make_error(api, ERRC_OUT_OF_RANGE, cstr("pjinfer_host_decode_batch: a position outside the cache"))
+    x, slots = _bscratch(header)[0], _i64s(header, B_SLOTS)
+    x_out[:, :] = x_in
+    for t in range(nt):
+        x[t, :] = x_out[slots[t]]
+    env = team.enter()
+    _layer(header, layer, nt, k_ptr, v_ptr, s_len)
+    team.leave(env)
+    for t in range(nt):
+        x_out[slots[t], :] = x[t]
+    unlock(load_i64(header + 8 * H_RUNTIME))
+    return 0
+
+
+def _handler_py(frame):
+    done, result = ffi.prelude(frame)
+    if done:
+        return result
+    return _execute(frame, load_i64(frame + ffi.CF_API))
+
+
+_handler = cfunc(types.intp(types.intp), nopython=True, cache=True)(_handler_py)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+_HEADERS: list[np.ndarray] = []  # every header ever made; never freed (executables hold their address)
+
+
+class BatchDecoder:
+    """A HostDecoder's model stepped for up to max_batch tokens at once (see the module docstring)."""
+
+    def __init__(self, host, max_batch: int):
+        if max_batch < 1:
+            raise ValueError(f"max batch must be >= 1, got {max_batch}")
+        c = host.config
+        self.host, self.config, self.max_batch = host, c, int(max_batch)
+        header = np.zeros(WIDTH, np.int64)
+        header[:H_WIDTH] = np.frombuffer(ctypes.string_at(host.address, 8 * H_WIDTH), np.int64)
+        widest = max(c.d_model, c.n_heads * c.head_dim, c.d_ff)
+        psize = q4.prepared_size(widest)
+        nqkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+        mb = self.max_batch
+        f32 = lambda cols: np.zeros((mb, cols), np.float32)  # noqa: E731
+        self._keep = [f32(c.d_model), f32(c.d_model), f32(nqkv), f32(c.n_heads * c.head_dim), f32(c.d_model),
+                      f32(c.d_ff), f32(c.d_ff), f32(c.d_model), f32(psize),
+                      np.zeros((mb * c.n_heads, c.max_seq_len), np.float32),
+                      np.zeros(mb, np.int64), np.zeros(mb, np.int64), np.arange(mb, dtype=np.int64)]
+        header[B_X:B_IDENT + 1] = [a.ctypes.data for a in self._keep]
+        header[[B_MB, B_PSIZE]] = [mb, psize]
+        self._task = np.zeros(8, np.int64)
+        header[[H_TASK, H_STAGE]] = [self._task.ctypes.data, _stage.address]
+        header[H_MAGIC] = MAGIC
+        _HEADERS.append(header)
+        self.address = int(header.ctypes.data)
+        ffi.register(TARGET_NAME, _handler)
+
+    # ------------------------------------------------------------ calls from inside jit
+    def layer(self, layer: int, x, pos, k_cache, v_cache):
+        """Layer `layer` for the batch: x [B, ..., d] (B * d elements), pos int32 [B] (-1: empty slot), caches
+        [B, S, KV, hd] -> (x out, caches with each live slot's position written, in place when XLA donates)."""
+        import jax
+        import jax.numpy as jnp
+
+        c = self.config
+        if not 0 <= int(layer) < c.n_layers:
+            raise ValueError(f"layer {layer} out of range [0, {c.n_layers})")
+        if x.size != self.max_batch * c.d_model or pos.shape != (self.max_batch,):
+            raise ValueError(f"x must be [{self.max_batch}, {c.d_model}] and pos [{self.max_batch}], got "
+                             f"{x.shape} and {pos.shape}")
+        result = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, jnp.float32),
+                  jax.ShapeDtypeStruct(v_cache.shape, jnp.float32))
+        call = jax.ffi.ffi_call(TARGET_NAME, result, input_output_aliases={3: 1, 4: 2})
+        return call(jnp.int32(layer), pos.astype(jnp.int32), x.astype(jnp.float32), k_cache, v_cache,
+                    table=np.int64(self.address))
+
+    def head(self, hidden, pos):
+        """hidden [B, d] -> logits [B, vocab] (int8 head; zeros where pos < 0)."""
+        import jax
+        import jax.numpy as jnp
+
+        c = self.config
+        if hidden.shape != (self.max_batch, c.d_model):
+            raise ValueError(f"hidden must be [{self.max_batch}, {c.d_model}], got {hidden.shape}")
+        call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((self.max_batch, c.vocab_size), jnp.float32))
+        return call(hidden.astype(jnp.float32), pos.astype(jnp.int32), table=np.int64(self.address))
+
