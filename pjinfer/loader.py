@@ -46,9 +46,11 @@ def model_identity(path: Path) -> str:
 LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
-def stored_format(path: str | os.PathLike | None = None) -> str | None:
-    """"q4_1" when `path` (default: the embedded model) is a GGUF whose layer matrices are all Q4_1 blocks, else
-    None (other block types, float files, HF directories, or a file the loader will refuse). Reads the header only."""
+def layer_types(path: str | os.PathLike | None = None) -> set[str] | None:
+    """The ggml type names of the layer matrices of the GGUF at `path` (default: the embedded model), or None for
+    an HF directory or a file the loader will refuse. Reads the header only."""
+    import gguf
+
     from pjinfer.gguf_file import GGUFError, GGUFFile
 
     path = Path(path) if path else default_model_path()
@@ -58,24 +60,39 @@ def stored_format(path: str | os.PathLike | None = None) -> str | None:
         reader = GGUFFile(path)
     except (GGUFError, ValueError, OSError):
         return None
-    import gguf
-
-    kinds = {t.type for t in reader.tensors if t.name.startswith("blk.") and t.name.split(".")[2] in LAYER_MATRICES}
-    return "q4_1" if kinds == {gguf.GGMLQuantizationType.Q4_1} else None
+    return {gguf.GGMLQuantizationType(t.type).name for t in reader.tensors
+            if t.name.startswith("blk.") and t.name.split(".")[2] in LAYER_MATRICES}
 
 
-def load(path: str | os.PathLike | None = None, *, progress=None, keep_q4_1: bool = False):
+def stored_format(path: str | os.PathLike | None = None) -> str | None:
+    """The host decode format that keeps the layer matrices of the GGUF at `path` as stored: "q4_1" when they are
+    all Q4_1 blocks, "gguf" when every one is a block type with a host kernel (cpu_offload.blocks.KINDS), else None
+    (float or other block types, HF directories, or a file the loader will refuse). Reads the header only."""
+    from cpu_offload.blocks import BY_NAME
+
+    kinds = layer_types(path)
+    if not kinds:
+        return None
+    if kinds == {"Q4_1"}:
+        return "q4_1"
+    return "gguf" if kinds <= set(BY_NAME) else None
+
+
+def load(path: str | os.PathLike | None = None, *, progress=None, keep_q4_1: bool = False,
+         keep_blocks: bool = False):
     """Load a GGUF file or HF directory. Returns (config, weights, tokenizer).
 
     Weights are float32 numpy arrays, except with keep_q4_1 (GGUF only): every Q4_1 matrix then stays the file's
     blocks as a cpu_offload.qtensor.Q4Tensor, a view of the file's memory map (wq / wk re-laid once by rows,
-    w_down_t held untransposed: see pjinfer/model.py). The loader never makes a float32 copy of those."""
+    w_down_t held untransposed: see pjinfer/model.py). The loader never makes a float32 copy of those. keep_blocks
+    does the same for every matrix in a block type with a host kernel (cpu_offload.blocks.KINDS; the others as
+    QBlocks), the embedding and output head included."""
     path = default_model_path() if path is None else Path(path)
     if not path.exists():
         raise ConfigError(f"model not found: {path}")
     if path.is_dir():
         return load_hf(path, progress=progress)
-    return load_gguf(path, progress=progress, keep_q4_1=keep_q4_1)
+    return load_gguf(path, progress=progress, keep_q4_1=keep_q4_1 or keep_blocks, keep_blocks=keep_blocks)
 
 
 # ---------------------------------------------------------------- GGUF
@@ -89,12 +106,13 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols))
 
 
-def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False):
+def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks: bool = False):
     import sys
 
     import gguf
 
-    from cpu_offload.qtensor import Q4Tensor
+    from cpu_offload.blocks import KINDS
+    from cpu_offload.qtensor import Q4Tensor, QBlocks
     from pjinfer.gguf_file import GGUFError, GGUFFile
 
     try:
@@ -151,7 +169,12 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False):
         else:
             continue  # e.g. rope_freqs: not used by this architecture
         blocks = keep_q4_1 and t.type == GGML_Q4_1 and len(t.shape) == 2
-        if keep_q4_1 and t.type == GGML_Q8_0 and name == ("embed" if config.tie_embeddings else "lm_head"):
+        if keep_blocks and t.type in KINDS and t.type != GGML_Q4_1 and len(t.shape) == 2:
+            w = t.data  # uint8 [rows, row bytes], as Q4_1 below
+            if name.endswith(".wq") or name.endswith(".wk"):
+                w = _unpermute_rope(w, config.n_heads if name.endswith(".wq") else config.n_kv_heads)
+            weights[name] = QBlocks(w, t.shape[1], t.type)
+        elif keep_q4_1 and t.type == GGML_Q8_0 and name == ("embed" if config.tie_embeddings else "lm_head"):
             # The output head: int8 on the host decode path, converted block by block without a float32 copy.
             from cpu_offload.host_decode import int8_from_q8_0
 
@@ -179,7 +202,8 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False):
             progress(n + 1, len(reader.tensors))
     if dequantized:
         print(f"pjinfer: layer matrices of type {', '.join(sorted(dequantized))} are dequantized at load and "
-              f"re-quantized to Q4_1 (the host decode reads Q4_1 blocks only)", file=sys.stderr)
+              + ("stored as Q8_0 (no host kernel reads that type)" if keep_blocks else
+                 "re-quantized to Q4_1 (--weights q4_1 reads Q4_1 blocks only)"), file=sys.stderr)
     tokenizer = Tokenizer.from_gguf_fields(
         tokens=tokens, merges=field("tokenizer.ggml.merges"), token_types=field("tokenizer.ggml.token_type"),
         model=field("tokenizer.ggml.model"), pre=field("tokenizer.ggml.pre"),
