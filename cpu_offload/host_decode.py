@@ -622,8 +622,11 @@ def quantize_weights(config, weights: dict, fmt: str, *, check: bool = True) -> 
         elif fmt == "int8" and not isinstance(w, Int8Tensor):
             out[name] = Int8Tensor(*quantize(_stored_float32(name, w)))
     head = _head_name(config)
-    if not (isinstance(weights[head], Int8Tensor) or fmt == "gguf" and isinstance(weights[head], QBlocks)):
-        out[head] = Int8Tensor(*quantize(_stored_float32(head, weights[head])))
+    w = weights[head]
+    if fmt == "gguf" and isinstance(w, Q4Tensor):   # the head reads its blocks through quants.gemv
+        out[head] = QBlocks(w.data, w.cols, quants.Q4_1)
+    elif not (isinstance(w, Int8Tensor) or fmt == "gguf" and isinstance(w, QBlocks)):
+        out[head] = Int8Tensor(*quantize(_stored_float32(head, w)))
     return out
 
 
