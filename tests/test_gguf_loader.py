@@ -56,19 +56,21 @@ def write_tiny_gguf(path, config, weights, *, arch="llama", quantize=False, laye
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     rng = np.random.default_rng(5)
-    weights = dict(weights, embed=(rng.standard_normal((len(tokens), config.d_model)) * 0.1).astype(np.float32))
+    if weights["embed"].shape[0] != len(tokens):  # an embedding for this vocabulary
+        weights = dict(weights, embed=(rng.standard_normal((len(tokens), config.d_model)) * 0.1).astype(np.float32))
     names = {"embed": "token_embd.weight", "final_norm.scale": "output_norm.weight", "lm_head": "output.weight"}
     per_layer = {"attn_norm.scale": "attn_norm", "ffn_norm.scale": "ffn_norm", "wq": "attn_q", "wk": "attn_k",
                  "wv": "attn_v", "wo": "attn_output", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down_t": "ffn_down"}
+    biases = {"bq": "attn_q", "bk": "attn_k", "bv": "attn_v"}  # Qwen2's
     for name, value in weights.items():
         if name.startswith("layers."):
             _, i, rest = name.split(".", 2)
-            gname = f"blk.{i}.{per_layer[rest]}.weight"
+            gname = f"blk.{i}.{biases[rest]}.bias" if rest in biases else f"blk.{i}.{per_layer[rest]}.weight"
         else:
             gname = names[name]
-        if rest_is(name, "wq"):
+        if rest_is(name, "wq") and arch == "llama":    # llama.cpp permutes Llama's q/k rows, not Qwen2's
             value = permute_like_llama_cpp(value, config.n_heads)
-        elif rest_is(name, "wk"):
+        elif rest_is(name, "wk") and arch == "llama":
             value = permute_like_llama_cpp(value, config.n_kv_heads)
         elif rest_is(name, "w_down_t"):
             value = np.ascontiguousarray(value.T)
