@@ -35,8 +35,8 @@ Matrices are stored one row per output (a stored w_down_t is [d, d_ff], untransp
 quantized matrices), so every stage is a GEMV over contiguous rows: ``_gemv`` (int8) takes four rows at a time against one pass over x; ``q4.gemv``
 takes one row at a time against x prepared once per stage by the caller thread (``_prepare``).
 
-Supported: the Llama family (RMSNorm, RoPE, grouped-query attention, gated FFN, no biases) with d_model,
-n_heads*head_dim and d_ff multiples of 64. Anything else is refused with a ConfigError-style ValueError.
+Supported: the Llama family (RMSNorm, RoPE, grouped-query attention, gated FFN, no biases but Qwen2's q/k/v ones)
+with d_model, n_heads*head_dim and d_ff multiples of 64. Anything else is refused with a ConfigError-style ValueError.
 
 Lifetime: like ``bridge.ColdFFN``, the header whose address compiled executables carry is never freed; the
 weights live as long as the HostDecoder (a jitted function holding the model holds it).
@@ -68,8 +68,8 @@ F_Q4_1 = FORMATS["q4_1"]
 # Layer table slots: (int8 rows, float32 block scales), (Q4_1 blocks, 0) or (blocks, ggml type number) per
 # matrix, then the two norm scales.
 (L_Q, L_Q_S, L_K, L_K_S, L_V, L_V_S, L_O, L_O_S, L_GATE, L_GATE_S, L_UP, L_UP_S, L_DOWN, L_DOWN_S, L_ATTN_NORM,
- L_FFN_NORM) = range(16)
-L_WIDTH = 16
+ L_FFN_NORM, L_QKV_BIAS) = range(17)
+L_WIDTH = 17   # L_QKV_BIAS: Qwen2's q, k and v biases as one float32 [(H + 2 KV) hd], or 0
 # The stored matrices of a layer: canonical name -> table slot.
 MATRICES = {"wq": L_Q, "wk": L_K, "wv": L_V, "wo": L_O, "w_gate": L_GATE, "w_up": L_UP, "w_down_t": L_DOWN}
 # Task slots: what the current stage works on.
@@ -375,6 +375,11 @@ def _layer(header, layer, pos, x, k_ptr, v_ptr):
     _rmsnorm(x, _f32(load_i64(table + 8 * L_ATTN_NORM), d), eps, h)
     _prepare(header, h)
     _run(header, ST_QKV)
+    bias = load_i64(table + 8 * L_QKV_BIAS)
+    if bias != 0:
+        b = _f32(bias, qkv.shape[0])
+        for j in range(qkv.shape[0]):
+            qkv[j] += b[j]
     inv_freq = _f32(load_i64(header + 8 * H_INV_FREQ), hd // 2)
     _rope(qkv[:nh * hd], nh, hd, inv_freq, pos)
     _rope(qkv[nh * hd:(nh + nkv) * hd], nkv, hd, inv_freq, pos)
@@ -571,9 +576,13 @@ def check_supported(config, weights: dict, fmt: str) -> None:
         raise ValueError(f"host decode weights must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if not (c.uses_rope and c.gated):
         raise ValueError(f"host decode supports Llama-family models, not {c.arch!r}")
-    biases = [k for k in weights if k.rsplit(".", 1)[-1] in ("bq", "bk", "bv", "bo", "b_up", "b_down", "bias")]
+    biases = [k for k in weights if k.rsplit(".", 1)[-1] in ("bo", "b_up", "b_down", "bias")]
     if biases:
-        raise ValueError(f"host decode supports models without biases, this one has {biases[0]!r}")
+        raise ValueError(f"host decode supports no biases but q/k/v ones, this one has {biases[0]!r}")
+    for l in range(c.n_layers):
+        have = [f"layers.{l}.{b}" in weights for b in ("bq", "bk", "bv")]
+        if any(have) and not all(have):
+            raise ValueError(f"host decode needs all of layer {l}'s q/k/v biases or none")
     for name, n in (("d_model", c.d_model), ("n_heads * head_dim", c.n_heads * c.head_dim), ("d_ff", c.d_ff)):
         if n % QBLOCK:
             raise ValueError(f"host decode needs {name} to be a multiple of {QBLOCK}, got {n}")
@@ -661,6 +670,9 @@ class HostDecoder:
                 self._quantized[(l, slot)] = w
             table[l, L_ATTN_NORM] = self._hold(np.asarray(weights[f"{p}.attn_norm.scale"], np.float32))
             table[l, L_FFN_NORM] = self._hold(np.asarray(weights[f"{p}.ffn_norm.scale"], np.float32))
+            if f"{p}.bq" in weights:
+                table[l, L_QKV_BIAS] = self._hold(np.concatenate(
+                    [np.asarray(weights[f"{p}.{b}"], np.float32) for b in ("bq", "bk", "bv")]))
         self._head_name = _head_name(c)
         self._head = weights[self._head_name]
         if isinstance(self._head, QBlocks):

@@ -121,8 +121,10 @@ def _mix(name):
     return t.Q8_0 if (m == "wv" and layer == 0) else t.Q5_0
 
 
-@pytest.mark.parametrize("kinds", [*TYPES, "mix"], ids=lambda k: getattr(k, "name", k))
+@pytest.mark.parametrize("kinds", [*TYPES, "mix", "qwen2"], ids=lambda k: getattr(k, "name", k))
 def test_decode_step_in_the_files_own_blocks_equals_float32_on_gguf_values(tmp_path, kinds):
+    """kinds: every matrix in one type, a Q4_K_M-like mix, or that mix as a Qwen2 file (q/k/v biases, not
+    permuted)."""
     from cpu_offload.host_decode import HostDecoder, quantize_weights
     from cpu_offload.qtensor import Q4Tensor, QBlocks
     from pjinfer import loader
@@ -131,10 +133,18 @@ def test_decode_step_in_the_files_own_blocks_equals_float32_on_gguf_values(tmp_p
 
     config = _config().replace(vocab_size=262)  # write_tiny_gguf's vocabulary: the untied head has as many rows
     path = tmp_path / "model.gguf"
-    pick = _mix if kinds == "mix" else (lambda name: kinds)
-    config, _ = write_tiny_gguf(path, config, random_weights(config, seed=4), layer_type=pick)
+    pick = _mix if kinds in ("mix", "qwen2") else (lambda name: kinds)
+    weights = random_weights(config, seed=4)
+    if kinds == "qwen2":
+        rng = np.random.default_rng(9)
+        for l in range(config.n_layers):
+            for b, n in (("bq", config.n_heads), ("bk", config.n_kv_heads), ("bv", config.n_kv_heads)):
+                weights[f"layers.{l}.{b}"] = rng.standard_normal(n * config.head_dim).astype(np.float32)
+    arch = "qwen2" if kinds == "qwen2" else "llama"
+    config, _ = write_tiny_gguf(path, config, weights, layer_type=pick, arch=arch)
     _, stored, _ = loader.load(path, keep_blocks=True)
     _, values, _ = loader.load(path)            # float32: gguf's dequantizer
+    assert ("layers.1.bv" in values) == (kinds == "qwen2")
     for name in ("layers.0.wq", "layers.1.w_down_t", "lm_head", "embed"):
         want = pick(name)
         assert isinstance(stored[name], Q4Tensor if want == gguf.GGMLQuantizationType.Q4_1 else QBlocks)
