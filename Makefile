@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 export NUMBA_THREADING_LAYER ?= workqueue
 
-.PHONY: setup run test mutants bench bench-peer bench-serve bench-scale perplexity bundle clean
+.PHONY: setup run test mutants bench bench-peer bench-quants bench-serve bench-scale perplexity bundle clean
 
 # Idempotent: re-runs pip only when pyproject.toml changed.
 setup: $(STAMP)
@@ -43,6 +43,21 @@ bench-peer: $(PEER_STAMP)
 	$(VENV)/bin/pjinfer bench --peer llama-cpp --prompt-len 16 --new-tokens 256 --runs 5 --weights float32,int8,q4_1 \
 		$(if $(wildcard $(BUNDLE)/manifest.json),--bundle $(BUNDLE) --cold-weights int8)
 	$(VENV)/bin/pjinfer bench --peer llama-cpp --prompt-len 512 --new-tokens 128 --runs 3 --weights float32,int8,q4_1
+	$(MAKE) bench-quants
+
+# The default model re-quantized by llama.cpp itself (Q4_K_M: a Q5_0/Q8_0/Q4_K/Q6_K mix at this size; Q8_0) into
+# out/quants, then each decoded in its own blocks (--weights gguf) against llama.cpp on the same file, after 16 and
+# after 512 prompt tokens, and its perplexity (wiki protocol) with the blocks and with float32.
+QUANTS := out/quants
+QUANT_TYPES := Q4_K_M Q8_0
+bench-quants: $(PEER_STAMP)
+	$(PY) -m pjinfer.measure.peer --types $(subst $(space),$(comma),$(QUANT_TYPES)) --dir $(QUANTS)
+	$(PY) -c "from pjinfer import data; open('/tmp/pjinfer-wiki.txt','w').write(data.wiki_eval_text())"
+	for t in $(QUANT_TYPES); do f=$(QUANTS)/SmolLM2-135M-Instruct.$$t.gguf; \
+		$(VENV)/bin/pjinfer bench --peer llama-cpp --model $$f --prompt-len 16 --new-tokens 256 --runs 5 --weights gguf || exit 1; \
+		$(VENV)/bin/pjinfer bench --peer llama-cpp --model $$f --prompt-len 512 --new-tokens 128 --runs 3 --weights gguf || exit 1; \
+		for w in gguf float32; do $(VENV)/bin/pjinfer perplexity --model $$f --weights $$w \
+			--text-file /tmp/pjinfer-wiki.txt --windows 4 --window-len 256 || exit 1; done; done
 
 # A bounded load test of `pjinfer serve` on loopback: 64 streaming requests from 8 clients, 64 tokens each.
 bench-serve: setup
@@ -54,6 +69,7 @@ bench-scale: $(PEER_STAMP)
 	$(PY) -m pjinfer.measure.bench_scale --sizes 0.5b,1.5b,3b$(if $(filter 7b,$(SCALE)),$(comma)7b) --dir out/scale
 
 comma := ,
+space := $(subst ,, )
 
 perplexity: setup
 	$(PY) -c "from pjinfer.load import data; open('/tmp/pjinfer-wiki.txt','w').write(data.wiki_eval_text())"

@@ -5,7 +5,9 @@ int8 weights converted to float32 measured slower, not faster) and spends ~1000 
 Here every matrix of a Llama-family layer is stored quantized and one Numba call does the whole layer. Two
 formats (``FORMATS``): "int8", a float32 scale per block of 64 inputs (``kernels.quantize_rows``: 17/64 of the
 float32 bytes), and "q4_1", the GGUF's own 4-bit blocks (``q4.py``: 5/32 of the bytes; for a Q4_1 GGUF it is the
-file's model exactly). The output head is int8 in both.
+file's model exactly). The output head is int8 in both. A third, "gguf", keeps every matrix in the file's own
+llama.cpp block type (``quants.py``: Q8_0, Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; Q4_1 through ``q4.py``), the head
+too, so a Q4_K_M file decodes in its own mix; its ggml type number sits in the table slot after the blocks.
 
 Usage::
 
@@ -33,8 +35,8 @@ Matrices are stored one row per output (a stored w_down_t is [d, d_ff], untransp
 quantized matrices), so every stage is a GEMV over contiguous rows: ``_gemv`` (int8) takes four rows at a time against one pass over x; ``q4.gemv``
 takes one row at a time against x prepared once per stage by the caller thread (``_prepare``).
 
-Supported: the Llama family (RMSNorm, RoPE, grouped-query attention, gated FFN, no biases) with d_model,
-n_heads*head_dim and d_ff multiples of 64. Anything else is refused with a ConfigError-style ValueError.
+Supported: the Llama family (RMSNorm, RoPE, grouped-query attention, gated FFN, no biases but Qwen2's q/k/v ones)
+with d_model, n_heads*head_dim and d_ff multiples of 64. Anything else is refused with a ConfigError-style ValueError.
 
 Lifetime: like ``bridge.ColdFFN``, the header whose address compiled executables carry is never freed; the
 weights live as long as the HostDecoder (a jitted function holding the model holds it).
@@ -43,12 +45,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import ffi, kernels, q4, team
+from . import ffi, kernels, q4, quants, team
 from .ffi import (BUF_DATA, BUF_DIMS, BUF_DTYPE, BUF_RANK, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F32, DT_S32, ERRC_INVALID_ARGUMENT,
                   ERRC_OUT_OF_RANGE, NOJIT, RUNTIME_ADDR, buffer_numel, cstr, find_table_attr, last_dim, load_i32,
                   load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i8, ptr_i32, ptr_u8, store_i64, unlock)
 from .kernels import QBLOCK, act, prefetch
-from .qtensor import Int8Tensor, Q4Tensor, is_quantized
+from .qtensor import Int8Tensor, Q4Tensor, QBlocks, is_quantized
 
 from numba import carray, cfunc, njit, prange, types  # noqa: E402
 
@@ -57,15 +59,17 @@ MAGIC = 0x706A686F7374_0001  # "pjhost" + 1
 
 # Header slots (int64; eps as a float64 bit pattern).
 (H_MAGIC, H_NLAYERS, H_D, H_HEADS, H_KV, H_HD, H_FF, H_VOCAB, H_ACT, H_EPS, H_MAXLEN, H_TABLE, H_HEAD,
- H_HEAD_SCALES, H_INV_FREQ, H_SCRATCH, H_TASK, H_TEAM, H_STAGE, H_RUNTIME, H_FORMAT) = range(21)
+ H_HEAD_SCALES, H_INV_FREQ, H_SCRATCH, H_TASK, H_TEAM, H_STAGE, H_RUNTIME, H_FORMAT, H_HEAD_KIND) = range(22)
 H_WIDTH = 24
-# How the layers' matrices are stored (the head is int8 in both).
-FORMATS = {"int8": 0, "q4_1": 1}
+# How the layers' matrices are stored: int8, or GGUF blocks ("q4_1": every layer matrix Q4_1; "gguf": each in the
+# file's own block type where quants.py has a kernel, Q8_0 otherwise).
+FORMATS = {"int8": 0, "q4_1": 1, "gguf": 1}
 F_Q4_1 = FORMATS["q4_1"]
-# Layer table slots: (int8 rows, float32 block scales) or (Q4_1 blocks, 0) per matrix, then the two norm scales.
+# Layer table slots: (int8 rows, float32 block scales), (Q4_1 blocks, 0) or (blocks, ggml type number) per
+# matrix, then the two norm scales.
 (L_Q, L_Q_S, L_K, L_K_S, L_V, L_V_S, L_O, L_O_S, L_GATE, L_GATE_S, L_UP, L_UP_S, L_DOWN, L_DOWN_S, L_ATTN_NORM,
- L_FFN_NORM) = range(16)
-L_WIDTH = 16
+ L_FFN_NORM, L_QKV_BIAS) = range(17)
+L_WIDTH = 17   # L_QKV_BIAS: Qwen2's q, k and v biases as one float32 [(H + 2 KV) hd], or 0
 # The stored matrices of a layer: canonical name -> table slot.
 MATRICES = {"wq": L_Q, "wk": L_K, "wv": L_V, "wo": L_O, "w_gate": L_GATE, "w_up": L_UP, "w_down_t": L_DOWN}
 # Task slots: what the current stage works on.
@@ -272,12 +276,17 @@ def _matrix(header, layer, slot, rows, cols):
 
 @njit(**NOJIT)
 def _matvec(header, layer, slot, rows, x, y, lo, hi):
-    """y[lo:hi] = rows lo..hi-1 of the layer's matrix in slot times x (Q4_1: x prepared by _prepare)."""
+    """y[lo:hi] = rows lo..hi-1 of the layer's matrix in slot times x (Q4_1: x prepared by _prepare; another
+    block type: its ggml type number in the slot after the blocks, quants.gemv)."""
     cols = x.shape[0]
     if load_i64(header + 8 * H_FORMAT) == F_Q4_1:
-        blocks = carray(ptr_u8(load_i64(load_i64(header + 8 * H_TABLE) + 8 * (L_WIDTH * layer + slot))),
-                        (rows, q4.row_bytes(cols)))
-        q4.gemv(blocks, _prepared(header, cols), y, lo, hi)
+        entry = load_i64(header + 8 * H_TABLE) + 8 * (L_WIDTH * layer + slot)
+        kind = load_i64(entry + 8)
+        if kind == 0:
+            blocks = carray(ptr_u8(load_i64(entry)), (rows, q4.row_bytes(cols)))
+            q4.gemv(blocks, _prepared(header, cols), y, lo, hi)
+        else:
+            quants.gemv(kind, carray(ptr_u8(load_i64(entry)), (rows, quants.row_bytes(kind, cols))), x, y, lo, hi)
     else:
         w, s = _matrix(header, layer, slot, rows, cols)
         _gemv(w, s, x, y, lo, hi)
@@ -327,13 +336,18 @@ def _stage_py(header, tid, n):
         _matvec(header, layer, L_DOWN, d, gate, down, lo, hi)
     elif stage == ST_HEAD:
         vocab = load_i64(header + 8 * H_VOCAB)
-        w = _i8(load_i64(header + 8 * H_HEAD), vocab, d)
-        s = _f32_2d(load_i64(header + 8 * H_HEAD_SCALES), vocab, d // QBLOCK)
         lo, hi = _share(vocab, tid, n, 4)
-        _gemv(w, s, h, _f32(load_i64(task + 8 * K_OUT), vocab), lo, hi)
+        kind = load_i64(header + 8 * H_HEAD_KIND)
+        if kind:  # GGUF blocks (quants.py)
+            blocks = carray(ptr_u8(load_i64(header + 8 * H_HEAD)), (vocab, quants.row_bytes(kind, d)))
+            quants.gemv(kind, blocks, h, _f32(load_i64(task + 8 * K_OUT), vocab), lo, hi)
+        else:
+            w = _i8(load_i64(header + 8 * H_HEAD), vocab, d)
+            s = _f32_2d(load_i64(header + 8 * H_HEAD_SCALES), vocab, d // QBLOCK)
+            _gemv(w, s, h, _f32(load_i64(task + 8 * K_OUT), vocab), lo, hi)
 
 
-ffi.purge_stale_cache("host_decode", kernels, ffi, q4, team)
+ffi.purge_stale_cache("host_decode", kernels, ffi, q4, quants, team)
 
 # void stage(int64 header, int64 tid, int64 n): what the team runs.
 _stage = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True, cache=True)(_stage_py)
@@ -361,6 +375,11 @@ def _layer(header, layer, pos, x, k_ptr, v_ptr):
     _rmsnorm(x, _f32(load_i64(table + 8 * L_ATTN_NORM), d), eps, h)
     _prepare(header, h)
     _run(header, ST_QKV)
+    bias = load_i64(table + 8 * L_QKV_BIAS)
+    if bias != 0:
+        b = _f32(bias, qkv.shape[0])
+        for j in range(qkv.shape[0]):
+            qkv[j] += b[j]
     inv_freq = _f32(load_i64(header + 8 * H_INV_FREQ), hd // 2)
     _rope(qkv[:nh * hd], nh, hd, inv_freq, pos)
     _rope(qkv[nh * hd:(nh + nkv) * hd], nkv, hd, inv_freq, pos)
@@ -561,9 +580,13 @@ def check_supported(config, weights: dict, fmt: str) -> None:
         raise ValueError(f"host decode weights must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if not (c.uses_rope and c.gated):
         raise ValueError(f"host decode supports Llama-family models, not {c.arch!r}")
-    biases = [k for k in weights if k.rsplit(".", 1)[-1] in ("bq", "bk", "bv", "bo", "b_up", "b_down", "bias")]
+    biases = [k for k in weights if k.rsplit(".", 1)[-1] in ("bo", "b_up", "b_down", "bias")]
     if biases:
-        raise ValueError(f"host decode supports models without biases, this one has {biases[0]!r}")
+        raise ValueError(f"host decode supports no biases but q/k/v ones, this one has {biases[0]!r}")
+    for l in range(c.n_layers):
+        have = [f"layers.{l}.{b}" in weights for b in ("bq", "bk", "bv")]
+        if any(have) and not all(have):
+            raise ValueError(f"host decode needs all of layer {l}'s q/k/v biases or none")
     for name, n in (("d_model", c.d_model), ("n_heads * head_dim", c.n_heads * c.head_dim), ("d_ff", c.d_ff)):
         if n % QBLOCK:
             raise ValueError(f"host decode needs {name} to be a multiple of {QBLOCK}, got {n}")
@@ -583,12 +606,21 @@ def _stored_float32(name: str, w) -> np.ndarray:
     return w.T if name.endswith("w_down_t") else w
 
 
+def _q8_0(values: np.ndarray) -> QBlocks:
+    """float32 [rows, cols] as Q8_0 blocks (gguf's quantizer, llama.cpp's rule)."""
+    import gguf
+
+    q = gguf.quants.quantize(np.ascontiguousarray(values, np.float32), gguf.GGMLQuantizationType.Q8_0)
+    return QBlocks(q, values.shape[1], gguf.GGMLQuantizationType.Q8_0.value)
+
+
 def quantize_weights(config, weights: dict, fmt: str, *, check: bool = True) -> dict:
     """The weights as the host decode stores them (cpu_offload.qtensor forms), one matrix at a time: every layer
-    matrix in fmt ("q4_1": a Q4Tensor is kept as it is, the file's bytes; "int8": Int8Tensor), a w_down_t
-    untransposed [d, F]; the output head Int8Tensor in both formats; everything else as given. weights may hold
-    canonical float32 arrays (pjinfer.runtime.model's names) or quantized matrices. check=False skips this decoder's
-    shape rules (for another decoder of the same weights that has checked its own)."""
+    matrix in fmt ("q4_1": a Q4Tensor is kept as it is, the file's bytes, anything else becomes one; "gguf": a
+    Q4Tensor or QBlocks is kept as it is, anything else becomes Q8_0 blocks; "int8": Int8Tensor), a w_down_t
+    untransposed [d, F]; the output head Int8Tensor (a QBlocks head is kept with "gguf"); everything else as
+    given. weights may hold canonical float32 arrays (pjinfer.runtime.model's names) or quantized matrices. check=False
+    skips this decoder's shape rules (for another decoder of the same weights that has checked its own)."""
     if check:
         check_supported(config, weights, fmt)
     out = dict(weights)
@@ -598,11 +630,16 @@ def quantize_weights(config, weights: dict, fmt: str, *, check: bool = True) -> 
         if fmt == "q4_1" and not isinstance(w, Q4Tensor):
             values = _stored_float32(name, w)
             out[name] = Q4Tensor(q4.quantize(values), values.shape[1])
+        elif fmt == "gguf" and not isinstance(w, (Q4Tensor, QBlocks)):
+            out[name] = _q8_0(_stored_float32(name, w))
         elif fmt == "int8" and not isinstance(w, Int8Tensor):
             out[name] = Int8Tensor(*quantize(_stored_float32(name, w)))
     head = _head_name(config)
-    if not isinstance(weights[head], Int8Tensor):
-        out[head] = Int8Tensor(*quantize(_stored_float32(head, weights[head])))
+    w = weights[head]
+    if fmt == "gguf" and isinstance(w, Q4Tensor):   # the head reads its blocks through quants.gemv
+        out[head] = QBlocks(w.data, w.cols, quants.Q4_1)
+    elif not (isinstance(w, Int8Tensor) or fmt == "gguf" and isinstance(w, QBlocks)):
+        out[head] = Int8Tensor(*quantize(_stored_float32(head, w)))
     return out
 
 
@@ -611,8 +648,9 @@ class HostDecoder:
 
     config: pjinfer.runtime.model's ModelConfig. weights: canonical float32 weights, or what quantize_weights returns
     (the matrices then read in place: numpy arrays, or jax CPU arrays through zero-copy views, kept alive here).
-    fmt: how the layers' matrices are stored: "int8" (a float32 scale per 64) or "q4_1" (the GGUF's 4-bit
-    blocks, cpu_offload/q4.py). The output head is int8 in both: the GGUF keeps it at 8 bits too (Q8_0)."""
+    fmt: how the layers' matrices are stored: "int8" (a float32 scale per 64), "q4_1" (the GGUF's 4-bit
+    blocks, cpu_offload/q4.py) or "gguf" (each matrix in the file's own block type, quants.py). The output head
+    is int8 in the first two (the GGUF keeps it at 8 bits too, Q8_0) and its own block type in "gguf"."""
 
     target = TARGET_NAME    # the FFI target layer() and head() call (a subclass with its own handler names its own)
 
@@ -629,14 +667,22 @@ class HostDecoder:
             p = f"layers.{l}"
             for m, slot in MATRICES.items():
                 w = weights[f"{p}.{m}"]
-                stored = (w.data,) if isinstance(w, Q4Tensor) else (w.q, w.scales)
+                stored = (w.data,) if isinstance(w, (Q4Tensor, QBlocks)) else (w.q, w.scales)
                 table[l, slot:slot + len(stored)] = [self._hold(np.asarray(a)) for a in stored]
+                if isinstance(w, QBlocks):
+                    table[l, slot + 1] = w.kind
                 self._quantized[(l, slot)] = w
             table[l, L_ATTN_NORM] = self._hold(np.asarray(weights[f"{p}.attn_norm.scale"], np.float32))
             table[l, L_FFN_NORM] = self._hold(np.asarray(weights[f"{p}.ffn_norm.scale"], np.float32))
+            if f"{p}.bq" in weights:
+                table[l, L_QKV_BIAS] = self._hold(np.concatenate(
+                    [np.asarray(weights[f"{p}.{b}"], np.float32) for b in ("bq", "bk", "bv")]))
         self._head_name = _head_name(c)
         self._head = weights[self._head_name]
-        head_q, head_s = np.asarray(self._head.q), np.asarray(self._head.scales)
+        if isinstance(self._head, QBlocks):
+            head_q, head_s, head_kind = np.asarray(self._head.data), np.zeros(1, np.float32), self._head.kind
+        else:
+            head_q, head_s, head_kind = np.asarray(self._head.q), np.asarray(self._head.scales), 0
         inv_freq = (1.0 / (np.float32(c.rope_theta) ** (np.arange(0, c.head_dim, 2, dtype=np.float32)
                                                         / np.float32(c.head_dim)))).astype(np.float32)
         nqkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
@@ -655,6 +701,7 @@ class HostDecoder:
         # process's values.
         header[[H_STAGE, H_RUNTIME]] = [_stage.address, RUNTIME_ADDR]
         header[H_FORMAT] = FORMATS[fmt]
+        header[H_HEAD_KIND] = head_kind
         header[H_MAGIC] = MAGIC
         _HEADERS.append(header)
         self.address = int(header.ctypes.data)
@@ -701,7 +748,7 @@ class HostDecoder:
                     table=np.int64(self.address))
 
     def head(self, hidden):
-        """hidden [d] -> logits [vocab] from the output head (int8 in both formats)."""
+        """hidden [d] -> logits [vocab] from the output head."""
         import jax
         import jax.numpy as jnp
 

@@ -4,6 +4,8 @@ Two forms, both for a matrix [rows, cols] in torch's [out, in] layout, one row p
 
 - ``Q4Tensor``: the GGUF's own Q4_1 blocks, uint8 [rows, cols / 32 * 20] (``q4.py`` describes a block). A Q4_1
   tensor of a GGUF file becomes one with no conversion: its bytes are the file's.
+- ``QBlocks``: any other llama.cpp block type of ``blocks.py`` (Q8_0, Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), uint8
+  [rows, blocks.row_bytes(kind, cols)], the file's bytes; ``kind`` is the ggml type number.
 - ``Int8Tensor``: int8 [rows, cols] with a float32 scale per block of 64 inputs, [rows, cols / 64]
   (``kernels.quantize_rows``' form; the host decode's output head, and every matrix with ``--weights int8``).
 
@@ -16,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
+from . import blocks
 
 Q4_BLOCK = 32        # weights per Q4_1 block
 Q4_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of nibbles
@@ -86,7 +90,36 @@ class Int8Tensor:
         return Int8Tensor(f(self.q), f(self.scales))
 
 
-QUANTIZED = (Q4Tensor, Int8Tensor)
+@dataclasses.dataclass(frozen=True)
+class QBlocks:
+    """A [rows, cols] matrix as llama.cpp blocks of ggml type kind (blocks.KINDS): data uint8 [rows, row bytes]."""
+    data: object
+    cols: int
+    kind: int
+
+    def __post_init__(self):
+        if self.kind not in blocks.KINDS:
+            raise ValueError(f"no block layout for ggml type {self.kind}")
+        if tuple(self.data.shape[1:]) != (blocks.row_bytes(self.kind, self.cols),):
+            raise ValueError(f"{blocks.name(self.kind)} data of shape {tuple(self.data.shape)} does not hold rows "
+                             f"of {self.cols} weights")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.data.shape[0]), self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def float32(self) -> np.ndarray:
+        return blocks.dequantize(self.kind, np.asarray(self.data), self.cols)
+
+    def map(self, f) -> "QBlocks":
+        return QBlocks(f(self.data), self.cols, self.kind)
+
+
+QUANTIZED = (Q4Tensor, Int8Tensor, QBlocks)
 
 
 def is_quantized(w) -> bool:

@@ -7,10 +7,12 @@ ARCHITECTURES = ("llama", "opt")
 # Gated FFNs compute act(gate) * up (drelu: relu(gate) * relu(up)); "relu" is OPT's plain fc1 + ReLU.
 ACTIVATIONS = {"llama": ("swiglu", "geglu", "reglu", "drelu"), "opt": ("relu",)}
 # How a dense engine holds its weights: float32 through XLA, or quantized with one-token steps on the host
-# (cpu_offload/host_decode.py): int8 with a scale per 64, or the GGUF's 4-bit Q4_1 blocks (head int8).
-WEIGHT_FORMATS = ("float32", "int8", "q4_1")
+# (cpu_offload/host_decode.py): int8 with a scale per 64, the GGUF's 4-bit Q4_1 blocks (head int8), or "gguf":
+# every matrix in the file's own llama.cpp block type (Q8_0, Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q4_1).
+WEIGHT_FORMATS = ("float32", "int8", "q4_1", "gguf")
 # What users choose from: a format, or "auto", the checkpoint's own quantization where the host decode runs it
-# (q4_1 for a Llama GGUF whose layers are Q4_1), float32 otherwise (pjinfer.runtime.engine.resolve_weights).
+# (q4_1 for a Llama GGUF whose layers are Q4_1, gguf when they are other block types with host kernels), float32
+# otherwise (pjinfer.runtime.engine.resolve_weights).
 WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)
 
 

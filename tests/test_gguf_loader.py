@@ -26,7 +26,9 @@ def permute_like_llama_cpp(w, n_heads):
 
 
 def write_tiny_gguf(path, config, weights, *, arch="llama", quantize=False, layer_type=None):
-    """quantize: every matrix Q8_0; layer_type (a gguf.GGMLQuantizationType): the layers' matrices in it instead."""
+    """quantize: every matrix Q8_0; layer_type (a gguf.GGMLQuantizationType): the layers' matrices in it instead,
+    or a function of the canonical name giving each matrix's type (None: float32). K types are written by
+    tests/kquants.py (gguf has no quantizer for them)."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokens = specials + byte_level_vocab() + ["Ġt", "he", "Ġthe"]
     merges = ["Ġ t", "h e", "Ġt he"]
@@ -54,25 +56,31 @@ def write_tiny_gguf(path, config, weights, *, arch="llama", quantize=False, laye
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     rng = np.random.default_rng(5)
-    weights = dict(weights, embed=(rng.standard_normal((len(tokens), config.d_model)) * 0.1).astype(np.float32))
+    if weights["embed"].shape[0] != len(tokens):  # an embedding for this vocabulary
+        weights = dict(weights, embed=(rng.standard_normal((len(tokens), config.d_model)) * 0.1).astype(np.float32))
     names = {"embed": "token_embd.weight", "final_norm.scale": "output_norm.weight", "lm_head": "output.weight"}
     per_layer = {"attn_norm.scale": "attn_norm", "ffn_norm.scale": "ffn_norm", "wq": "attn_q", "wk": "attn_k",
                  "wv": "attn_v", "wo": "attn_output", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down_t": "ffn_down"}
+    biases = {"bq": "attn_q", "bk": "attn_k", "bv": "attn_v"}  # Qwen2's
     for name, value in weights.items():
         if name.startswith("layers."):
             _, i, rest = name.split(".", 2)
-            gname = f"blk.{i}.{per_layer[rest]}.weight"
+            gname = f"blk.{i}.{biases[rest]}.bias" if rest in biases else f"blk.{i}.{per_layer[rest]}.weight"
         else:
             gname = names[name]
-        if rest_is(name, "wq"):
+        if rest_is(name, "wq") and arch == "llama":    # llama.cpp permutes Llama's q/k rows, not Qwen2's
             value = permute_like_llama_cpp(value, config.n_heads)
-        elif rest_is(name, "wk"):
+        elif rest_is(name, "wk") and arch == "llama":
             value = permute_like_llama_cpp(value, config.n_kv_heads)
         elif rest_is(name, "w_down_t"):
             value = np.ascontiguousarray(value.T)
-        if (quantize or layer_type) and value.ndim == 2:
+        kind = None
+        if callable(layer_type):
+            kind = layer_type(name) if value.ndim == 2 else None
+        elif (quantize or layer_type) and value.ndim == 2:
             kind = layer_type if layer_type and name.startswith("layers.") else gguf.GGMLQuantizationType.Q8_0
-            q = gguf.quants.quantize(value, kind)
+        if kind is not None:
+            q = quantize_blocks(value, kind)
             w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=kind)
         else:
             w.add_tensor(gname, value)
@@ -81,6 +89,15 @@ def write_tiny_gguf(path, config, weights, *, arch="llama", quantize=False, laye
     w.write_tensors_to_file()
     w.close()
     return config, weights
+
+
+def quantize_blocks(value, kind):
+    """float32 [rows, cols] -> uint8 blocks of kind: gguf's quantizer, or tests/kquants.py for the K types."""
+    if kind.name in ("Q4_K", "Q5_K", "Q6_K"):
+        from tests import kquants
+
+        return kquants.quantize(value, kind.name)
+    return gguf.quants.quantize(value, kind)
 
 
 def rest_is(name, suffix):
@@ -133,8 +150,9 @@ def test_truncated_and_foreign_files_are_refused(tmp_path, tiny):
         loader.load(tmp_path / "absent.gguf")
 
 
-def test_auto_weights_are_the_files_own_q4_1_blocks_or_float32(tmp_path):
-    """--weights auto (pjinfer.runtime.engine.resolve_weights) runs q4_1 only for a GGUF whose layers are all Q4_1."""
+def test_auto_weights_are_the_files_own_blocks_or_float32(tmp_path):
+    """--weights auto (pjinfer.runtime.engine.resolve_weights) runs q4_1 for a GGUF whose layers are all Q4_1, gguf for
+    other block types with host kernels, float32 otherwise."""
     from pjinfer.runtime.engine import resolve_weights
 
     config = tiny_config(d_model=64, n_heads=4, head_dim=16, d_ff=128)
@@ -143,7 +161,7 @@ def test_auto_weights_are_the_files_own_q4_1_blocks_or_float32(tmp_path):
     write_tiny_gguf(q4, config, weights, layer_type=gguf.GGMLQuantizationType.Q4_1)
     write_tiny_gguf(q8, config, weights, quantize=True)
     assert loader.stored_format(q4) == "q4_1" and resolve_weights("auto", q4) == "q4_1"
-    assert loader.stored_format(q8) is None and resolve_weights("auto", q8) == "float32"
+    assert loader.stored_format(q8) == "gguf" and resolve_weights("auto", q8) == "gguf"   # blocks with a kernel
     assert resolve_weights("auto", None) == "q4_1"                         # the embedded model
     assert resolve_weights("auto", tmp_path) == "float32"                  # a directory (HF layout)
     assert resolve_weights("int8", q4) == "int8"

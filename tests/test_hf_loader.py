@@ -207,6 +207,11 @@ def _hf_model(kind: str, seed: int, **cfg):
             vocab_size=VOCAB, hidden_size=D, intermediate_size=FF, num_hidden_layers=LAYERS,
             num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=MAX_POS, **cfg)
         model = transformers.LlamaForCausalLM(config)
+    elif kind == "qwen2":
+        config = transformers.Qwen2Config(
+            vocab_size=cfg.pop("vocab_size", VOCAB), hidden_size=D, intermediate_size=FF, num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=MAX_POS, **cfg)
+        model = transformers.Qwen2ForCausalLM(config)
     else:
         config = transformers.OPTConfig(
             vocab_size=VOCAB, hidden_size=D, ffn_dim=FF, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
@@ -240,6 +245,40 @@ def test_llama_matches_transformers(tmp_path, cfg):
     config, weights, _ = loader.load(tmp_path)
     assert config.rope_theta == cfg.get("rope_theta", 10000.0)
     ids = random_ids(6)
+    np.testing.assert_allclose(forward_logits(config, weights, ids), _torch_logits(model, ids), atol=ATOL)
+
+
+QWEN2 = [dict(tie_word_embeddings=True, rope_theta=1e6), dict(tie_word_embeddings=False, rope_theta=10000.0)]
+
+
+@pytest.mark.parametrize("cfg", QWEN2, ids=["tied-theta1e6", "untied"])
+def test_qwen2_matches_transformers(tmp_path, cfg):
+    """Qwen2 (q/k/v biases, its rope theta, tied or untied head) from an HF directory."""
+    model = _hf_model("qwen2", seed=11, **cfg)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    write_tokenizer(tmp_path)
+    config, weights, _ = loader.load(tmp_path)
+    assert (config.rope_theta, config.tie_embeddings) == (cfg["rope_theta"], cfg["tie_word_embeddings"])
+    assert {f"layers.0.{b}" for b in ("bq", "bk", "bv")} <= set(weights) and "layers.0.bo" not in weights
+    ids = random_ids(12)
+    np.testing.assert_allclose(forward_logits(config, weights, ids), _torch_logits(model, ids), atol=ATOL)
+
+
+@pytest.mark.parametrize("cfg", QWEN2, ids=["tied-theta1e6", "untied"])
+def test_qwen2_gguf_matches_transformers(tmp_path, cfg):
+    """The same model as a qwen2 GGUF (gguf's writer, llama.cpp's tensor names and keys, q/k rows not permuted)."""
+    from tests.test_gguf_loader import write_tiny_gguf
+
+    vocab = 262  # write_tiny_gguf's byte-level vocabulary
+    model = _hf_model("qwen2", seed=13, vocab_size=vocab, **cfg)
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    write_tokenizer(tmp_path / "hf")
+    config, weights, _ = loader.load(tmp_path / "hf")
+    write_tiny_gguf(tmp_path / "q.gguf", config, weights, arch="qwen2")
+    config, weights, _ = loader.load(tmp_path / "q.gguf")
+    assert (config.rope_theta, config.tie_embeddings, config.vocab_size) == (
+        cfg["rope_theta"], cfg["tie_word_embeddings"], vocab)
+    ids = random_ids(14)
     np.testing.assert_allclose(forward_logits(config, weights, ids), _torch_logits(model, ids), atol=ATOL)
 
 
@@ -291,8 +330,9 @@ def test_missing_path_and_config(tmp_path):
     ({k: v for k, v in llama_raw().items() if k != "num_attention_heads"}, "lacks 'num_attention_heads'"),
     (opt_raw(do_layer_norm_before=False), "post-layer-norm"),
     (opt_raw(word_embed_proj_dim=32), "word_embed_proj_dim"),
+    (llama_raw(model_type="qwen2", use_sliding_window=True), "qwen2 variant: use_sliding_window"),
 ], ids=["gpt_neox", "no-model_type", "gelu", "rope_scaling", "rope_parameters", "attention_bias",
-        "missing-key", "opt-post-ln", "opt-proj"])
+        "missing-key", "opt-post-ln", "opt-proj", "qwen2-sliding-window"])
 def test_unsupported_config(tmp_path, raw, match):
     # The config is refused before any tensor is read, so config.json alone is enough.
     (tmp_path / "config.json").write_text(json.dumps(raw))

@@ -205,5 +205,5 @@ def test_unsupported_models_are_refused(changes, fragment):
 
 def test_unknown_formats_are_refused():
     config = tiny_config(d_model=64, n_heads=2, n_kv_heads=1, head_dim=32, d_ff=128)
-    with pytest.raises(ValueError, match="one of int8, q4_1, got 'q4_0'"):
+    with pytest.raises(ValueError, match="one of int8, q4_1, gguf, got 'q4_0'"):
         hd.HostDecoder(config, random_weights(config), "q4_0")

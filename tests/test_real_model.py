@@ -89,12 +89,26 @@ def wiki_512(engine):
     return np.asarray(engine.tokenizer.encode(data.wiki_eval_text(), add_special=False)[:512], np.int32)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "q4_1"])
-def test_host_decode_equals_xla_at_long_positions(fmt, wiki_512):
-    """--weights int8 / q4_1: the host's one-token step against XLA's float32 step on the dequantized values, at
-    positions 0, 255, 256 and 511 of a 512-slot cache filled by a real 512-token prefill (its position p zeroed
-    first, so the step's own cache write is checked too)."""
-    host = Engine.load(weights=fmt)
+@pytest.fixture(scope="module")
+def q4_k_m(tmp_path_factory):
+    """The default model re-quantized by llama.cpp itself to Q4_K_M (a Q5_0 / Q8_0 / Q4_K / Q6_K mix at this
+    size, the Q8_0 head kept); skipped without llama-cpp-python (`make bench-peer` builds it)."""
+    pytest.importorskip("llama_cpp")
+    from pjinfer.load import loader
+    from pjinfer.measure import peer
+
+    path = tmp_path_factory.mktemp("quants") / "model.Q4_K_M.gguf"
+    peer.quantize(loader.default_model_path(), path, "Q4_K_M")
+    assert loader.layer_types(path) == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q4_1", "gguf"])
+def test_host_decode_equals_xla_at_long_positions(fmt, wiki_512, request):
+    """--weights int8 / q4_1 / gguf (on llama.cpp's Q4_K_M of the model): the host's one-token step against XLA's
+    float32 step on the dequantized values, at positions 0, 255, 256 and 511 of a 512-slot cache filled by a real
+    512-token prefill (its position p zeroed first, so the step's own cache write is checked too)."""
+    host = Engine.load(request.getfixturevalue("q4_k_m") if fmt == "gguf" else None, weights=fmt)
     model = nnx.merge(host.graphdef, host.state)
     assert host.host is not None
     pjinfer_host.detach(model)
@@ -123,7 +137,7 @@ def test_host_decode_equals_xla_at_long_positions(fmt, wiki_512):
                 np.testing.assert_allclose(a_l[pos], b_l[pos], rtol=0, atol=2.0 ** -16 * np.abs(b_l[pos]).max(),
                                            err_msg=f"{name} cache, layer {l}, position {pos}")
                 np.testing.assert_array_equal(np.delete(a_l, pos, axis=0), np.delete(np.asarray(c[l][0]), pos, axis=0))
-    if fmt == "q4_1":  # and the whole jitted generate (its while_loop of host steps) on the file's own model
+    if fmt != "int8":  # and the whole jitted generate (its while_loop of host steps) on the file's own model
         prompt = host.tokenizer.encode("The capital of France is", add_special=False)
         assert host.tokenizer.decode(host.generate(prompt, max_new_tokens=4)).startswith(" Paris.")
 

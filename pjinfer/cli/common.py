@@ -48,9 +48,10 @@ def weight_options(p, many=False):
                    choices=None if many else WEIGHT_CHOICES,
                    help=("comma-separated dense engines to run side by side, e.g. float32,q4_1; " if many else "")
                    + "auto (default): the file's own quantization where the host decode runs it (q4_1 for the "
-                   "default model), float32 otherwise; float32: every matrix in XLA (the exact reference); int8 "
-                   "(a scale per block of 64) or q4_1 (the GGUF's 4-bit blocks, head int8): one-token steps on "
-                   "the host's Numba kernels (cpu_offload.host_decode), prefill through XLA on the same values")
+                   "default model, gguf for Q8_0, Q4_0, Q5_x and K-quant files), float32 otherwise; float32: "
+                   "every matrix in XLA (the exact reference); int8 (a scale per block of 64), q4_1 (the GGUF's "
+                   "4-bit blocks, head int8) or gguf (every matrix in the file's own block type): one-token steps "
+                   "on the host's Numba kernels (cpu_offload.host_decode), prefill through XLA on the same values")
 
 
 def sampling_options(p):

@@ -46,9 +46,11 @@ def model_identity(path: Path) -> str:
 LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
-def stored_format(path: str | os.PathLike | None = None) -> str | None:
-    """"q4_1" when `path` (default: the embedded model) is a GGUF whose layer matrices are all Q4_1 blocks, else
-    None (other block types, float files, HF directories, or a file the loader will refuse). Reads the header only."""
+def layer_types(path: str | os.PathLike | None = None) -> set[str] | None:
+    """The ggml type names of the layer matrices of the GGUF at `path` (default: the embedded model), or None for
+    an HF directory or a file the loader will refuse. Reads the header only."""
+    import gguf
+
     from pjinfer.load.gguf_file import GGUFError, GGUFFile
 
     path = Path(path) if path else default_model_path()
@@ -58,28 +60,45 @@ def stored_format(path: str | os.PathLike | None = None) -> str | None:
         reader = GGUFFile(path)
     except (GGUFError, ValueError, OSError):
         return None
-    import gguf
-
-    kinds = {t.type for t in reader.tensors if t.name.startswith("blk.") and t.name.split(".")[2] in LAYER_MATRICES}
-    return "q4_1" if kinds == {gguf.GGMLQuantizationType.Q4_1} else None
+    return {gguf.GGMLQuantizationType(t.type).name for t in reader.tensors
+            if t.name.startswith("blk.") and t.name.split(".")[2] in LAYER_MATRICES}
 
 
-def load(path: str | os.PathLike | None = None, *, progress=None, keep_q4_1: bool = False):
+def stored_format(path: str | os.PathLike | None = None) -> str | None:
+    """The host decode format that keeps the layer matrices of the GGUF at `path` as stored: "q4_1" when they are
+    all Q4_1 blocks, "gguf" when every one is a block type with a host kernel (cpu_offload.blocks.KINDS), else None
+    (float or other block types, HF directories, or a file the loader will refuse). Reads the header only."""
+    from cpu_offload.blocks import BY_NAME
+
+    kinds = layer_types(path)
+    if not kinds:
+        return None
+    if kinds == {"Q4_1"}:
+        return "q4_1"
+    return "gguf" if kinds <= set(BY_NAME) else None
+
+
+def load(path: str | os.PathLike | None = None, *, progress=None, keep_q4_1: bool = False,
+         keep_blocks: bool = False):
     """Load a GGUF file or HF directory. Returns (config, weights, tokenizer).
 
     Weights are float32 numpy arrays, except with keep_q4_1 (GGUF only): every Q4_1 matrix then stays the file's
     blocks as a cpu_offload.qtensor.Q4Tensor, a view of the file's memory map (wq / wk re-laid once by rows,
-    w_down_t held untransposed: see pjinfer/runtime/model.py). The loader never makes a float32 copy of those."""
+    w_down_t held untransposed: see pjinfer/runtime/model.py). The loader never makes a float32 copy of those. keep_blocks
+    does the same for every matrix in a block type with a host kernel (cpu_offload.blocks.KINDS; the others as
+    QBlocks), the embedding and output head included."""
     path = default_model_path() if path is None else Path(path)
     if not path.exists():
         raise ConfigError(f"model not found: {path}")
     if path.is_dir():
         return load_hf(path, progress=progress)
-    return load_gguf(path, progress=progress, keep_q4_1=keep_q4_1)
+    return load_gguf(path, progress=progress, keep_q4_1=keep_q4_1 or keep_blocks, keep_blocks=keep_blocks)
 
 
 # ---------------------------------------------------------------- GGUF
 GGML_Q4_1, GGML_Q8_0 = 3, 8
+# general.architecture values read; Qwen2 runs as the Llama family with q/k/v biases (ModelConfig arch "llama").
+GGUF_ARCHITECTURES = ("llama", "qwen2")
 
 
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -89,12 +108,13 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols))
 
 
-def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False):
+def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks: bool = False):
     import sys
 
     import gguf
 
-    from cpu_offload.qtensor import Q4Tensor
+    from cpu_offload.blocks import KINDS
+    from cpu_offload.qtensor import Q4Tensor, QBlocks
     from pjinfer.load.gguf_file import GGUFError, GGUFFile
 
     try:
@@ -106,26 +126,28 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False):
         return reader.fields.get(key, default)
 
     arch = field("general.architecture")
-    if arch != "llama":
-        raise ConfigError(f"unsupported GGUF architecture {arch!r} in {path.name} (supported: llama)")
-    n_heads = int(field("llama.attention.head_count"))
-    d_model = int(field("llama.embedding_length"))
+    if arch not in GGUF_ARCHITECTURES:
+        raise ConfigError(f"unsupported GGUF architecture {arch!r} in {path.name} "
+                          f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
+    a = arch  # metadata keys are prefixed by the architecture's name
+    n_heads = int(field(f"{a}.attention.head_count"))
+    d_model = int(field(f"{a}.embedding_length"))
     tokens = field("tokenizer.ggml.tokens")
     eos = field("tokenizer.ggml.eos_token_id")
     bos = field("tokenizer.ggml.bos_token_id")
     config = ModelConfig(
         arch="llama",
-        vocab_size=int(field("llama.vocab_size", len(tokens))),
+        vocab_size=int(field(f"{a}.vocab_size", len(tokens))),
         d_model=d_model,
-        n_layers=int(field("llama.block_count")),
+        n_layers=int(field(f"{a}.block_count")),
         n_heads=n_heads,
-        n_kv_heads=int(field("llama.attention.head_count_kv", n_heads)),
-        head_dim=int(field("llama.rope.dimension_count", d_model // n_heads)),
-        d_ff=int(field("llama.feed_forward_length")),
+        n_kv_heads=int(field(f"{a}.attention.head_count_kv", n_heads)),
+        head_dim=int(field(f"{a}.rope.dimension_count", d_model // n_heads)),
+        d_ff=int(field(f"{a}.feed_forward_length")),
         activation="swiglu",
-        max_seq_len=int(field("llama.context_length")),
-        norm_eps=float(field("llama.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(field("llama.rope.freq_base", 10000.0)),
+        max_seq_len=int(field(f"{a}.context_length")),
+        norm_eps=float(field(f"{a}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(field(f"{a}.rope.freq_base", 10000.0)),
         tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
         bos_id=None if bos is None else int(bos),
         eos_ids=() if eos is None else (int(eos),),
@@ -136,6 +158,10 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False):
     per_layer = {"attn_norm.weight": "attn_norm.scale", "ffn_norm.weight": "ffn_norm.scale",
                  "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv", "attn_output.weight": "wo",
                  "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down_t"}
+    if arch == "qwen2":
+        per_layer |= {"attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv"}
+    # llama.cpp's converter interleaves Llama's q/k rows for its rotary layout; Qwen2's (NEOX rope) are as in HF.
+    permuted = arch == "llama"
     weights = {}
     dequantized = set()  # types of layer matrices made float32 although Q4_1 blocks were asked for
     if progress:
@@ -151,14 +177,19 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False):
         else:
             continue  # e.g. rope_freqs: not used by this architecture
         blocks = keep_q4_1 and t.type == GGML_Q4_1 and len(t.shape) == 2
-        if keep_q4_1 and t.type == GGML_Q8_0 and name == ("embed" if config.tie_embeddings else "lm_head"):
+        if keep_blocks and t.type in KINDS and t.type != GGML_Q4_1 and len(t.shape) == 2:
+            w = t.data  # uint8 [rows, row bytes], as Q4_1 below
+            if permuted and (name.endswith(".wq") or name.endswith(".wk")):
+                w = _unpermute_rope(w, config.n_heads if name.endswith(".wq") else config.n_kv_heads)
+            weights[name] = QBlocks(w, t.shape[1], t.type)
+        elif keep_q4_1 and t.type == GGML_Q8_0 and name == ("embed" if config.tie_embeddings else "lm_head"):
             # The output head: int8 on the host decode path, converted block by block without a float32 copy.
             from cpu_offload.host_decode import int8_from_q8_0
 
             weights[name] = int8_from_q8_0(t.data, t.shape[1])
         elif blocks:  # uint8 [rows, row bytes]; w_down_t stays [d, d_ff], the file's layout
             w = t.data
-            if name.endswith(".wq") or name.endswith(".wk"):
+            if permuted and (name.endswith(".wq") or name.endswith(".wk")):
                 w = _unpermute_rope(w, config.n_heads if name.endswith(".wq") else config.n_kv_heads)
             weights[name] = Q4Tensor(w, t.shape[1])
         else:
@@ -170,16 +201,17 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False):
                 dequantized.add(gguf.GGMLQuantizationType(t.type).name)
             if name.endswith(".w_down_t"):
                 w = np.ascontiguousarray(w.T)
-            elif name.endswith(".wq"):
+            elif permuted and name.endswith(".wq"):
                 w = _unpermute_rope(w, config.n_heads)
-            elif name.endswith(".wk"):
+            elif permuted and name.endswith(".wk"):
                 w = _unpermute_rope(w, config.n_kv_heads)
             weights[name] = w
         if progress:
             progress(n + 1, len(reader.tensors))
     if dequantized:
         print(f"pjinfer: layer matrices of type {', '.join(sorted(dequantized))} are dequantized at load and "
-              f"re-quantized to Q4_1 (the host decode reads Q4_1 blocks only)", file=sys.stderr)
+              + ("stored as Q8_0 (no host kernel reads that type)" if keep_blocks else
+                 "re-quantized to Q4_1 (--weights q4_1 reads Q4_1 blocks only)"), file=sys.stderr)
     tokenizer = Tokenizer.from_gguf_fields(
         tokens=tokens, merges=field("tokenizer.ggml.merges"), token_types=field("tokenizer.ggml.token_type"),
         model=field("tokenizer.ggml.model"), pre=field("tokenizer.ggml.pre"),
@@ -192,7 +224,7 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False):
 def _hf_config(raw: dict) -> ModelConfig:
     model_type = raw.get("model_type")
     try:
-        if model_type == "llama":
+        if model_type in ("llama", "qwen2"):  # Qwen2: the Llama family with q/k/v biases
             # transformers < 5 writes rope_theta + rope_scaling; >= 5 writes rope_parameters
             # {"rope_type", "rope_theta", ...} and no top-level rope_theta.
             rope_theta = raw.get("rope_theta", 10000.0)
@@ -201,14 +233,16 @@ def _hf_config(raw: dict) -> ModelConfig:
                 if rope and rope.get("rope_type", rope.get("type")) != "default":
                     raise ConfigError(f"unsupported {key} {rope!r} (only plain RoPE)")
                 rope_theta = rope.get("rope_theta", rope_theta)
-            if raw.get("attention_bias") or raw.get("mlp_bias"):
+            if model_type == "llama" and (raw.get("attention_bias") or raw.get("mlp_bias")):
                 raise ConfigError("unsupported llama variant: attention_bias or mlp_bias is set")
+            if raw.get("use_sliding_window"):
+                raise ConfigError(f"unsupported {model_type} variant: use_sliding_window is set")
             act = raw.get("hidden_act", "silu")
             # Not "gelu": HF's is the exact erf GELU, and pjinfer's GEGLU is the tanh approximation.
             activation = {"silu": "swiglu", "swish": "swiglu", "relu": "reglu",
                           "gelu_pytorch_tanh": "geglu", "drelu": "drelu"}.get(act)
             if activation is None:
-                raise ConfigError(f"unsupported hidden_act {act!r} for llama")
+                raise ConfigError(f"unsupported hidden_act {act!r} for {model_type}")
             n_heads = raw["num_attention_heads"]
             return ModelConfig(
                 arch="llama", vocab_size=raw["vocab_size"], d_model=raw["hidden_size"],
@@ -219,7 +253,7 @@ def _hf_config(raw: dict) -> ModelConfig:
                 max_seq_len=raw.get("max_position_embeddings", 2048), norm_eps=raw.get("rms_norm_eps", 1e-6),
                 rope_theta=float(rope_theta), tie_embeddings=raw.get("tie_word_embeddings", False),
                 bos_id=raw.get("bos_token_id"), eos_ids=_ids(raw.get("eos_token_id")),
-                name=raw.get("_name_or_path", "llama"))
+                name=raw.get("_name_or_path", model_type))
         if model_type == "opt":
             if not raw.get("do_layer_norm_before", True):
                 raise ConfigError("unsupported OPT variant: post-layer-norm (do_layer_norm_before=false)")
@@ -237,7 +271,7 @@ def _hf_config(raw: dict) -> ModelConfig:
                 eos_ids=_ids(raw.get("eos_token_id")), name=raw.get("_name_or_path", "opt"))
     except KeyError as e:
         raise ConfigError(f"config.json lacks {e.args[0]!r}") from None
-    raise ConfigError(f"unsupported model_type {model_type!r} (supported: llama, opt)")
+    raise ConfigError(f"unsupported model_type {model_type!r} (supported: llama, qwen2, opt)")
 
 
 def _ids(x) -> tuple[int, ...]:
@@ -252,7 +286,9 @@ def _hf_names(config: ModelConfig, tensors: dict) -> dict:
         layer = {"input_layernorm.weight": "attn_norm.scale", "post_attention_layernorm.weight": "ffn_norm.scale",
                  "self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk", "self_attn.v_proj.weight": "wv",
                  "self_attn.o_proj.weight": "wo", "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up",
-                 "mlp.down_proj.weight": "w_down_t"}
+                 "mlp.down_proj.weight": "w_down_t",
+                 # Qwen2's (a Llama checkpoint with them is refused by _hf_config before this)
+                 "self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv"}
         layer_prefix = "model.layers."
     else:
         top = {"model.decoder.embed_tokens.weight": "embed", "model.decoder.embed_positions.weight": "pos_embed",
@@ -311,6 +347,7 @@ def _check_hf_shapes(config: ModelConfig, out: dict, hf_name):
         biases = {"bq": (q,), "bk": (kv,), "bv": (kv,), "bo": (d,), "b_up": (f,), "b_down": (d,)}
     else:
         layer["w_gate"] = (f, d)
+        biases = {"bq": (q,), "bk": (kv,), "bv": (kv,)}  # Qwen2
     maybe = {}
     for i in range(config.n_layers):
         need |= {f"layers.{i}.{k}": shape for k, shape in layer.items()}

@@ -14,12 +14,19 @@ from pjinfer.config import ConfigError
 _SPECIAL_TOKEN_TYPES = (3, 4)
 # Pre-tokenizer regexes by `tokenizer.ggml.pre`: split first, then byte-level without its own regex.
 _GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# Qwen2's (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2, the HF tokenizer.json's Split): single digits, letters with
+# one leading non-letter, case-insensitive contractions.
+_QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _PRE_TOKENIZERS = {
     # SmolLM: every digit on its own, then GPT-2 byte-level splitting.
     "smollm": lambda: pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]),
     "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    "qwen2": lambda: pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN2_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
     "default": lambda: pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(_GPT2_PATTERN), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),

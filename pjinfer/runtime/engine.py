@@ -24,10 +24,21 @@ from pjinfer.runtime.sampling import Sampling, recent_ids
 def resolve_weights(weights: str, path=None, bundle=None) -> str:
     """The weights format a request for `weights` runs (config.WEIGHT_CHOICES). "auto" is the checkpoint's own
     quantization where the host decode runs it: q4_1 for a GGUF whose layers are Q4_1 (with a bundle, only one
-    that has calibrated thresholds: a predictor bundle runs float32), float32 otherwise. Reads headers only."""
+    that has calibrated thresholds: a predictor bundle runs float32), gguf for one whose layers are other block
+    types with host kernels (without a bundle), float32 otherwise: said in one stderr line when the file holds
+    block types without a host kernel. Reads headers only."""
     if weights != "auto":
         return weights
-    if loader.stored_format(path) != "q4_1":
+    stored = loader.stored_format(path)
+    if stored == "gguf" and bundle is None:
+        return "gguf"
+    if stored != "q4_1":
+        from cpu_offload.blocks import BY_NAME
+
+        foreign = sorted((loader.layer_types(path) or set()) - set(BY_NAME) - {"F32", "F16", "BF16"})
+        if foreign:
+            print(f"pjinfer: running float32 weights: no host kernel reads type {', '.join(foreign)}",
+                  file=sys.stderr)
         return "float32"
     if bundle is not None:
         return "q4_1" if THRESHOLDS in Bundle.open(bundle).manifest["stages"] else "float32"
@@ -36,8 +47,8 @@ def resolve_weights(weights: str, path=None, bundle=None) -> str:
 
 def check_bundle_weights(weights: str, bundle) -> None:
     """Which weights a sparse bundle runs with: float32 (predictors and placement) or q4_1 (thresholds)."""
-    if weights == "int8" and bundle is not None:
-        raise ConfigError("--weights int8 is the dense host decode; a sparse bundle takes --cold-weights int8 "
+    if weights in ("int8", "gguf") and bundle is not None:
+        raise ConfigError(f"--weights {weights} is the dense host decode; a sparse bundle takes --cold-weights int8 "
                           "(predictors) or --weights q4_1 (thresholds)")
 
 
@@ -64,8 +75,8 @@ class Engine:
         self.bundle = None        # the sparse bundle it runs: predictors (use_bundle) or thresholds (load)
         self.load_seconds = None  # set by load(): reading the file to a ready engine
         host = None
-        if thresholds is not None and weights_format == "int8":
-            raise ConfigError("input-sparsity thresholds run with --weights q4_1 or float32, not int8")
+        if thresholds is not None and weights_format in ("int8", "gguf"):
+            raise ConfigError("input-sparsity thresholds run with --weights q4_1 or float32, not int8 or gguf")
         if weights_format != "float32":
             from cpu_offload.host_decode import HostDecoder, quantize_weights
             from cpu_offload.sparse_decode import SparseHostDecoder
@@ -107,7 +118,8 @@ class Engine:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {weights!r}")
         asked, weights = weights, resolve_weights(weights, path, bundle)
         check_bundle_weights(weights, bundle)
-        config, tensors, tokenizer = loader.load(path, progress=progress, keep_q4_1=weights == "q4_1")
+        config, tensors, tokenizer = loader.load(path, progress=progress, keep_q4_1=weights == "q4_1",
+                                                 keep_blocks=weights == "gguf")
         if asked == "auto" and weights != "float32":
             from cpu_offload.host_decode import check_supported
 

@@ -10,10 +10,11 @@ Canonical weights (what every loader produces; float32 numpy, torch's [out, in] 
     layers.{i}.b_up [F]  b_down [d]                                         (OPT only)   one row per neuron)
     final_norm.scale [d]  final_norm.bias [d] (OPT only)  lm_head [vocab, d] (untied only)
 
-A matrix may instead be quantized (cpu_offload.qtensor: Q4Tensor, the GGUF's Q4_1 blocks, or Int8Tensor): the
-model then holds its blocks, not float32 (a ``QMatrix``), and dequantizes it inside the jitted function where it
-is used, a float32 transient. A quantized w_down_t holds the down projection untransposed, [d, F] (the file's
-layout: blocks run along a row's inputs); ``QMatrix[...]`` still gives the canonical [F, d].
+A matrix may instead be quantized (cpu_offload.qtensor: Q4Tensor, the GGUF's Q4_1 blocks, QBlocks, its other
+block types, or Int8Tensor): the model then holds its blocks, not float32 (a ``QMatrix``), and dequantizes it
+inside the jitted function where it is used, a float32 transient. A quantized w_down_t holds the down projection
+untransposed, [d, F] (the file's layout: blocks run along a row's inputs); ``QMatrix[...]`` still gives the
+canonical [F, d].
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cpu_offload.qtensor import INT8_BLOCK, Q4_BLOCK, Q4_BLOCK_BYTES, Int8Tensor, Q4Tensor, is_quantized
+from cpu_offload import blocks
+from cpu_offload.qtensor import INT8_BLOCK, Q4_BLOCK, Q4_BLOCK_BYTES, Int8Tensor, Q4Tensor, QBlocks, is_quantized
 from pjinfer.activations import activate
 from pjinfer.config import ConfigError, ModelConfig
 
@@ -87,13 +89,16 @@ def dequantize_int8(q, scales):
 
 
 class QMatrix(nnx.Module):
-    """A quantized [out, in] matrix inside the model: its blocks as jax arrays (uint8 Q4_1 blocks, or int8 with
-    float32 scales), dequantized where used. ``[...]`` gives the float32 matrix (transposed back when
+    """A quantized [out, in] matrix inside the model: its blocks as jax arrays (uint8 Q4_1 blocks, uint8 blocks of
+    another ggml type ``kind``, cpu_offload.blocks, or int8 with float32 scales), dequantized where used. ``[...]`` gives the float32 matrix (transposed back when
     `transposed`: a w_down_t held as [d, F]); ``rows(ids)`` dequantizes only the gathered rows (embedding)."""
 
     def __init__(self, w, *, transposed: bool = False):
+        self.kind = None   # a ggml type number for QBlocks (blocks.dequantize), else None
         if isinstance(w, Q4Tensor):
             self.data, self.scales = nnx.Param(jnp.asarray(w.data)), None
+        elif isinstance(w, QBlocks):
+            self.data, self.scales, self.kind = nnx.Param(jnp.asarray(w.data)), None, w.kind
         elif isinstance(w, Int8Tensor):
             self.data, self.scales = nnx.Param(jnp.asarray(w.q)), nnx.Param(jnp.asarray(w.scales))
         else:
@@ -107,6 +112,8 @@ class QMatrix(nnx.Module):
         return (cols, rows) if self.transposed else (rows, cols)
 
     def _values(self, data, scales):
+        if self.kind is not None:
+            return blocks.dequantize(self.kind, data, self.stored_shape[1], jnp)
         return dequantize_q4_1(data) if scales is None else dequantize_int8(data, scales)
 
     def __getitem__(self, key):

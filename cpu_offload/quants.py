@@ -1,0 +1,245 @@
+"""GEMV over llama.cpp's block formats as stored in a GGUF (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
+
+``gemv(kind, q, x, y, lo, hi)``: y[r] = row r of the matrix q (uint8 [rows, blocks.row_bytes(kind, cols)], rows of
+``kind``'s blocks, ``blocks.py`` has the layouts) dotted with x (float32 [cols]), for r in [lo, hi). Only y[lo:hi] is
+written. No bounds checks beyond the shapes: the caller owns them.
+
+How: a row is walked 16 weights at a time. ``_axpy16`` (LLVM vector IR: Numba's autovectorizer turns byte
+unpacking into byte-by-byte inserts, see q4.py) loads 16 bytes, extracts each weight's integer code as
+((b >> s) & m) | (((h >> hs) & hm) << hu) from one or two byte vectors, and accumulates
+(scale * code + bias) * x into 16 float32 lanes; ``_axpy16_bits`` takes the 5th bit from a uint32 (Q5_0, Q5_1),
+``_axpy16_i8`` reads signed bytes (Q8_0). The per-block scalars (f16 scales, K-quant 6-bit scales) are decoded
+in plain Numba around those calls. The lanes live in a 16-float scratch array and are summed once per row.
+Each weight is computed as (scale * q + bias) with scale and bias in float32, so a row's dot differs from the
+float64 dot of gguf's dequantized values by float32 rounding only (tests/test_quants.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _threading  # noqa: F401  (sets NUMBA_THREADING_LAYER before numba is imported)
+
+from llvmlite import ir  # noqa: E402
+from numba import njit, types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
+
+from . import ffi, kernels  # noqa: E402
+from . import blocks  # noqa: E402
+from .blocks import KINDS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0  # noqa: E402
+from .kernels import prefetch  # noqa: E402
+
+ffi.purge_stale_cache("quants", kernels, blocks)
+
+SUPPORTED = tuple(KINDS)   # every type blocks.py describes has a kernel here
+PREFETCH_ROWS = 8
+_F0 = np.float32(0.0)
+_JIT = dict(fastmath=True, cache=True, nogil=True)
+# Block bytes by ggml type number, as a table Numba code can index (0: not a block type here).
+_BLOCK_BYTES = np.zeros(16, np.int64)
+_BLOCK = np.zeros(16, np.int64)
+for _k, (_, _b, _n) in KINDS.items():
+    _BLOCK_BYTES[_k], _BLOCK[_k] = _n, _b
+
+_f32, _i32, _i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+_V = 16
+_v16f, _v16i = ir.VectorType(_f32, _V), ir.VectorType(_i32, _V)
+_v16b = ir.VectorType(ir.IntType(8), _V)
+
+
+def _ptr(builder, addr, ty):
+    return builder.inttoptr(addr, ty.as_pointer())
+
+
+def _splat(builder, value, vty):
+    v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, _i32(0))
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(_v16i, [0] * _V))
+
+
+def _const(value):
+    return ir.Constant(_v16i, [value] * _V)
+
+
+class _Row:
+    """Emits one row's dot product: 16-lane float32 accumulators (allocas, so registers), one per 16-weight
+    group of a 32-weight run (two independent FMA chains)."""
+
+    def __init__(self, builder, xa):
+        self.b, self.xa = builder, xa
+        zero = ir.Constant(_v16f, [0.0] * _V)
+        self.acc = [cgutils.alloca_once_value(builder, zero) for _ in range(2)]
+        self.fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_v16f, [_v16f] * 3),
+                                                  "llvm.fma.v16f32")
+
+    def addr(self, base, off):
+        return self.b.add(base, _i64(off)) if isinstance(off, int) else self.b.add(base, off)
+
+    def bytes16(self, addr):
+        """16 bytes at addr, zero-extended to <16 x i32>."""
+        return self.b.zext(self.b.load(_ptr(self.b, addr, _v16b), align=1), _v16i)
+
+    def scalar(self, addr, ty):
+        return self.b.load(_ptr(self.b, addr, ty), align=1)
+
+    def f16(self, addr):
+        return self.b.fpext(self.scalar(addr, ir.HalfType()), _f32)
+
+    def byte(self, addr, signed=False):
+        v = self.scalar(addr, ir.IntType(8))
+        return self.b.sext(v, _i32) if signed else self.b.zext(v, _i32)
+
+    def add(self, w, x_elem, slot):
+        """acc[slot] += w * x[x_elem : x_elem + 16] (x_elem an i64 value: the element index)."""
+        b = self.b
+        xs = b.load(_ptr(b, b.add(self.xa, b.mul(x_elem, _i64(4))), _v16f), align=4)
+        b.store(b.call(self.fma, [w, xs, b.load(self.acc[slot])]), self.acc[slot])
+
+    def affine(self, code, scale, bias):
+        """scale * float(code) + bias on 16 lanes (code <16 x i32>, scale and bias float)."""
+        b = self.b
+        return b.call(self.fma, [b.uitofp(code, _v16f), _splat(b, scale, _v16f), _splat(b, bias, _v16f)])
+
+    def total(self):
+        b = self.b
+        v = b.fadd(b.load(self.acc[0]), b.load(self.acc[1]))
+        for width in (8, 4, 2, 1):
+            halves = [b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, width), list(range(k, k + width))))
+                      for k in (0, width)]
+            v = b.fadd(*halves)
+        return b.extract_element(v, _i32(0))
+
+
+def _nibbles(row, addr, shift):
+    return row.b.and_(row.b.lshr(row.bytes16(addr), _const(shift)), _const(15))
+
+
+def _emit_small(row, kind, bp, x0):
+    """One block of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) at address bp, input elements from x0."""
+    b = row.b
+    d = row.f16(bp)
+    x1 = b.add(x0, _i64(16))
+    if kind == Q8_0:
+        for half, xe in enumerate((x0, x1)):
+            q = b.sitofp(b.load(_ptr(b, row.addr(bp, 2 + 16 * half), _v16b), align=1), _v16f)
+            row.add(b.fmul(q, _splat(b, d, _v16f)), xe, half)
+        return
+    qs = {Q4_0: 2, Q4_1: 4, Q5_0: 6, Q5_1: 8}[kind]
+    if kind in (Q4_1, Q5_1):
+        bias = row.f16(row.addr(bp, 2))
+    else:
+        bias = b.fmul(d, ir.Constant(_f32, -8.0 if kind == Q4_0 else -16.0))
+    qh = None
+    if kind in (Q5_0, Q5_1):
+        qh = _splat(b, row.scalar(row.addr(bp, qs - 4), _i32), _v16i)
+    for half, xe in enumerate((x0, x1)):
+        code = _nibbles(row, row.addr(bp, qs), 4 * half)
+        if qh is not None:
+            bit = b.and_(b.lshr(qh, ir.Constant(_v16i, list(range(16 * half, 16 * half + 16)))), _const(1))
+            code = b.or_(code, b.shl(bit, _const(4)))
+        row.add(row.affine(code, d, bias), xe, half)
+
+
+def _emit_k45(row, kind, bp, x0):
+    """One Q4_K / Q5_K block of 256 at address bp: sub-block j = 2c + h holds the low (h = 0) or high nibbles of
+    bytes 32c..32c+31; its 6-bit scale and min are unpacked as llama.cpp's get_scale_min_k4."""
+    b = row.b
+    d, dmin = row.f16(bp), row.f16(row.addr(bp, 2))
+    sb = [row.byte(row.addr(bp, 4 + i)) for i in range(12)]
+    qs = 48 if kind == Q5_K else 16
+    for j in range(8):
+        if j < 4:
+            sc, mn = b.and_(sb[j], _i32(63)), b.and_(sb[j + 4], _i32(63))
+        else:
+            sc = b.or_(b.and_(sb[j + 4], _i32(15)), b.shl(b.lshr(sb[j - 4], _i32(6)), _i32(4)))
+            mn = b.or_(b.lshr(sb[j + 4], _i32(4)), b.shl(b.lshr(sb[j], _i32(6)), _i32(4)))
+        scale = b.fmul(d, b.uitofp(sc, _f32))
+        bias = b.fneg(b.fmul(dmin, b.uitofp(mn, _f32)))
+        for g in range(2):
+            code = _nibbles(row, row.addr(bp, qs + 32 * (j // 2) + 16 * g), 4 * (j % 2))
+            if kind == Q5_K:
+                high = b.and_(b.lshr(row.bytes16(row.addr(bp, 16 + 16 * g)), _const(j)), _const(1))
+                code = b.or_(code, b.shl(high, _const(4)))
+            row.add(row.affine(code, scale, bias), b.add(x0, _i64(32 * j + 16 * g)), g)
+
+
+def _emit_q6_k(row, bp, x0):
+    """One Q6_K block of 256 (layout in blocks.py)."""
+    b = row.b
+    d = row.f16(row.addr(bp, 208))
+    for n in range(2):
+        for i in range(4):
+            for g in range(2):
+                scale = b.fmul(d, b.sitofp(row.byte(row.addr(bp, 192 + 8 * n + 2 * i + g), signed=True), _f32))
+                code = _nibbles(row, row.addr(bp, 64 * n + 32 * (i % 2) + 16 * g), 4 * (i // 2))
+                high = b.and_(b.lshr(row.bytes16(row.addr(bp, 128 + 32 * n + 16 * g)), _const(2 * i)), _const(3))
+                code = b.or_(code, b.shl(high, _const(4)))
+                bias = b.fmul(scale, ir.Constant(_f32, -32.0))
+                row.add(row.affine(code, scale, bias), b.add(x0, _i64(128 * n + 32 * i + 16 * g)), g)
+
+
+def _row_intrinsic(kind):
+    """An intrinsic (p, nb, xa) -> float32: the dot of the row of nb blocks of kind at address p with the float32
+    input at address xa (addresses as integers)."""
+    _, block, nbytes = KINDS[kind]
+
+    @intrinsic
+    def row_dot(typingctx, p, nb, xa):
+        def codegen(context, builder, sig, args):
+            p, nb, xa = args
+            row = _Row(builder, xa)
+            with cgutils.for_range(builder, nb) as loop:
+                bp = builder.add(p, builder.mul(loop.index, _i64(nbytes)))
+                x0 = builder.mul(loop.index, _i64(block))
+                if kind == Q6_K:
+                    _emit_q6_k(row, bp, x0)
+                elif block == 256:
+                    _emit_k45(row, kind, bp, x0)
+                else:
+                    _emit_small(row, kind, bp, x0)
+            return row.total()
+        return types.float32(types.int64, types.int64, types.int64), codegen
+    return row_dot
+
+
+_ROW = {kind: _row_intrinsic(kind) for kind in KINDS}
+_row_q4_0, _row_q4_1, _row_q5_0, _row_q5_1, _row_q8_0 = (_ROW[k] for k in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0))
+_row_q4_k, _row_q5_k, _row_q6_k = (_ROW[k] for k in (Q4_K, Q5_K, Q6_K))
+
+
+@njit(**_JIT)
+def row_dot(kind, p, nb, xa):
+    """float32 dot of one row (nb blocks of ggml type kind at address p) with the float32 input at address xa."""
+    if kind == Q4_K:
+        return _row_q4_k(p, nb, xa)
+    if kind == Q6_K:
+        return _row_q6_k(p, nb, xa)
+    if kind == Q5_0:
+        return _row_q5_0(p, nb, xa)
+    if kind == Q8_0:
+        return _row_q8_0(p, nb, xa)
+    if kind == Q5_K:
+        return _row_q5_k(p, nb, xa)
+    if kind == Q4_0:
+        return _row_q4_0(p, nb, xa)
+    if kind == Q5_1:
+        return _row_q5_1(p, nb, xa)
+    return _row_q4_1(p, nb, xa)
+
+
+@njit(**_JIT)
+def gemv(kind, q, x, y, lo, hi):
+    """y[r] = row r of q (uint8 [rows, row bytes], blocks of ggml type kind) dotted with x, for r in [lo, hi)."""
+    nb = q.shape[1] // _BLOCK_BYTES[kind]
+    base = q.ctypes.data
+    xa = x.ctypes.data
+    for r in range(lo, hi):
+        if r + PREFETCH_ROWS < hi:
+            for j in range(0, q.shape[1], 64):
+                prefetch(q, r + PREFETCH_ROWS, j)
+        y[r] = row_dot(kind, base + r * q.strides[0], nb, xa)
+
+
+@njit(**_JIT)
+def row_bytes(kind, cols):
+    """Bytes of a row of cols weights in blocks of ggml type kind (0 for a type without a kernel here)."""
+    return cols // _BLOCK[kind] * _BLOCK_BYTES[kind] if _BLOCK[kind] else 0

@@ -1,0 +1,171 @@
+"""llama.cpp's block types in the host decode (cpu_offload/blocks.py, cpu_offload/quants.py, --weights gguf):
+each GEMV against float64 numpy on gguf's own dequantized values, the jnp dequantizer against gguf's, our K-type
+quantizer against gguf's dequantizer, and a real decode step from a GGUF file in every type and in a mix."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from cpu_offload import blocks, quants
+from tests.conftest import random_weights, tiny_config
+from tests.test_gguf_loader import write_tiny_gguf
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+TYPES = [gguf.GGMLQuantizationType[name] for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
+                                                      "Q6_K")]
+# Where each type keeps its float16 scales within a block (random bytes there would make inf / NaN values).
+_F16_AT = {"Q4_0": (0,), "Q5_0": (0,), "Q8_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2),
+           "Q6_K": (208,)}
+
+
+def random_blocks(rng, kind, rows, n_blocks):
+    """Fresh random blocks: every byte random (all codes, scales, bits), the f16 scales finite and small."""
+    _, _, nbytes = blocks.KINDS[kind]
+    data = rng.integers(0, 256, (rows, n_blocks, nbytes), dtype=np.uint8)
+    for off in _F16_AT[blocks.name(kind)]:
+        d = (rng.standard_normal((rows, n_blocks)) * 0.02).astype(np.float16)
+        data[..., off:off + 2] = d.view(np.uint8).reshape(rows, n_blocks, 2)
+    return data.reshape(rows, -1)
+
+
+def test_every_type_the_loader_keeps_has_a_kernel_and_gguf_sizes():
+    assert set(quants.SUPPORTED) == set(blocks.KINDS)
+    for kind, (name, block, nbytes) in blocks.KINDS.items():
+        assert gguf.GGMLQuantizationType(kind).name == name
+        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)] == (block, nbytes)
+        assert quants.row_bytes(kind, 3 * block) == 3 * nbytes == blocks.row_bytes(kind, 3 * block)
+
+
+@pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
+@pytest.mark.parametrize("rows,n_blocks", [(1, 1), (7, 3), (37, 2)])
+def test_dequantize_equals_gguf_in_numpy_and_jnp(kind, rows, n_blocks):
+    data = random_blocks(np.random.default_rng(rows * 100 + kind), kind, rows, n_blocks)
+    cols = n_blocks * blocks.KINDS[kind][1]
+    want = gguf.quants.dequantize(data, kind)
+    np.testing.assert_array_equal(blocks.dequantize(kind, data, cols), want)
+    got = jax.jit(lambda d: blocks.dequantize(kind, d, cols, jnp))(jnp.asarray(data))
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
+@pytest.mark.parametrize("rows,n_blocks,lo,hi", [(1, 1, 0, 1), (7, 3, 0, 7), (37, 2, 5, 30), (13, 5, 12, 13),
+                                                 (9, 2, 4, 4)])
+def test_gemv_matches_float64_on_gguf_values_and_writes_its_rows_only(kind, rows, n_blocks, lo, hi):
+    rng = np.random.default_rng(1000 * kind + rows + lo)
+    data = random_blocks(rng, kind, rows, n_blocks)
+    cols = n_blocks * blocks.KINDS[kind][1]
+    x = rng.standard_normal(cols).astype(np.float32)
+    y = np.full(rows, np.nan, np.float32)
+    quants.gemv(kind.value, data, x, y, lo, hi)
+    want = gguf.quants.dequantize(data, kind).astype(np.float64) @ x.astype(np.float64)
+    scale = np.abs(gguf.quants.dequantize(data, kind)).max() * np.abs(x).sum()  # bound on float32 rounding
+    np.testing.assert_allclose(y[lo:hi], want[lo:hi], rtol=0, atol=1e-6 * scale)
+    assert np.isnan(y[:lo]).all() and np.isnan(y[hi:]).all()
+
+
+def test_gemv_reads_a_row_through_its_stride():
+    """A matrix whose rows are a slice of wider rows (as a memory map's views can be) reads each row's own bytes."""
+    kind = blocks.Q6_K
+    rng = np.random.default_rng(3)
+    wide = random_blocks(rng, kind, 5, 3)
+    view = wide[:, :blocks.row_bytes(kind, 512)]
+    x = rng.standard_normal(512).astype(np.float32)
+    y = np.full(5, np.nan, np.float32)
+    quants.gemv(kind, view, x, y, 0, 5)
+    want = gguf.quants.dequantize(np.ascontiguousarray(view), kind).astype(np.float64) @ x
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_our_k_quantizer_round_trips_through_gguf(name):
+    from tests import kquants
+
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((9, 512)) * rng.uniform(0.01, 2, (9, 1))).astype(np.float32)
+    w[0] = np.abs(w[0])            # a row without negative values (the min is 0)
+    w[1, :256] = 0                 # an all-zero block
+    q = kquants.quantize(w, name)
+    kind = gguf.GGMLQuantizationType[name]
+    assert q.shape == (9, blocks.row_bytes(kind, 512)) and q.dtype == np.uint8
+    back = gguf.quants.dequantize(q, kind)
+    np.testing.assert_array_equal(back[1, :256], 0)
+    bits = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}[name]
+    span = w.max(1, keepdims=True) - np.minimum(w.min(1, keepdims=True), 0)
+    # Half a step of the sub-block's range, plus the 6-bit scale's own rounding: a few steps at most.
+    assert (np.abs(back - w) <= 3 * span / (2 ** bits - 1)).all()
+    rms = np.sqrt(((back - w) ** 2).mean()) / np.sqrt((w ** 2).mean())
+    assert rms < {"Q4_K": 0.12, "Q5_K": 0.06, "Q6_K": 0.03}[name]
+
+
+# ------------------------------------------------------------------------------------------ a real decode step
+def _config():
+    # d_model, H * hd and d_ff multiples of 256: every K type holds whole blocks.
+    return tiny_config(d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=512, n_layers=2,
+                       tie_embeddings=False)
+
+
+def _mix(name):
+    """A Q4_K_M-like file: attention and gate/up Q5_0 (v Q8_0 in layer 0), down Q6_K / Q4_K, head Q6_K, the
+    embedding Q4_K."""
+    t = gguf.GGMLQuantizationType
+    if name == "embed":
+        return t.Q4_K
+    if name == "lm_head":
+        return t.Q6_K
+    layer, m = int(name.split(".")[1]), name.rsplit(".", 1)[-1]
+    if m == "w_down_t":
+        return t.Q6_K if layer == 0 else t.Q4_K
+    return t.Q8_0 if (m == "wv" and layer == 0) else t.Q5_0
+
+
+@pytest.mark.parametrize("kinds", [*TYPES, "mix", "qwen2"], ids=lambda k: getattr(k, "name", k))
+def test_decode_step_in_the_files_own_blocks_equals_float32_on_gguf_values(tmp_path, kinds):
+    """kinds: every matrix in one type, a Q4_K_M-like mix, or that mix as a Qwen2 file (q/k/v biases, not
+    permuted)."""
+    from cpu_offload.host_decode import HostDecoder, quantize_weights
+    from cpu_offload.qtensor import Q4Tensor, QBlocks
+    from pjinfer.load import loader
+    from pjinfer.runtime.model import Transformer
+    from tests.test_host_decode import _decode
+
+    config = _config().replace(vocab_size=262)  # write_tiny_gguf's vocabulary: the untied head has as many rows
+    path = tmp_path / "model.gguf"
+    pick = _mix if kinds in ("mix", "qwen2") else (lambda name: kinds)
+    weights = random_weights(config, seed=4)
+    if kinds == "qwen2":
+        rng = np.random.default_rng(9)
+        for l in range(config.n_layers):
+            for b, n in (("bq", config.n_heads), ("bk", config.n_kv_heads), ("bv", config.n_kv_heads)):
+                weights[f"layers.{l}.{b}"] = rng.standard_normal(n * config.head_dim).astype(np.float32)
+    arch = "qwen2" if kinds == "qwen2" else "llama"
+    config, _ = write_tiny_gguf(path, config, weights, layer_type=pick, arch=arch)
+    _, stored, _ = loader.load(path, keep_blocks=True)
+    _, values, _ = loader.load(path)            # float32: gguf's dequantizer
+    assert ("layers.1.bv" in values) == (kinds == "qwen2")
+    for name in ("layers.0.wq", "layers.1.w_down_t", "lm_head", "embed"):
+        want = pick(name)
+        assert isinstance(stored[name], Q4Tensor if want == gguf.GGMLQuantizationType.Q4_1 else QBlocks)
+        assert getattr(stored[name], "kind", want) == want
+    stored = quantize_weights(config, stored, "gguf")
+    assert isinstance(stored["lm_head"], QBlocks)            # the head in its own type, not int8
+    host = HostDecoder(config, stored, "gguf")
+    model = Transformer(config, stored)
+    model.host = host
+    tokens = np.random.default_rng(2).integers(0, config.vocab_size, 7)
+    got, got_cache = _decode(model, tokens, 8)
+    want, want_cache = _decode(Transformer(config, values), tokens, 8)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    # The XLA path (prefill, scoring) dequantizes the same blocks: its logits are the float32 model's.
+    ids = jnp.asarray(tokens[None])
+
+    def score(m):
+        return np.asarray(m.logits(m.forward_sequence(ids)))[0]
+
+    np.testing.assert_allclose(score(Transformer(config, stored)), score(Transformer(config, values)),
+                               rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_allclose(score(Transformer(config, values)), want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
