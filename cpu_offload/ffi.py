@@ -139,7 +139,7 @@ EXTENSION_METADATA = 1
 STAGE_EXECUTE = 3
 ARG_BUFFER = 1
 ATTR_SCALAR = 3
-DT_PRED, DT_S32, DT_S64, DT_F32 = 1, 4, 5, 11
+DT_PRED, DT_S32, DT_S64, DT_F16, DT_F32 = 1, 4, 5, 10, 11
 ERRC_INVALID_ARGUMENT, ERRC_FAILED_PRECONDITION, ERRC_OUT_OF_RANGE = 3, 9, 11
 
 # Runtime block slots (int64 words, process-wide, see RUNTIME below).
@@ -226,6 +226,7 @@ ptr_f32 = typed_pointer("ptr_f32", types.float32)
 ptr_i32 = typed_pointer("ptr_i32", types.int32)
 ptr_i8 = typed_pointer("ptr_i8", types.int8)
 ptr_u8 = typed_pointer("ptr_u8", types.uint8)
+ptr_u16 = typed_pointer("ptr_u16", types.uint16)
 ptr_f64 = typed_pointer("ptr_f64", types.float64)
 
 

@@ -124,12 +124,15 @@ def engine_bytes_per_token(engine: Engine, cache_len: int, mean_position: int) -
 
     from pjinfer.sparse import SparseFFN, skipped_share
 
+    from pjinfer.model import KVCache
+
     config = engine.config
     model = nnx.merge(engine.graphdef, engine.state)
+    slot = 2 * config.n_layers * config.n_kv_heads * config.head_dim * np.dtype(KVCache.DTYPE).itemsize
     if model.host is not None:
-        return float(model.host.nbytes + 2 * config.n_layers * mean_position * config.n_kv_heads * config.head_dim * 4)
+        return float(model.host.nbytes + slot * mean_position)
     total = state_bytes(engine)
-    kv = 2 * config.n_layers * cache_len * config.n_kv_heads * config.head_dim * 4
+    kv = slot * cache_len
     if not isinstance(model.layers[0].ffn, SparseFFN):
         return float(total + kv)
     ffn_rows = sum(np.asarray(p).nbytes for layer in model.layers
