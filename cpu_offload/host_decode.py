@@ -46,7 +46,7 @@ import numpy as np
 
 from . import attention, ffi, kernels, q4, team
 from .ffi import (BUF_DATA, BUF_DIMS, BUF_DTYPE, BUF_RANK, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F16, DT_F32, DT_S32,
-                  ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, RUNTIME_ADDR, buffer_numel, cstr, find_table_attr,
+                  ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, RUNTIME_ADDR, buffer_numel, cstr,
                   last_dim, load_i32, load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i8, ptr_i32, ptr_u8, ptr_u16,
                   store_i64, unlock)
 from .kernels import QBLOCK, act, prefetch
@@ -382,7 +382,7 @@ def _cache_rows(buf, nkv, hd):
 
 @njit(**NOJIT)
 def _execute(frame, api):
-    header = find_table_attr(frame)
+    header = ffi.find_table(frame)
     if header == 0 or load_i64(header + 8 * H_MAGIC) != MAGIC:
         return make_error(api, ERRC_INVALID_ARGUMENT, cstr("pjinfer_host_decode: 'table' is not a HostDecoder"))
     nargs = load_i64(frame + CF_NARGS)
@@ -623,6 +623,7 @@ class HostDecoder:
         header[H_MAGIC] = MAGIC
         _HEADERS.append(header)
         self.address = int(header.ctypes.data)
+        self.table = ffi.register_table(self.address)  # what the calls pass (an index, see ffi.TABLES)
         ffi.register(TARGET_NAME, _handler)
 
     def _hold(self, a: np.ndarray) -> int:
@@ -666,7 +667,7 @@ class HostDecoder:
                   jax.ShapeDtypeStruct(v_cache.shape, jnp.float16))
         call = jax.ffi.ffi_call(self.target, result, input_output_aliases={3: 1, 4: 2})
         return call(jnp.int32(layer), jnp.asarray(pos, jnp.int32), x.astype(jnp.float32), k_cache, v_cache,
-                    table=np.int64(self.address))
+                    table=np.int64(self.table))
 
     def head(self, hidden):
         """hidden [d] -> logits [vocab] from the output head (int8 in both formats)."""
@@ -676,4 +677,4 @@ class HostDecoder:
         if hidden.shape != (self.config.d_model,):
             raise ValueError(f"hidden must be [{self.config.d_model}], got {hidden.shape}")
         call = jax.ffi.ffi_call(self.target, jax.ShapeDtypeStruct((self.config.vocab_size,), jnp.float32))
-        return call(hidden.astype(jnp.float32), table=np.int64(self.address))
+        return call(hidden.astype(jnp.float32), table=np.int64(self.table))

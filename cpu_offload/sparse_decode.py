@@ -34,7 +34,7 @@ import numpy as np
 
 from . import attention, ffi, host_decode as hd, kernels, q4, q4_sparse, team
 from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F16, DT_F32, DT_S32,
-                  ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, RUNTIME_ADDR, buffer_numel, cstr, find_table_attr,
+                  ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, RUNTIME_ADDR, buffer_numel, cstr,
                   load_i32, load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i32, ptr_u8, ptr_u16, store_i64, unlock)
 from .host_decode import (H_EPS, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS, H_RUNTIME, H_TABLE, H_TASK, H_VOCAB,
                           K_LAYER, K_STAGE, ST_ATTN, ST_DOWN, ST_GATE_UP, ST_HEAD, ST_O, ST_QKV)
@@ -191,7 +191,7 @@ def _layer(header, layer, pos, x, k_ptr, v_ptr):
 @njit(**NOJIT)
 def _execute(frame, api):
     """host_decode's two call forms (layer and head) and checks, for a SparseHostDecoder header."""
-    header = find_table_attr(frame)
+    header = ffi.find_table(frame)
     if header == 0 or load_i64(header + 8 * H_MAGIC) != MAGIC:
         return make_error(api, ERRC_INVALID_ARGUMENT, cstr("pjinfer_sparse_decode: 'table' is not a SparseHostDecoder"))
     nargs = load_i64(frame + CF_NARGS)
@@ -341,6 +341,7 @@ class SparseHostDecoder(hd.HostDecoder):
         header[H_MAGIC] = MAGIC
         hd._HEADERS.append(header)
         self.address = int(header.ctypes.data)
+        self.table = ffi.register_table(self.address)  # what the calls pass (an index, see ffi.TABLES)
         ffi.register(TARGET_NAME, _handler)
 
     def dequantized(self, weights: dict) -> dict:
