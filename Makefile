@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 export NUMBA_THREADING_LAYER ?= workqueue
 
-.PHONY: setup run test mutants bench bench-peer bench-serve bench-scale perplexity bundle clean
+.PHONY: setup run test mutants bench bench-peer bench-long bench-serve bench-scale perplexity bundle clean
 
 # Idempotent: re-runs pip only when pyproject.toml changed.
 setup: $(STAMP)
@@ -43,6 +43,10 @@ bench-peer: $(PEER_STAMP)
 	$(VENV)/bin/pjinfer bench --peer llama-cpp --prompt-len 16 --new-tokens 256 --runs 5 --weights float32,int8,q4_1 \
 		$(if $(wildcard $(BUNDLE)/manifest.json),--bundle $(BUNDLE) --cold-weights int8)
 	$(VENV)/bin/pjinfer bench --peer llama-cpp --prompt-len 512 --new-tokens 128 --runs 3 --weights float32,int8,q4_1
+
+# Decode after a 2048-token prompt against llama.cpp on the same GGUF (the float16 KV cache and the host attention).
+bench-long: $(PEER_STAMP)
+	$(VENV)/bin/pjinfer bench --peer llama-cpp --prompt-len 2048 --new-tokens 64 --runs 3 --weights q4_1
 
 # A bounded load test of `pjinfer serve` on loopback: 64 streaming requests from 8 clients, 64 tokens each.
 bench-serve: setup
