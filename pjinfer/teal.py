@@ -29,7 +29,7 @@ from flax import nnx
 
 from pjinfer.activations import EXACT_ZERO
 from pjinfer.config import ConfigError
-from pjinfer.model import KVCache, Threshold
+from pjinfer.model import Threshold
 
 TENSORS = ("attn_in", "o_in", "ffn_in", "down_in")   # cpu_offload.sparse_decode.TENSORS' order
 LEVELS = np.round(np.arange(0.0, 0.91, 0.05), 2)     # sparsity levels a threshold can be fitted at
@@ -60,14 +60,12 @@ def set_thresholds(model, thresholds) -> None:
 def _quantiles(graphdef, state, tokens, levels):
     """Per layer and tensor, the quantiles of |input| at `levels`, from a dense pass: [L, 4, len(levels)]."""
     model = nnx.merge(graphdef, state)
-    B, T = tokens.shape
     x = model.embed[...][tokens]
     q = lambda v: jnp.quantile(jnp.abs(v).reshape(-1), levels)
     out = []
     for block in model.layers:
-        cache = KVCache.create(model.config, B, T)
         h = block.attn_norm(x)
-        heads, _, _ = block.attn.heads(h, 0, cache.k[0], cache.v[0])
+        heads, _, _ = block.attn.heads(h, 0, None, None)  # scoring's path: no cache, float32 attention
         x = x + jnp.einsum("bti,oi->bto", heads, block.attn.wo[...])
         f = block.ffn_norm(x)
         act = block.ffn.neurons(f)
