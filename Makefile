@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 export NUMBA_THREADING_LAYER ?= workqueue
 
-.PHONY: setup run test mutants bench bench-peer bench-quants bench-serve bench-scale perplexity bundle clean
+.PHONY: setup run test mutants bench bench-peer bench-quants bench-long bench-serve bench-scale perplexity bundle clean
 
 # Idempotent: re-runs pip only when pyproject.toml changed.
 setup: $(STAMP)
@@ -58,6 +58,10 @@ bench-quants: $(PEER_STAMP)
 		$(VENV)/bin/pjinfer bench --peer llama-cpp --model $$f --prompt-len 512 --new-tokens 128 --runs 3 --weights gguf || exit 1; \
 		for w in gguf float32; do $(VENV)/bin/pjinfer perplexity --model $$f --weights $$w \
 			--text-file /tmp/pjinfer-wiki.txt --windows 4 --window-len 256 || exit 1; done; done
+
+# Decode after a 2048-token prompt against llama.cpp on the same GGUF (the float16 KV cache and the host attention).
+bench-long: $(PEER_STAMP)
+	$(VENV)/bin/pjinfer bench --peer llama-cpp --prompt-len 2048 --new-tokens 64 --runs 3 --weights q4_1
 
 # A bounded load test of `pjinfer serve` on loopback: 64 streaming requests from 8 clients, 64 tokens each.
 bench-serve: setup

@@ -22,14 +22,15 @@ Usage::
 One layer (``_execute_layer``), under the ffi lock:
     h = rmsnorm(x) * attn_norm                            caller thread
     qkv = Wqkv h                                          team: rows split (stage QKV)
-    rope(q, k); cache[pos] = k, v                         caller thread
-    att = softmax(q K^T / sqrt(hd)) V per head            team: heads split (ATTN)
+    rope(q, k); cache[pos] = k, v (float16)               caller thread
+    att = softmax(q K^T / sqrt(hd)) V per head            team: positions or heads split (ATTN, attention.py)
     x += Wo att                                           team: rows split (O)
     h = rmsnorm(x) * ffn_norm                             caller thread
     a = act(Wgate h, Wup h)                               team: neurons split (GATE_UP)
     x += Wdown a                                          team: rows split (DOWN)
 The team (``team.py``) is this thread plus workers that wait spinning, so a stage costs ~1 us to hand out. The
-KV cache arrays are operands aliased to results: XLA donates them and the layer writes position ``pos`` in place.
+KV cache arrays (float16, [..., S, KV, hd]) are operands aliased to results: XLA donates them and the layer writes
+position ``pos`` in place.
 
 Matrices are stored one row per output (a stored w_down_t is [d, d_ff], untransposed: pjinfer.runtime.model's rule for
 quantized matrices), so every stage is a GEMV over contiguous rows: ``_gemv`` (int8) takes four rows at a time against one pass over x; ``q4.gemv``
@@ -45,10 +46,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import ffi, kernels, q4, quants, team
-from .ffi import (BUF_DATA, BUF_DIMS, BUF_DTYPE, BUF_RANK, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F32, DT_S32, ERRC_INVALID_ARGUMENT,
-                  ERRC_OUT_OF_RANGE, NOJIT, RUNTIME_ADDR, buffer_numel, cstr, find_table_attr, last_dim, load_i32,
-                  load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i8, ptr_i32, ptr_u8, store_i64, unlock)
+from . import attention, ffi, kernels, q4, quants, team
+from .ffi import (BUF_DATA, BUF_DIMS, BUF_DTYPE, BUF_RANK, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F16, DT_F32, DT_S32,
+                  ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, RUNTIME_ADDR, buffer_numel, cstr, find_table_attr,
+                  last_dim, load_i32, load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i8, ptr_i32, ptr_u8, ptr_u16,
+                  store_i64, unlock)
 from .kernels import QBLOCK, act, prefetch
 from .qtensor import Int8Tensor, Q4Tensor, QBlocks, is_quantized
 
@@ -160,58 +162,6 @@ def _rope(v, heads, hd, inv_freq, pos):
             v[h * hd + half + i] = b * c + a * s
 
 
-# exp(x) for x <= 0 as 2^k * p(r), k = round(x log2 e), |r| <= ln2 / 2, p the degree-6 Taylor polynomial
-# (relative error 4e-7 over [-87, 0]), 2^k from a table. Unlike libm's expf it vectorizes: one expf call per
-# score cost 5-11% of attention here (positions 512 and 144).
-_POW2 = (2.0 ** np.arange(-126, 1)).astype(np.float32)
-_EXP_MIN = np.float32(-87.0)
-_LOG2E = np.float32(1.4426950408889634)
-_LN2 = np.float32(0.6931471805599453)
-_HALF = np.float32(0.5)
-_C1, _C2, _C3, _C4, _C5, _C6 = (np.float32(1.0 / f) for f in (1, 2, 6, 24, 120, 720))
-
-
-@njit(**_JIT)
-def _exp_shifted(v, top):
-    """v[s] <- exp(v[s] - top) for v[s] <= top; returns the sum."""
-    total = _F0
-    for s in range(v.shape[0]):
-        x = max(v[s] - top, _EXP_MIN)
-        k = np.floor(x * _LOG2E + _HALF)
-        r = x - k * _LN2
-        e = (_ONE + r * (_C1 + r * (_C2 + r * (_C3 + r * (_C4 + r * (_C5 + r * _C6)))))) * _POW2[np.int32(k) + 126]
-        v[s] = e
-        total += e
-    return total
-
-
-@njit(**_JIT)
-def _attend(q, k, v, kvh, pos, scores, out):
-    """out [hd] = softmax over s <= pos of (q . k[s, kvh]) / sqrt(hd), times v[s, kvh]; caches [S, KV, hd].
-
-    Each position's row is taken as a slice (k[s, kvh]): indexing the flat cache with computed offsets measured 4x
-    slower at position 512, its loops no longer vectorized."""
-    hd = q.shape[0]
-    scale = np.float32(1.0 / np.sqrt(hd))
-    top = np.float32(-np.inf)
-    for s in range(pos + 1):
-        row = k[s, kvh]
-        t = _F0
-        for j in range(hd):
-            t += q[j] * row[j]
-        t *= scale
-        scores[s] = t
-        top = max(top, t)
-    inv = _ONE / _exp_shifted(scores[:pos + 1], top)
-    for j in range(hd):
-        out[j] = _F0
-    for s in range(pos + 1):
-        row = v[s, kvh]
-        p = scores[s] * inv
-        for j in range(hd):
-            out[j] += p * row[j]
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Views of the host memory a header describes.
 
@@ -300,6 +250,40 @@ def _share(rows, tid, n, step):
     return lo, min(rows, lo + chunk)
 
 
+@njit(**NOJIT)
+def _cache(task, slot, pos, nkv, hd):
+    """The float16 cache (uint16 bits) in task slot K_KCACHE or K_VCACHE, positions 0..pos: [pos + 1, KV, hd]."""
+    return carray(ptr_u16(load_i64(task + 8 * slot)), (pos + 1, nkv, hd))
+
+
+@njit(**NOJIT)
+def attend_stage(header, tid, n):
+    """The ATTN stage (thread tid of n): attention.attend_share over the task's caches, q from the qkv scratch."""
+    task = load_i64(header + 8 * H_TASK)
+    pos = load_i64(task + 8 * K_POS)  # < the cache length <= max_len, checked by the handler
+    d, nh, nkv, hd, ff = _dims(header)
+    h, qkv, att, o, gate, up, down, scores = _scratch(header)
+    attention.attend_share(qkv[:nh * hd].reshape((nh, hd)), _cache(task, K_KCACHE, pos, nkv, hd),
+                           _cache(task, K_VCACHE, pos, nkv, hd), pos, tid, n, scores, att.reshape((nh, hd)))
+
+
+@njit(**NOJIT)
+def attend(header, pos, k_ptr, v_ptr):
+    """The layer's attention after RoPE: writes k and v (from the qkv scratch) into the caches at pos as float16,
+    runs the ATTN stage on the team and merges its partials into the att scratch."""
+    d, nh, nkv, hd, ff = _dims(header)
+    h, qkv, att, o, gate, up, down, scores = _scratch(header)
+    task = load_i64(header + 8 * H_TASK)
+    store_i64(task + 8 * K_POS, pos)
+    store_i64(task + 8 * K_KCACHE, k_ptr)
+    store_i64(task + 8 * K_VCACHE, v_ptr)
+    kv = nkv * hd
+    attention.store(qkv[nh * hd:nh * hd + kv], qkv[nh * hd + kv:nh * hd + 2 * kv],
+                    _cache(task, K_KCACHE, pos, nkv, hd)[pos], _cache(task, K_VCACHE, pos, nkv, hd)[pos])
+    _run(header, ST_ATTN)
+    attention.merge(pos, load_i64(load_i64(header + 8 * H_TEAM) + 8 * team.C_SIZE), scores, att.reshape((nh, hd)))
+
+
 def _stage_py(header, tid, n):
     task = load_i64(header + 8 * H_TASK)
     stage = load_i64(task + 8 * K_STAGE)
@@ -314,13 +298,7 @@ def _stage_py(header, tid, n):
             if a < b:
                 _matvec(header, layer, slot, r1 - r0, h, qkv[r0:r1], a - r0, b - r0)
     elif stage == ST_ATTN:
-        pos = load_i64(task + 8 * K_POS)  # < the cache length <= max_len, checked by the handler
-        kc = carray(ptr_f32(load_i64(task + 8 * K_KCACHE)), (pos + 1, nkv, hd))
-        vc = carray(ptr_f32(load_i64(task + 8 * K_VCACHE)), (pos + 1, nkv, hd))
-        lo, hi = _share(nh, tid, n, 1)
-        for q_head in range(lo, hi):
-            _attend(qkv[q_head * hd:(q_head + 1) * hd], kc, vc, q_head // (nh // nkv), pos,
-                    scores[q_head], att[q_head * hd:(q_head + 1) * hd])
+        attend_stage(header, tid, n)
     elif stage == ST_O:
         lo, hi = _share(d, tid, n, 4)
         _matvec(header, layer, L_O, d, att, o, lo, hi)
@@ -347,7 +325,7 @@ def _stage_py(header, tid, n):
             _gemv(w, s, h, _f32(load_i64(task + 8 * K_OUT), vocab), lo, hi)
 
 
-ffi.purge_stale_cache("host_decode", kernels, ffi, q4, quants, team)
+ffi.purge_stale_cache("host_decode", attention, kernels, ffi, q4, quants, team)
 
 # void stage(int64 header, int64 tid, int64 n): what the team runs.
 _stage = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True, cache=True)(_stage_py)
@@ -368,9 +346,6 @@ def _layer(header, layer, pos, x, k_ptr, v_ptr):
     table = load_i64(header + 8 * H_TABLE) + 8 * L_WIDTH * layer
     task = load_i64(header + 8 * H_TASK)
     store_i64(task + 8 * K_LAYER, layer)
-    store_i64(task + 8 * K_POS, pos)
-    store_i64(task + 8 * K_KCACHE, k_ptr)
-    store_i64(task + 8 * K_VCACHE, v_ptr)
 
     _rmsnorm(x, _f32(load_i64(table + 8 * L_ATTN_NORM), d), eps, h)
     _prepare(header, h)
@@ -383,13 +358,7 @@ def _layer(header, layer, pos, x, k_ptr, v_ptr):
     inv_freq = _f32(load_i64(header + 8 * H_INV_FREQ), hd // 2)
     _rope(qkv[:nh * hd], nh, hd, inv_freq, pos)
     _rope(qkv[nh * hd:(nh + nkv) * hd], nkv, hd, inv_freq, pos)
-    kv = nkv * hd
-    kc = _f32(k_ptr + 4 * pos * kv, kv)
-    vc = _f32(v_ptr + 4 * pos * kv, kv)
-    for j in range(kv):
-        kc[j] = qkv[nh * hd + j]
-        vc[j] = qkv[nh * hd + kv + j]
-    _run(header, ST_ATTN)
+    attend(header, pos, k_ptr, v_ptr)
     _prepare(header, att)
     _run(header, ST_O)
     for j in range(d):
@@ -415,7 +384,7 @@ def _head(header, hidden, logits_ptr):
 
 # ---------------------------------------------------------------------------------------------------------------
 # The handler. Two call forms, told apart by their operand count:
-# - layer: (layer i32 [], pos i32 [], x f32 [d elements], k f32 [..., S, KV, hd], v like k)
+# - layer: (layer i32 [], pos i32 [], x f32 [d elements], k f16 [..., S, KV, hd], v like k)
 #          -> (x f32 like the operand, k, v), k and v aliased to operands 3 and 4;
 # - head:  (hidden f32 [d elements]) -> logits f32 [vocab elements].
 
@@ -432,7 +401,7 @@ def _cache_rows(buf, nkv, hd):
 
 @njit(**NOJIT)
 def _execute(frame, api):
-    header = find_table_attr(frame)
+    header = ffi.find_table(frame)
     if header == 0 or load_i64(header + 8 * H_MAGIC) != MAGIC:
         return make_error(api, ERRC_INVALID_ARGUMENT, cstr("pjinfer_host_decode: 'table' is not a HostDecoder"))
     nargs = load_i64(frame + CF_NARGS)
@@ -460,12 +429,12 @@ def _execute(frame, api):
     b_k, b_v = load_i64(args + 24), load_i64(args + 32)
     r_x, r_k, r_v = load_i64(rets), load_i64(rets + 8), load_i64(rets + 16)
     if (load_i32(b_layer + BUF_DTYPE) != DT_S32 or load_i32(b_pos + BUF_DTYPE) != DT_S32
-            or load_i32(b_x + BUF_DTYPE) != DT_F32 or load_i32(b_k + BUF_DTYPE) != DT_F32
-            or load_i32(b_v + BUF_DTYPE) != DT_F32 or load_i32(r_x + BUF_DTYPE) != DT_F32
+            or load_i32(b_x + BUF_DTYPE) != DT_F32 or load_i32(b_k + BUF_DTYPE) != DT_F16
+            or load_i32(b_v + BUF_DTYPE) != DT_F16 or load_i32(r_x + BUF_DTYPE) != DT_F32
             or buffer_numel(b_layer, False) != 1 or buffer_numel(b_pos, False) != 1
             or buffer_numel(b_x, False) != d or buffer_numel(r_x, False) != d):
         return make_error(api, ERRC_INVALID_ARGUMENT, cstr(
-            "pjinfer_host_decode: layer form is (int32 [], int32 [], f32 [d], f32 cache, f32 cache)"))
+            "pjinfer_host_decode: layer form is (int32 [], int32 [], f32 [d], f16 cache, f16 cache)"))
     length = _cache_rows(b_k, nkv, hd)
     if length < 1 or _cache_rows(b_v, nkv, hd) != length or length > load_i64(header + 8 * H_MAXLEN):
         return make_error(api, ERRC_INVALID_ARGUMENT, cstr(
@@ -705,6 +674,7 @@ class HostDecoder:
         header[H_MAGIC] = MAGIC
         _HEADERS.append(header)
         self.address = int(header.ctypes.data)
+        self.table = ffi.register_table(self.address)  # what the calls pass (an index, see ffi.TABLES)
         ffi.register(TARGET_NAME, _handler)
 
     def _hold(self, a: np.ndarray) -> int:
@@ -732,8 +702,9 @@ class HostDecoder:
 
     # ------------------------------------------------------------ calls from inside jit
     def layer(self, layer: int, x, pos, k_cache, v_cache):
-        """Decoder layer `layer` for one token: (x [..., d] with d elements, position, caches [1, S, KV, hd])
-        -> (x out, caches with position pos written). The caches are updated in place when XLA can donate them."""
+        """Decoder layer `layer` for one token: (x [..., d] with d elements, position, float16 caches
+        [1, S, KV, hd]) -> (x out, caches with position pos written). The caches are updated in place when XLA can
+        donate them."""
         import jax
         import jax.numpy as jnp
 
@@ -741,11 +712,13 @@ class HostDecoder:
             raise ValueError(f"layer {layer} out of range [0, {self.config.n_layers})")
         if x.size != self.config.d_model:
             raise ValueError(f"x must hold one token's {self.config.d_model} features, got shape {x.shape}")
-        result = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, jnp.float32),
-                  jax.ShapeDtypeStruct(v_cache.shape, jnp.float32))
+        if k_cache.dtype != jnp.float16 or v_cache.dtype != jnp.float16:
+            raise ValueError(f"host decode caches must be float16, got {k_cache.dtype} and {v_cache.dtype}")
+        result = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, jnp.float16),
+                  jax.ShapeDtypeStruct(v_cache.shape, jnp.float16))
         call = jax.ffi.ffi_call(self.target, result, input_output_aliases={3: 1, 4: 2})
         return call(jnp.int32(layer), jnp.asarray(pos, jnp.int32), x.astype(jnp.float32), k_cache, v_cache,
-                    table=np.int64(self.address))
+                    table=np.int64(self.table))
 
     def head(self, hidden):
         """hidden [d] -> logits [vocab] from the output head."""
@@ -755,4 +728,4 @@ class HostDecoder:
         if hidden.shape != (self.config.d_model,):
             raise ValueError(f"hidden must be [{self.config.d_model}], got {hidden.shape}")
         call = jax.ffi.ffi_call(self.target, jax.ShapeDtypeStruct((self.config.vocab_size,), jnp.float32))
-        return call(hidden.astype(jnp.float32), table=np.int64(self.address))
+        return call(hidden.astype(jnp.float32), table=np.int64(self.table))

@@ -16,7 +16,7 @@ prefill and scoring compute the model the decode computes, on ``dequantized(weig
 One layer, under the ffi lock (host_decode's helpers for norms, RoPE, attention and the head):
     h = rmsnorm(x) * attn_norm; active(h, T_ATTN)            caller thread
     qkv = sum_active h_i Wqkv[:, i]                         team: input blocks split (stage QKV), caller adds
-    rope, cache write; attention                            as host_decode (ATTN: heads split)
+    rope, cache write (float16); attention                  as host_decode (ATTN: attention.py)
     active(att, T_O); x += sum_active att_i Wo[:, i]        team: input blocks split (O), caller adds
     h = rmsnorm(x) * ffn_norm; active(h, T_FFN)
     gate | up = sum_active h_i Wgu[:, i]                    team: input blocks split (GATE_UP)
@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import ffi, host_decode as hd, kernels, q4, q4_sparse, team
-from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F32, DT_S32, ERRC_INVALID_ARGUMENT,
-                  ERRC_OUT_OF_RANGE, NOJIT, RUNTIME_ADDR, buffer_numel, cstr, find_table_attr, load_i32, load_i64,
-                  lock, make_error, ptr_f32, ptr_f64, ptr_i32, ptr_u8, store_i64, typed_pointer, unlock)
+from . import attention, ffi, host_decode as hd, kernels, q4, q4_sparse, team
+from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F16, DT_F32, DT_S32,
+                  ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, RUNTIME_ADDR, buffer_numel, cstr,
+                  load_i32, load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i32, ptr_u8, ptr_u16, store_i64, unlock)
 from .host_decode import (H_EPS, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS, H_RUNTIME, H_TABLE, H_TASK, H_VOCAB,
-                          K_KCACHE, K_LAYER, K_POS, K_STAGE, K_VCACHE, ST_ATTN, ST_DOWN, ST_GATE_UP, ST_HEAD, ST_O,
-                          ST_QKV)
+                          K_LAYER, K_STAGE, ST_ATTN, ST_DOWN, ST_GATE_UP, ST_HEAD, ST_O, ST_QKV)
 from .kernels import act
 from .q4 import BLOCK
 from .qtensor import Int8Tensor
@@ -47,7 +46,6 @@ from pjinfer.config import THRESHOLD_INPUTS
 from numba import carray, cfunc, njit, types  # noqa: E402
 
 TARGET_NAME = "pjinfer_sparse_decode"
-ptr_u16 = typed_pointer("ptr_u16", types.uint16)
 MAGIC = 0x706A7370_0001  # "pjsp" + 1
 # float32 [layers, 4] thresholds; int32 active-index scratch [max(d, H hd, F)]; float32 partial outputs
 # [team size, widest output]; the widest output, max(d, (H + 2 KV) hd, 2 F). Slots below 21 are host_decode's.
@@ -124,13 +122,7 @@ def _stage_py(header, tid, n):
         nq = qkv.shape[0]
         _matvec(header, layer, L_QKV, d, h, count, _partials(header, n, nq)[tid], _acc(header, tid, nq), tid, n)
     elif stage == ST_ATTN:
-        pos = load_i64(task + 8 * K_POS)  # < the cache length <= max_len, checked by the handler
-        kc = carray(ptr_f32(load_i64(task + 8 * K_KCACHE)), (pos + 1, nkv, hd_))
-        vc = carray(ptr_f32(load_i64(task + 8 * K_VCACHE)), (pos + 1, nkv, hd_))
-        lo, hi = hd._share(nh, tid, n, 1)
-        for q_head in range(lo, hi):
-            hd._attend(qkv[q_head * hd_:(q_head + 1) * hd_], kc, vc, q_head // (nh // nkv), pos,
-                       scores[q_head], att[q_head * hd_:(q_head + 1) * hd_])
+        hd.attend_stage(header, tid, n)
     elif stage == ST_O:
         _matvec(header, layer, L_O, nh * hd_, att, count, _partials(header, n, d)[tid], _acc(header, tid, d), tid, n)
     elif stage == ST_GATE_UP:
@@ -157,7 +149,7 @@ def _stage_py(header, tid, n):
         hd._gemv(w, s, h, hd._f32(load_i64(task + 8 * hd.K_OUT), vocab), lo, hi)
 
 
-ffi.purge_stale_cache("sparse_decode", kernels, ffi, q4, q4_sparse, team, hd)
+ffi.purge_stale_cache("sparse_decode", attention, kernels, ffi, q4, q4_sparse, team, hd)
 
 _stage = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True, cache=True)(_stage_py)
 
@@ -179,9 +171,6 @@ def _layer(header, layer, pos, x, k_ptr, v_ptr):
     table = load_i64(header + 8 * H_TABLE) + 8 * L_WIDTH * layer
     task = load_i64(header + 8 * H_TASK)
     store_i64(task + 8 * K_LAYER, layer)
-    store_i64(task + 8 * K_POS, pos)
-    store_i64(task + 8 * K_KCACHE, k_ptr)
-    store_i64(task + 8 * K_VCACHE, v_ptr)
 
     hd._rmsnorm(x, hd._f32(load_i64(table + 8 * L_ATTN_NORM), d), eps, h)
     _sparse_run(header, ST_QKV, h, layer, T_ATTN)
@@ -189,13 +178,7 @@ def _layer(header, layer, pos, x, k_ptr, v_ptr):
     inv_freq = hd._f32(load_i64(header + 8 * H_INV_FREQ), hd_ // 2)
     hd._rope(qkv[:nh * hd_], nh, hd_, inv_freq, pos)
     hd._rope(qkv[nh * hd_:(nh + nkv) * hd_], nkv, hd_, inv_freq, pos)
-    kv = nkv * hd_
-    kc = hd._f32(k_ptr + 4 * pos * kv, kv)
-    vc = hd._f32(v_ptr + 4 * pos * kv, kv)
-    for j in range(kv):
-        kc[j] = qkv[nh * hd_ + j]
-        vc[j] = qkv[nh * hd_ + kv + j]
-    hd._run(header, ST_ATTN)
+    hd.attend(header, pos, k_ptr, v_ptr)
     _sparse_run(header, ST_O, att, layer, T_O)
     _sum_partials(header, x, True)
     hd._rmsnorm(x, hd._f32(load_i64(table + 8 * L_FFN_NORM), d), eps, h)
@@ -208,7 +191,7 @@ def _layer(header, layer, pos, x, k_ptr, v_ptr):
 @njit(**NOJIT)
 def _execute(frame, api):
     """host_decode's two call forms (layer and head) and checks, for a SparseHostDecoder header."""
-    header = find_table_attr(frame)
+    header = ffi.find_table(frame)
     if header == 0 or load_i64(header + 8 * H_MAGIC) != MAGIC:
         return make_error(api, ERRC_INVALID_ARGUMENT, cstr("pjinfer_sparse_decode: 'table' is not a SparseHostDecoder"))
     nargs = load_i64(frame + CF_NARGS)
@@ -234,12 +217,12 @@ def _execute(frame, api):
     b_k, b_v = load_i64(args + 24), load_i64(args + 32)
     r_x, r_k, r_v = load_i64(rets), load_i64(rets + 8), load_i64(rets + 16)
     if (load_i32(b_layer + BUF_DTYPE) != DT_S32 or load_i32(b_pos + BUF_DTYPE) != DT_S32
-            or load_i32(b_x + BUF_DTYPE) != DT_F32 or load_i32(b_k + BUF_DTYPE) != DT_F32
-            or load_i32(b_v + BUF_DTYPE) != DT_F32 or load_i32(r_x + BUF_DTYPE) != DT_F32
+            or load_i32(b_x + BUF_DTYPE) != DT_F32 or load_i32(b_k + BUF_DTYPE) != DT_F16
+            or load_i32(b_v + BUF_DTYPE) != DT_F16 or load_i32(r_x + BUF_DTYPE) != DT_F32
             or buffer_numel(b_layer, False) != 1 or buffer_numel(b_pos, False) != 1
             or buffer_numel(b_x, False) != d or buffer_numel(r_x, False) != d):
         return make_error(api, ERRC_INVALID_ARGUMENT, cstr(
-            "pjinfer_sparse_decode: layer form is (int32 [], int32 [], f32 [d], f32 cache, f32 cache)"))
+            "pjinfer_sparse_decode: layer form is (int32 [], int32 [], f32 [d], f16 cache, f16 cache)"))
     length = hd._cache_rows(b_k, nkv, hd_)
     if length < 1 or hd._cache_rows(b_v, nkv, hd_) != length or length > load_i64(header + 8 * H_MAXLEN):
         return make_error(api, ERRC_INVALID_ARGUMENT, cstr(
@@ -358,6 +341,7 @@ class SparseHostDecoder(hd.HostDecoder):
         header[H_MAGIC] = MAGIC
         hd._HEADERS.append(header)
         self.address = int(header.ctypes.data)
+        self.table = ffi.register_table(self.address)  # what the calls pass (an index, see ffi.TABLES)
         ffi.register(TARGET_NAME, _handler)
 
     def dequantized(self, weights: dict) -> dict:

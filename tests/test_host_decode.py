@@ -90,41 +90,6 @@ def test_team_runs_every_share_exactly_once():
         assert words[8:8 + size].tolist() == [size] * size
 
 
-def _attention_reference(q, k, v, pos, group):
-    """q [H, hd], k/v [S, KV, hd] -> [H, hd] over positions 0..pos."""
-    out = np.zeros_like(q)
-    for h in range(q.shape[0]):
-        scores = k[:pos + 1, h // group] @ q[h] / np.sqrt(q.shape[1])
-        p = np.exp(scores - scores.max())
-        out[h] = (p / p.sum()) @ v[:pos + 1, h // group]
-    return out
-
-
-@pytest.mark.parametrize("pos", [0, 1, 6, 15])
-def test_attend_matches_numpy(pos):
-    rng = np.random.default_rng(pos)
-    H, KV, hd_, S = 4, 2, 64, 16
-    q = rng.standard_normal((H, hd_)).astype(np.float32)
-    k = rng.standard_normal((S, KV, hd_)).astype(np.float32)
-    v = rng.standard_normal((S, KV, hd_)).astype(np.float32)
-    want = _attention_reference(q, k, v, pos, H // KV)
-    for h in range(H):
-        out = np.full(hd_, np.nan, np.float32)
-        hd._attend(q[h], k, v, h // (H // KV), pos, np.full(S, np.nan, np.float32), out)
-        np.testing.assert_allclose(out, want[h], rtol=1e-4, atol=1e-5)
-
-
-def test_exp_matches_numpy_down_to_the_clamp():
-    x = np.concatenate([-np.linspace(0, 100, 20001), [-1e-30, -88.5, -np.inf]]).astype(np.float32)
-    got = x.copy()
-    total = hd._exp_shifted(got, np.float32(0))
-    want = np.exp(x.astype(np.float64))
-    kept = x >= -87  # below, it returns exp(-87) = 1.6e-38: noise next to the maximum's 1
-    np.testing.assert_allclose(got[kept], want[kept], rtol=1e-6)
-    assert (got[~kept] <= 2e-38).all() and (got[~kept] >= 0).all()
-    np.testing.assert_allclose(total, want.sum(), rtol=1e-5)
-
-
 # ------------------------------------------------------------------------------------------------ whole model
 def _models(config, seed=0, fmt="int8"):
     """(host-decode model, XLA reference on the same dequantized weights, the HostDecoder)."""
@@ -164,9 +129,12 @@ def test_host_decode_equals_xla_on_the_same_values(activation, fmt):
     tokens = np.random.default_rng(1).integers(0, config.vocab_size, 9)
     got, got_cache = _decode(model, tokens, 16)
     want, want_cache = _decode(reference, tokens, 16)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-    for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    # The caches are float16: a value the two paths compute a hair apart can round to neighbouring steps.
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=5e-4 * np.abs(want).max())
+    for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):  # float16: a few steps apart
+        assert a.dtype == b.dtype == jnp.float16
+        b = np.asarray(b, np.float32)
+        np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=4e-3, atol=1e-3 * np.abs(b).max())
     # The quantization is real: the original weights give other logits.
     from pjinfer.runtime.model import Transformer
 
@@ -181,7 +149,8 @@ def test_last_cache_slot_and_positions_past_the_cache(fmt):
     tokens = np.arange(16) % config.vocab_size
     got, _ = _decode(model, tokens, 16)  # the last step writes slot 15 of 16
     want, _ = _decode(reference, tokens, 16)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    # The caches are float16: a value the two paths compute a hair apart can round to neighbouring steps.
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=5e-4 * np.abs(want).max())
     from pjinfer.runtime.model import KVCache
 
     cache = KVCache.create(config, 1, 16)
@@ -207,3 +176,18 @@ def test_unknown_formats_are_refused():
     config = tiny_config(d_model=64, n_heads=2, n_kv_heads=1, head_dim=32, d_ff=128)
     with pytest.raises(ValueError, match="one of int8, q4_1, gguf, got 'q4_0'"):
         hd.HostDecoder(config, random_weights(config), "q4_0")
+
+
+def test_calls_name_the_table_by_index_so_executables_can_be_cached_across_processes():
+    """The FFI attribute is the decoder's index in ffi.TABLES, not its address: an executable's HLO (JAX's
+    persistent-cache key) is then the same in the next process that builds the same decoders."""
+    from cpu_offload import ffi
+
+    config = tiny_config(d_model=64, n_heads=2, n_kv_heads=1, head_dim=32, d_ff=128)
+    a, b = (hd.HostDecoder(config, random_weights(config, seed), "q4_1") for seed in (0, 1))
+    assert b.table == a.table + 1 and ffi.TABLES[a.table] == a.address and ffi.TABLES[b.table] == b.address
+    texts = [jax.jit(h.head).lower(jnp.ones(64, jnp.float32)).as_text() for h in (a, b)]
+    assert str(a.address) not in texts[0] and str(b.address) not in texts[1]
+    assert texts[0].replace(f"table = {a.table} ", f"table = {b.table} ") == texts[1]
+    np.testing.assert_allclose(np.asarray(a.head(jnp.ones(64, jnp.float32))),
+                               a._head.float32() @ np.ones(64, np.float32), rtol=1e-4, atol=1e-4)

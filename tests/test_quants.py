@@ -128,6 +128,7 @@ def test_decode_step_in_the_files_own_blocks_equals_float32_on_gguf_values(tmp_p
     from cpu_offload.host_decode import HostDecoder, quantize_weights
     from cpu_offload.qtensor import Q4Tensor, QBlocks
     from pjinfer.load import loader
+    from pjinfer.runtime.host import attach
     from pjinfer.runtime.model import Transformer
     from tests.test_host_decode import _decode
 
@@ -153,7 +154,7 @@ def test_decode_step_in_the_files_own_blocks_equals_float32_on_gguf_values(tmp_p
     assert isinstance(stored["lm_head"], QBlocks)            # the head in its own type, not int8
     host = HostDecoder(config, stored, "gguf")
     model = Transformer(config, stored)
-    model.host = host
+    attach(model, host)
     tokens = np.random.default_rng(2).integers(0, config.vocab_size, 7)
     got, got_cache = _decode(model, tokens, 8)
     want, want_cache = _decode(Transformer(config, values), tokens, 8)

@@ -114,14 +114,15 @@ def engine_bytes_per_token(engine: Engine, cache_len: int, mean_position: int) -
     its stored weights and scales, and the cache up to the run's mean position."""
     from flax import nnx
 
+    from pjinfer.runtime.model import KVCache
     from pjinfer.runtime.sparse import SparseFFN, skipped_share
 
     config = engine.config
     model = nnx.merge(engine.graphdef, engine.state)
     if engine.host is not None:
-        return float(engine.host.nbytes + config.kv_cache_bytes(mean_position, 4))
+        return float(engine.host.nbytes + KVCache.nbytes(config, mean_position))
     total = state_bytes(engine)
-    kv = config.kv_cache_bytes(cache_len, 4)
+    kv = KVCache.nbytes(config, cache_len)
     if not isinstance(model.layers[0].ffn, SparseFFN):
         return float(total + kv)
     ffn_rows = sum(np.asarray(p).nbytes for layer in model.layers

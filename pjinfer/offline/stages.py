@@ -16,6 +16,7 @@ from pjinfer.offline import profile as prof
 from pjinfer.offline import teal
 from pjinfer.offline.bundle import THRESHOLDS, Bundle, model_record
 from pjinfer.runtime.engine import Engine
+from pjinfer.runtime.model import KVCache
 
 
 def table(header: list[str], rows: list[list], out=print) -> None:
@@ -79,7 +80,7 @@ def dense_bytes(engine: Engine, *, predictor_bytes: int, kv_tokens: int) -> dict
     c = engine.config
     total = 4 * c.n_params
     neurons = c.n_layers * c.d_ff * neuron_bytes(engine)
-    kv = c.kv_cache_bytes(kv_tokens, 4)
+    kv = KVCache.nbytes(c, kv_tokens)
     return {"weights": total - neurons, "predictors": predictor_bytes, "kv_cache": kv,
             "total": total - neurons + predictor_bytes + kv}
 

@@ -29,7 +29,6 @@ from flax import nnx
 
 from pjinfer.config import THRESHOLD_INPUTS, ConfigError
 from pjinfer.runtime import model as model_lib
-from pjinfer.runtime.model import KVCache
 
 LEVELS = np.round(np.arange(0.0, 0.91, 0.05), 2)     # sparsity levels a threshold can be fitted at
 TRIAL_LEVELS = (0.3, 0.5, 0.7)                       # levels whose held-back cost is measured per layer and group
@@ -52,14 +51,12 @@ def weight_shares(config) -> np.ndarray:
 def _quantiles(graphdef, state, tokens, levels):
     """Per layer and tensor, the quantiles of |input| at `levels`, from a dense pass: [L, 4, len(levels)]."""
     model = nnx.merge(graphdef, state)
-    B, T = tokens.shape
     x = model.embed[...][tokens]
     q = lambda v: jnp.quantile(jnp.abs(v).reshape(-1), levels)
     out = []
     for block in model.layers:
-        cache = KVCache.create(model.config, B, T)
         h = block.attn_norm(x)
-        heads, _, _ = block.attn.heads(h, 0, cache.k[0], cache.v[0])
+        heads, _, _ = block.attn.heads(h, 0, None, None)  # scoring's path: no cache, float32 attention
         x = x + jnp.einsum("bti,oi->bto", heads, block.attn.wo[...])
         f = block.ffn_norm(x)
         act = block.ffn.neurons(f)

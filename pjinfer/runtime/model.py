@@ -208,15 +208,23 @@ def set_thresholds(model, thresholds) -> None:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Static-size keys and values, one [batch, length, kv_heads, head_dim] array per layer."""
+    """Static-size keys and values, one [batch, length, kv_heads, head_dim] array per layer, stored as float16
+    (DTYPE: half the bytes a decode step reads; attention computes in float32 from the stored values)."""
     k: list
     v: list
+
+    DTYPE = jnp.float16
 
     @classmethod
     def create(cls, config: ModelConfig, batch: int, length: int) -> "KVCache":
         shape = (batch, length, config.n_kv_heads, config.head_dim)
-        zeros = lambda: [jnp.zeros(shape, jnp.float32) for _ in range(config.n_layers)]
+        zeros = lambda: [jnp.zeros(shape, cls.DTYPE) for _ in range(config.n_layers)]
         return cls(k=zeros(), v=zeros())
+
+    @classmethod
+    def nbytes(cls, config: ModelConfig, tokens: int) -> int:
+        """Bytes of a cache holding `tokens` positions of one sequence."""
+        return config.kv_cache_bytes(tokens, np.dtype(cls.DTYPE).itemsize)
 
     @property
     def length(self) -> int:
@@ -267,7 +275,10 @@ class Attention(nnx.Module):
             k_cache, v_cache
 
     def heads(self, x, start, k_cache, v_cache):
-        """The attention heads' output [B, T, H*hd] (o's input) and the updated cache arrays."""
+        """The attention heads' output [B, T, H*hd] (o's input) and the updated cache arrays. The tokens attend
+        to the cache as stored (k and v rounded to float16), the way a later decode step sees them. With no cache
+        (k_cache, v_cache None; start 0) they attend to their own float32 k and v: whole-sequence scoring, whose
+        figures (perplexity) the float16 cache leaves as they were."""
         c = self.config
         B, T, _ = x.shape
         x = sparsify_input(x, self.t_in)
@@ -277,17 +288,21 @@ class Attention(nnx.Module):
         positions = start + jnp.arange(T)
         if c.uses_rope:
             q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k, (0, start, 0, 0))
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v, (0, start, 0, 0))
+        if k_cache is None:
+            keys, values = k, v
+        else:
+            k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, start, 0, 0))
+            v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, start, 0, 0))
+            keys, values = k_cache.astype(jnp.float32), v_cache.astype(jnp.float32)
 
         # Grouped-query attention over the whole static cache; the causal mask hides unwritten slots.
         group = c.n_heads // c.n_kv_heads
         q = q.reshape(B, T, c.n_kv_heads, group, c.head_dim) * (c.head_dim ** -0.5)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache)
-        visible = jnp.arange(k_cache.shape[1])[None, :] <= positions[:, None]      # [T, S]
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, keys)
+        visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]      # [T, S]
         scores = jnp.where(visible, scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1)
-        return jnp.einsum("bkgts,bskd->btkgd", probs, v_cache).reshape(B, T, c.n_heads * c.head_dim), k_cache, v_cache
+        return jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(B, T, c.n_heads * c.head_dim), k_cache, v_cache
 
 
 class FFN(nnx.Module):
@@ -366,21 +381,23 @@ class Transformer(nnx.Module):
         if self.embed.shape != expected:
             raise ConfigError(f"embedding shape {self.embed.shape} does not match the config's {expected}")
 
-    def __call__(self, tokens, start, cache: KVCache, *, capture: bool = False):
+    def __call__(self, tokens, start, cache: KVCache | None, *, capture: bool = False):
         """tokens [B, T] at positions start..start+T-1 -> final hidden states [B, T, d], updated cache.
+        cache None: a whole sequence from position 0 that keeps nothing (returns None for the cache).
 
         With capture=True also returns every layer's FFN input [B, T, d] (for the profiler)."""
         x = embedding_rows(self.embed, tokens)
         if self.pos_embed is not None:
             x = x + jax.lax.dynamic_slice_in_dim(self.pos_embed[...], start, tokens.shape[1])[None]
         ks, vs, ffn_inputs = [], [], []
-        for layer, k, v in zip(self.layers, cache.k, cache.v):
+        none = [None] * len(self.layers)
+        for layer, k, v in zip(self.layers, none if cache is None else cache.k, none if cache is None else cache.v):
             with _dequantized_after(x):
                 x, ffn_in, k, v = layer(x, start, k, v)
             ks.append(k)
             vs.append(v)
             ffn_inputs.append(ffn_in)
-        out = self.final_norm(x), KVCache(k=ks, v=vs)
+        out = self.final_norm(x), None if cache is None else KVCache(k=ks, v=vs)
         return (*out, ffn_inputs) if capture else out
 
     def decode(self, token, pos, cache: KVCache):
@@ -397,9 +414,9 @@ class Transformer(nnx.Module):
         return self.head.decode(self.final_norm(x)[0, 0]), KVCache(k=ks, v=vs)
 
     def forward_sequence(self, tokens, *, capture: bool = False):
-        """A whole sequence [B, T] from position 0, nothing cached for later: the final hidden states
-        [B, T, d], and with capture=True also every layer's FFN input (scoring and profiling)."""
-        hidden, _, *ffn_inputs = self(tokens, 0, KVCache.create(self.config, *tokens.shape), capture=capture)
+        """A whole sequence [B, T] from position 0, no cache allocated: the final hidden states [B, T, d], and
+        with capture=True also every layer's FFN input (scoring and profiling)."""
+        hidden, _, *ffn_inputs = self(tokens, 0, None, capture=capture)
         return (hidden, ffn_inputs[0]) if capture else hidden
 
     def logits(self, hidden):
