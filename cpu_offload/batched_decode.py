@@ -6,7 +6,7 @@ Usage::
     host = HostDecoder(config, stored, "q4_1")           # the single-token decoder (host_decode.py)
     batch = BatchDecoder(host, max_batch=8)             # reads host's weights, team and lock; its own scratch
     x, k, v = batch.layer(l, x, pos, k, v)              # inside jit: x [B, ..., d], pos int32 [B] (-1: empty slot),
-                                                        # caches [B, S, KV, hd] aliased to the results
+                                                        # caches f16 [B, S, KV, hd] aliased to the results
     logits = batch.head(hidden, pos)                    # hidden [B, d] -> [B, vocab] (zeros for empty slots)
 
 B is the fixed slot count (max_batch): a request joins by taking a free slot and leaves by freeing it, so one
@@ -29,14 +29,14 @@ import ctypes
 import numpy as np
 from numba import carray, cfunc, njit, types
 
-from . import ffi, host_decode, kernels, q4, q4_gemm, team
-from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F32, DT_S32, ERRC_INVALID_ARGUMENT,
-                  ERRC_OUT_OF_RANGE, NOJIT, buffer_numel, cstr, find_table_attr, load_i32, load_i64, lock,
-                  make_error, ptr_f32, ptr_f64, ptr_i32, ptr_u8, store_i64, unlock)
+from . import attention, ffi, host_decode, kernels, q4, q4_gemm, team
+from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F16, DT_F32, DT_S32,
+                  ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, buffer_numel, cstr, find_table_attr, load_i32,
+                  load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i32, ptr_u8, ptr_u16, store_i64, unlock)
 from .host_decode import (F_Q4_1, H_EPS, H_FORMAT, H_HEAD, H_HEAD_SCALES, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS,
                           H_RUNTIME, H_STAGE, H_TABLE, H_TASK, H_TEAM, H_VOCAB, H_WIDTH, L_ATTN_NORM, L_DOWN,
                           L_FFN_NORM, L_GATE, L_K, L_O, L_Q, L_UP, L_V, L_WIDTH, ST_ATTN, ST_DOWN, ST_GATE_UP,
-                          ST_HEAD, ST_O, ST_QKV, _attend, _cache_rows, _dims, _f32, _matrix, _rmsnorm, _rope, _share)
+                          ST_HEAD, ST_O, ST_QKV, _cache_rows, _dims, _f32, _matrix, _rmsnorm, _rope, _share)
 from .kernels import act
 
 
@@ -110,19 +110,23 @@ def _stage_py(header, tid, n):
             if a < b:
                 _matmul(header, layer, slot, r1 - r0, h, xp, qkv[:, r0:r1], nt, a - r0, b - r0)
     elif stage == ST_ATTN:
+        # A token's attention is the single decoder's: every share of its team (attention.share) in turn, then
+        # their merge, so the float operations are the same whatever the batch; the team splits the tokens.
         s_len = load_i64(task + 8 * K_S)
         slots, poss = _i64s(header, B_SLOTS), _i64s(header, B_POS)
         scores = carray(ptr_f32(load_i64(header + 8 * B_SCORES)),
                         (load_i64(header + 8 * B_MB) * nh, load_i64(header + 8 * H_MAXLEN)))
-        lo, hi = _share(nt * nh, tid, n, 1)
-        for p in range(lo, hi):
-            i, q_head = p // nh, p % nh
+        shares = load_i64(load_i64(header + 8 * H_TEAM) + 8 * team.C_SIZE)
+        lo, hi = _share(nt, tid, n, 1)
+        for i in range(lo, hi):
             pos = poss[i]
-            base = 4 * slots[i] * s_len * nkv * hd
-            kc = carray(ptr_f32(load_i64(task + 8 * K_KCACHE) + base), (pos + 1, nkv, hd))
-            vc = carray(ptr_f32(load_i64(task + 8 * K_VCACHE) + base), (pos + 1, nkv, hd))
-            _attend(qkv[i, q_head * hd:(q_head + 1) * hd], kc, vc, q_head // (nh // nkv), pos, scores[p],
-                    att[i, q_head * hd:(q_head + 1) * hd])
+            base = 2 * slots[i] * s_len * nkv * hd
+            kc = carray(ptr_u16(load_i64(task + 8 * K_KCACHE) + base), (pos + 1, nkv, hd))
+            vc = carray(ptr_u16(load_i64(task + 8 * K_VCACHE) + base), (pos + 1, nkv, hd))
+            q, out, sc = qkv[i, :nh * hd].reshape((nh, hd)), att[i].reshape((nh, hd)), scores[i * nh:(i + 1) * nh]
+            for share in range(shares):
+                attention.attend_share(q, kc, vc, pos, share, shares, sc, out)
+            attention.merge(pos, shares, sc, out)
     elif stage == ST_O:
         lo, hi = _share(d, tid, n, 4)
         _matmul(header, layer, L_O, d, att, xp, o, nt, lo, hi)
@@ -146,7 +150,7 @@ def _stage_py(header, tid, n):
         q4_gemm.gemm_int8(w, s, h, out, _i64s(header, B_SLOTS), nt, lo, hi)
 
 
-ffi.purge_stale_cache("batched_decode", kernels, ffi, q4, q4_gemm, host_decode, team)
+ffi.purge_stale_cache("batched_decode", attention, kernels, ffi, q4, q4_gemm, host_decode, team)
 
 _stage = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True, cache=True)(_stage_py)
 
@@ -184,12 +188,9 @@ def _layer(header, layer, nt, k_ptr, v_ptr, s_len):
         pos = poss[t]
         _rope(qkv[t, :nh * hd], nh, hd, inv_freq, pos)
         _rope(qkv[t, nh * hd:(nh + nkv) * hd], nkv, hd, inv_freq, pos)
-        row = 4 * (slots[t] * s_len + pos) * kv
-        kc = _f32(k_ptr + row, kv)
-        vc = _f32(v_ptr + row, kv)
-        for j in range(kv):
-            kc[j] = qkv[t, nh * hd + j]
-            vc[j] = qkv[t, nh * hd + kv + j]
+        row = 2 * (slots[t] * s_len + pos) * kv
+        attention.store(qkv[t, nh * hd:nh * hd + kv], qkv[t, nh * hd + kv:nh * hd + 2 * kv],
+                        carray(ptr_u16(k_ptr + row), (nkv, hd)), carray(ptr_u16(v_ptr + row), (nkv, hd)))
     _run(header, ST_ATTN)
     for t in range(nt):
         _prepare(header, att[t], xp[t])
@@ -212,7 +213,7 @@ def _layer(header, layer, nt, k_ptr, v_ptr, s_len):
 
 # ---------------------------------------------------------------------------------------------------------------
 # The handler. Two call forms, told apart by their operand count:
-# - layer: (layer i32 [], pos i32 [MB], x f32 [MB * d elements], k f32 [MB, S, KV, hd], v like k)
+# - layer: (layer i32 [], pos i32 [MB], x f32 [MB * d elements], k f16 [MB, S, KV, hd], v like k)
 #          -> (x f32 like the operand, k, v), k and v aliased to operands 3 and 4;
 # - head:  (hidden f32 [MB * d elements], pos i32 [MB]) -> logits f32 [MB * vocab elements].
 # A slot with pos < 0 is empty: its x is passed through, its logits are zeros.
@@ -278,12 +279,12 @@ def _execute(frame, api):
     b_k, b_v = load_i64(args + 24), load_i64(args + 32)
     r_x, r_k, r_v = load_i64(rets), load_i64(rets + 8), load_i64(rets + 16)
     if (load_i32(b_layer + BUF_DTYPE) != DT_S32 or load_i32(b_pos + BUF_DTYPE) != DT_S32
-            or load_i32(b_x + BUF_DTYPE) != DT_F32 or load_i32(b_k + BUF_DTYPE) != DT_F32
-            or load_i32(b_v + BUF_DTYPE) != DT_F32 or load_i32(r_x + BUF_DTYPE) != DT_F32
+            or load_i32(b_x + BUF_DTYPE) != DT_F32 or load_i32(b_k + BUF_DTYPE) != DT_F16
+            or load_i32(b_v + BUF_DTYPE) != DT_F16 or load_i32(r_x + BUF_DTYPE) != DT_F32
             or buffer_numel(b_layer, False) != 1 or buffer_numel(b_pos, False) != mb
             or buffer_numel(b_x, False) != mb * d or buffer_numel(r_x, False) != mb * d):
         return make_error(api, ERRC_INVALID_ARGUMENT, cstr(
-            "pjinfer_host_decode_batch: layer form is (int32 [], int32 [B], f32 [B, d], f32 cache, f32 cache)"))
+            "pjinfer_host_decode_batch: layer form is (int32 [], int32 [B], f32 [B, d], f16 cache, f16 cache)"))
     rows = _cache_rows(b_k, nkv, hd)
     s_len = rows // mb
     if (rows < mb or rows % mb or _cache_rows(b_v, nkv, hd) != rows or s_len > load_i64(header + 8 * H_MAXLEN)):
@@ -372,8 +373,8 @@ class BatchDecoder:
         if x.size != self.max_batch * c.d_model or pos.shape != (self.max_batch,):
             raise ValueError(f"x must be [{self.max_batch}, {c.d_model}] and pos [{self.max_batch}], got "
                              f"{x.shape} and {pos.shape}")
-        result = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, jnp.float32),
-                  jax.ShapeDtypeStruct(v_cache.shape, jnp.float32))
+        result = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                  jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
         call = jax.ffi.ffi_call(TARGET_NAME, result, input_output_aliases={3: 1, 4: 2})
         return call(jnp.int32(layer), pos.astype(jnp.int32), x.astype(jnp.float32), k_cache, v_cache,
                     table=np.int64(self.address))

@@ -74,7 +74,7 @@ def _single_steps(host, config, tokens_per_slot, cache_len):
     emb = np.asarray(host.dequantized(random_weights(config))["embed"])   # only for x; the same for both paths
     out = []
     for tokens in tokens_per_slot:
-        k = [jnp.zeros((1, cache_len, config.n_kv_heads, config.head_dim), jnp.float32)] * config.n_layers
+        k = [jnp.zeros((1, cache_len, config.n_kv_heads, config.head_dim), jnp.float16)] * config.n_layers
         v = list(k)
         logits = []
         for pos, token in enumerate(tokens):
@@ -99,8 +99,8 @@ def test_batch_step_equals_single_steps_bit_for_bit_with_empty_slots(fmt):
     layer = jax.jit(batch.layer, static_argnums=0, donate_argnums=(3, 4))
     head = jax.jit(batch.head)
     shape = (4, cache_len, config.n_kv_heads, config.head_dim)
-    k = [jnp.full(shape, jnp.nan, jnp.float32) for _ in range(config.n_layers)]
-    v = [jnp.full(shape, jnp.nan, jnp.float32) for _ in range(config.n_layers)]
+    k = [jnp.full(shape, jnp.nan, jnp.float16) for _ in range(config.n_layers)]
+    v = [jnp.full(shape, jnp.nan, jnp.float16) for _ in range(config.n_layers)]
     for n in range(steps):
         pos = np.full(4, -1, np.int32)
         x = np.full((4, 1, config.d_model), 7.0, np.float32)   # an empty slot's x must come back unchanged
@@ -125,7 +125,7 @@ def test_batch_step_equals_single_steps_bit_for_bit_with_empty_slots(fmt):
 def test_batch_refuses_positions_past_the_cache_and_bad_shapes():
     config = tiny_config(d_model=64, n_heads=2, n_kv_heads=1, head_dim=32, d_ff=128)
     batch = bd.BatchDecoder(hd.HostDecoder(config, random_weights(config), "q4_1"), 2)
-    k = jnp.zeros((2, 16, 1, 32), jnp.float32)
+    k = jnp.zeros((2, 16, 1, 32), jnp.float16)
     x = jnp.ones((2, 64), jnp.float32)
     with pytest.raises(Exception, match="position outside the cache"):
         jax.block_until_ready(jax.jit(lambda x, p, k, v: batch.layer(0, x, p, k, v))(x, jnp.array([3, 16]), k, k))
