@@ -86,9 +86,9 @@ def test_truncated_unknown_and_garbage_models(capsys, tmp_path):
     (tmp_path / "cut.gguf").write_bytes(data[:len(data) - 1000])
     assert_clean_error(run_cli(capsys, "generate", "--prompt", "x", "--model", str(tmp_path / "cut.gguf")),
                        "truncated")
-    write_tiny_gguf(tmp_path / "o.gguf", config, random_weights(config), arch="qwen2")
+    write_tiny_gguf(tmp_path / "o.gguf", config, random_weights(config), arch="falcon")
     assert_clean_error(run_cli(capsys, "generate", "--prompt", "x", "--model", str(tmp_path / "o.gguf")),
-                       "unsupported GGUF architecture 'qwen2'")
+                       "unsupported GGUF architecture 'falcon'")
     # Not a GGUF at all: whatever the reader raises (a ValueError or OSError) is one line, not a traceback.
     (tmp_path / "junk.gguf").write_bytes(np.random.default_rng(0).bytes(4096))
     code, out, err = run_cli(capsys, "generate", "--prompt", "x", "--model", str(tmp_path / "junk.gguf"))

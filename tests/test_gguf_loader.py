@@ -97,6 +97,9 @@ def quantize_blocks(value, kind):
         from tests import kquants
 
         return kquants.quantize(value, kind.name)
+    if kind.name == "Q2_K":  # a type without a host kernel (and without a gguf quantizer): zero blocks
+        block, nbytes = gguf.GGML_QUANT_SIZES[kind]
+        return np.zeros((value.shape[0], value.shape[1] // block * nbytes), np.uint8)
     return gguf.quants.quantize(value, kind)
 
 
@@ -150,7 +153,7 @@ def test_truncated_and_foreign_files_are_refused(tmp_path, tiny):
         loader.load(tmp_path / "absent.gguf")
 
 
-def test_auto_weights_are_the_files_own_blocks_or_float32(tmp_path):
+def test_auto_weights_are_the_files_own_blocks_or_float32(tmp_path, capsys):
     """--weights auto (pjinfer.runtime.engine.resolve_weights) runs q4_1 for a GGUF whose layers are all Q4_1, gguf for
     other block types with host kernels, float32 otherwise."""
     from pjinfer.runtime.engine import resolve_weights
@@ -165,6 +168,13 @@ def test_auto_weights_are_the_files_own_blocks_or_float32(tmp_path):
     assert resolve_weights("auto", None) == "q4_1"                         # the embedded model
     assert resolve_weights("auto", tmp_path) == "float32"                  # a directory (HF layout)
     assert resolve_weights("int8", q4) == "int8"
+    # A block type without a host kernel: float32, said in one line naming the type.
+    q2 = tmp_path / "q2.gguf"
+    wide = tiny_config(d_model=256, n_heads=4, head_dim=64, d_ff=256)
+    write_tiny_gguf(q2, wide, random_weights(wide), layer_type=gguf.GGMLQuantizationType.Q2_K)
+    capsys.readouterr()
+    assert loader.stored_format(q2) is None and resolve_weights("auto", q2) == "float32"
+    assert capsys.readouterr().err.strip() == "pjinfer: running float32 weights: no host kernel reads type Q2_K"
     (tmp_path / "junk.gguf").write_bytes(b"not a model")
     assert resolve_weights("auto", tmp_path / "junk.gguf") == "float32"    # the loader refuses it in one line
     # With a bundle: q4_1 runs calibrated thresholds; a predictor bundle runs float32.

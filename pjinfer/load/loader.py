@@ -278,17 +278,18 @@ def _ids(x) -> tuple[int, ...]:
     return () if x is None else tuple(x) if isinstance(x, list) else (int(x),)
 
 
-def _hf_names(config: ModelConfig, tensors: dict) -> dict:
-    """Rename HF tensors to canonical ones (see pjinfer/runtime/model.py)."""
+def _hf_names(config: ModelConfig, tensors: dict, qkv_bias: bool = False) -> dict:
+    """Rename HF tensors to canonical ones (see pjinfer/runtime/model.py); qkv_bias: q/k/v biases are part of the
+    architecture (Qwen2), required; elsewhere in the Llama family a bias is an unexpected tensor."""
     out = {}
     if config.arch == "llama":
         top = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm.scale", "lm_head.weight": "lm_head"}
         layer = {"input_layernorm.weight": "attn_norm.scale", "post_attention_layernorm.weight": "ffn_norm.scale",
                  "self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk", "self_attn.v_proj.weight": "wv",
                  "self_attn.o_proj.weight": "wo", "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up",
-                 "mlp.down_proj.weight": "w_down_t",
-                 # Qwen2's (a Llama checkpoint with them is refused by _hf_config before this)
-                 "self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv"}
+                 "mlp.down_proj.weight": "w_down_t"}
+        if qkv_bias:
+            layer |= {"self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv"}
         layer_prefix = "model.layers."
     else:
         top = {"model.decoder.embed_tokens.weight": "embed", "model.decoder.embed_positions.weight": "pos_embed",
@@ -320,7 +321,7 @@ def _hf_names(config: ModelConfig, tensors: dict) -> dict:
         _, i, rest = canonical.split(".", 2)
         return f"{layer_prefix}{i}.{inv_layer[rest]}"
 
-    _check_hf_shapes(config, out, hf_name)
+    _check_hf_shapes(config, out, hf_name, qkv_bias)
     for i in range(config.n_layers):
         key = f"layers.{i}.w_down_t"
         if key in out:
@@ -332,7 +333,7 @@ def _hf_names(config: ModelConfig, tensors: dict) -> dict:
     return out
 
 
-def _check_hf_shapes(config: ModelConfig, out: dict, hf_name):
+def _check_hf_shapes(config: ModelConfig, out: dict, hf_name, qkv_bias: bool = False):
     """Every weight the model needs is present with the shape config.json implies (HF layout, checked
     before the transpose and the OPT position offset); hf_name maps canonical names back for messages."""
     d, f, v = config.d_model, config.d_ff, config.vocab_size
@@ -347,7 +348,8 @@ def _check_hf_shapes(config: ModelConfig, out: dict, hf_name):
         biases = {"bq": (q,), "bk": (kv,), "bv": (kv,), "bo": (d,), "b_up": (f,), "b_down": (d,)}
     else:
         layer["w_gate"] = (f, d)
-        biases = {"bq": (q,), "bk": (kv,), "bv": (kv,)}  # Qwen2
+        if qkv_bias:  # Qwen2's, required
+            layer |= {"bq": (q,), "bk": (kv,), "bv": (kv,)}
     maybe = {}
     for i in range(config.n_layers):
         need |= {f"layers.{i}.{k}": shape for k, shape in layer.items()}
@@ -384,6 +386,6 @@ def load_hf(path: Path, *, progress=None):
         tensors.update({k: np.asarray(v, dtype=np.float32) for k, v in loaded.items()})
         if progress:
             progress(n + 1, len(files))
-    weights = _hf_names(config, tensors)
+    weights = _hf_names(config, tensors, qkv_bias=raw.get("model_type") == "qwen2")
     tokenizer = Tokenizer.from_hf_dir(path, eos_ids=config.eos_ids)
     return config, weights, tokenizer
