@@ -11,8 +11,9 @@ Protocol (all words int64 in one control block that is never freed):
   ``fn(arg, 0, n)`` itself, then waits until every worker has stored the new generation in its done word.
 - worker ``w`` (1..n-1, a daemon Python thread inside a nogil Numba loop): waits for a new generation, takes the
   caller's floating-point environment (MXCSR: denormal flushing), runs ``fn(arg, w, n)``, stores the generation
-  in its done word. It spins with ``pause`` for a while, then yields the core with ``sched_yield``, and after ~20 ms without work sleeps 200 us between looks, so an idle team
-  costs almost nothing while back-to-back decode steps find it awake.
+  in its done word. It spins with ``pause`` for a while, then yields the core with ``sched_yield``, and after
+  ~20 ms without work sleeps 200 us between looks, so an idle team costs almost nothing while back-to-back
+  decode steps find it awake.
 - Tasks split their work by ``tid`` and ``n`` and write disjoint outputs; ``run`` returns once all are done.
 
 The team size is fixed when the team starts (``PJINFER_HOST_THREADS``, default: the CPUs this process may use).
