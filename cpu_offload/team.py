@@ -83,7 +83,7 @@ def set_fpenv(typingctx, value):
 
 # The floating-point environment the decode handlers compute in (``enter``): exceptions masked, round to nearest,
 # denormals flushed (FTZ) and read as zero (DAZ), as XLA's CPU runtime computes. Without a fixed one, a result
-# depended on which thread computed it: XLA's thread and the team's workers do not share one.
+# could depend on which thread computed it: XLA's thread and the team's workers need not share one.
 FPENV = 0x9FC0
 
 
