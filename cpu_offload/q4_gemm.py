@@ -4,8 +4,8 @@
 for t < nt and r in [lo, hi), xp[t] = ``q4.prepare`` of token t's input. Each row's blocks are loaded from memory
 once and their bytes converted to floats once (c and q_hi of ``q4``'s identity) for up to GROUP tokens; every
 token then takes exactly the float operations ``q4.gemv`` takes for it alone (both are ``q4.emit_rows_dot``), so a
-token's result is the single-token GEMV's bit for bit (tests/test_batched_decode.py checks it on random rows). A batch wider than
-GROUP re-reads the row from L1 for the next group.
+token's result is the single-token GEMV's bit for bit (tests/test_batched_decode.py checks it on random rows). A
+batch wider than GROUP re-reads the row from L1 for the next group.
 
 ``gemm_int8(w, s, x, y, y_rows, nt, lo, hi)`` is the int8 form (the output head, and layers with ``--weights int8``): it
 walks the rows in tiles of TILE rows and runs ``host_decode._gemv`` over the tile for each token in turn, so the

@@ -10,9 +10,10 @@ Protocol (all words int64 in one control block that is never freed):
   ``void(int64 arg, int64 tid, int64 n)``, and ``arg``), bumps the generation word with release order, runs
   ``fn(arg, 0, n)`` itself, then waits until every worker has stored the new generation in its done word.
 - worker ``w`` (1..n-1, a daemon Python thread inside a nogil Numba loop): waits for a new generation, takes the
-  caller's floating-point environment (MXCSR: denormal flushing), runs ``fn(arg, w, n)``, stores the generation in its done word. It spins with ``pause`` for a while, then yields
-  the core with ``sched_yield``, and after ~20 ms without work sleeps 200 us between looks, so an idle team
-  costs almost nothing while back-to-back decode steps find it awake.
+  caller's floating-point environment (MXCSR: denormal flushing), runs ``fn(arg, w, n)``, stores the generation
+  in its done word. It spins with ``pause`` for a while, then yields the core with ``sched_yield``, and after
+  ~20 ms without work sleeps 200 us between looks, so an idle team costs almost nothing while back-to-back
+  decode steps find it awake.
 - Tasks split their work by ``tid`` and ``n`` and write disjoint outputs; ``run`` returns once all are done.
 
 The team size is fixed when the team starts (``PJINFER_HOST_THREADS``, default: the CPUs this process may use).
@@ -82,7 +83,7 @@ def set_fpenv(typingctx, value):
 
 # The floating-point environment the decode handlers compute in (``enter``): exceptions masked, round to nearest,
 # denormals flushed (FTZ) and read as zero (DAZ), as XLA's CPU runtime computes. Without a fixed one, a result
-# depended on which thread computed it: XLA's thread and the team's workers do not share one.
+# could depend on which thread computed it: XLA's thread and the team's workers need not share one.
 FPENV = 0x9FC0
 
 

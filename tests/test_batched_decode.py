@@ -114,7 +114,7 @@ def test_batch_step_equals_single_steps_bit_for_bit_with_empty_slots(fmt):
         np.testing.assert_array_equal(np.asarray(x)[1], 7.0)
         np.testing.assert_array_equal(logits[1], 0.0)
         for i, slot in enumerate(live):
-            np.testing.assert_array_equal(_bits(logits[slot]), _bits(single[i][0][n]), err_msg=f"seed {seed}")
+            np.testing.assert_array_equal(_bits(logits[slot]), _bits(single[i][0][n]), err_msg=f"seed {seed} step {n} slot {slot}")
     for i, slot in enumerate(live):
         for l in range(config.n_layers):
             np.testing.assert_array_equal(_bits(np.asarray(k[l])[slot, :steps]), _bits(single[i][1][l][:steps]))
