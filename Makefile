@@ -81,7 +81,7 @@ perplexity: setup
 
 # The default model's sparse bundle, end to end: input-sparsity thresholds for --weights q4_1 (pjinfer.offline.teal),
 # then profile, predictors, placement for the predictor path (about 15 min on 2 cores).
-# DEVICE_MEMORY holds the dense part, the predictors, a 2048-token KV cache and about a third of the FFN.
+# DEVICE_MEMORY holds the dense part, the predictors, a 2048-token float16 KV cache, and FFN neurons in the rest.
 BUNDLE ?= out/bundle
 # TARGET: the input-sparsity target, the one nearest the 5% perplexity gate (README)
 TARGET ?= 0.2

@@ -84,7 +84,7 @@ def q4_engine():
 class SmallBundle:
     """A sparse bundle of the real model built once per session with small settings (seconds, not `make
     bundle`'s minutes): profile 2048 calibration tokens at target sparsity 0.5 keeping 1024 for training;
-    predictors at recall 0.9, rank <= 32, 2 epochs; placement in 400 MiB (about a third of the FFN hot).
+    predictors at recall 0.9, rank <= 32, 2 epochs; placement in 400 MiB (40-46% of the FFN hot).
     `lines` holds each stage's printed table."""
     PROFILE = dict(tokens=2048, sparsity=0.5, train_tokens=1024)
     TRAIN = dict(recall=0.9, max_rank=32, epochs=2)

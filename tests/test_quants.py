@@ -158,9 +158,12 @@ def test_decode_step_in_the_files_own_blocks_equals_float32_on_gguf_values(tmp_p
     tokens = np.random.default_rng(2).integers(0, config.vocab_size, 7)
     got, got_cache = _decode(model, tokens, 8)
     want, want_cache = _decode(Transformer(config, values), tokens, 8)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    # The caches are float16 (test_host_decode's tolerances): a value the two paths compute a hair apart can
+    # round to neighbouring steps.
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=5e-4 * np.abs(want).max())
     for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+        b = np.asarray(b, np.float32)
+        np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=4e-3, atol=1e-3 * np.abs(b).max())
     # The XLA path (prefill, scoring) dequantizes the same blocks: its logits are the float32 model's.
     ids = jnp.asarray(tokens[None])
 

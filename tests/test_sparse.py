@@ -238,7 +238,7 @@ def test_sparse_layers_equal_the_masked_model_on_the_same_inputs(sparse_engine, 
     reference = nnx.merge(masked_reference.graphdef, masked_reference.state)
     assert all(isinstance(layer.ffn, SparseFFN) for layer in model.layers)
     hot = np.asarray(sparse_engine.bundle.load_stage("placement")["hot"])
-    assert 0.2 < hot.mean() < 0.45 and hot.any(axis=1).all() and (~hot).any(axis=1).all()  # both paths run
+    assert 0.2 < hot.mean() < 0.5 and hot.any(axis=1).all() and (~hot).any(axis=1).all()  # both paths run
     _, inputs = model.forward_sequence(jnp.asarray([wiki_window], jnp.int32), capture=True)
     for l, (layer, ref_layer, x) in enumerate(zip(model.layers, reference.layers, inputs)):
         x = x.reshape(-1, x.shape[-1])
