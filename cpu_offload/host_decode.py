@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import attention, ffi, kernels, q4, quants, team
+from . import attention, ffi, kernels, q4, quants, tables, team
 from .ffi import (BUF_DATA, BUF_DIMS, BUF_DTYPE, BUF_RANK, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F16, DT_F32, DT_S32,
                   ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, RUNTIME_ADDR, buffer_numel, cstr, find_table_attr,
                   last_dim, load_i32, load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i8, ptr_i32, ptr_u8, ptr_u16,
@@ -325,7 +325,7 @@ def _stage_py(header, tid, n):
             _gemv(w, s, h, _f32(load_i64(task + 8 * K_OUT), vocab), lo, hi)
 
 
-ffi.purge_stale_cache("host_decode", attention, kernels, ffi, q4, quants, team)
+ffi.purge_stale_cache("host_decode", attention, kernels, ffi, q4, quants, tables, team)
 
 # void stage(int64 header, int64 tid, int64 n): what the team runs.
 _stage = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True, cache=True)(_stage_py)
@@ -401,7 +401,7 @@ def _cache_rows(buf, nkv, hd):
 
 @njit(**NOJIT)
 def _execute(frame, api):
-    header = ffi.find_table(frame)
+    header = tables.find_table(frame)
     if header == 0 or load_i64(header + 8 * H_MAGIC) != MAGIC:
         return make_error(api, ERRC_INVALID_ARGUMENT, cstr("pjinfer_host_decode: 'table' is not a HostDecoder"))
     nargs = load_i64(frame + CF_NARGS)
@@ -674,7 +674,7 @@ class HostDecoder:
         header[H_MAGIC] = MAGIC
         _HEADERS.append(header)
         self.address = int(header.ctypes.data)
-        self.table = ffi.register_table(self.address)  # what the calls pass (an index, see ffi.TABLES)
+        self.table = tables.register_table(self.address)  # what the calls pass (an index, see tables.TABLES)
         ffi.register(TARGET_NAME, _handler)
 
     def _hold(self, a: np.ndarray) -> int:

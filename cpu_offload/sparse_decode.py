@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import attention, ffi, host_decode as hd, kernels, q4, q4_sparse, team
+from . import attention, ffi, host_decode as hd, kernels, q4, q4_sparse, tables, team
 from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F16, DT_F32, DT_S32,
                   ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, RUNTIME_ADDR, buffer_numel, cstr,
                   load_i32, load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i32, ptr_u8, ptr_u16, store_i64, unlock)
@@ -149,7 +149,7 @@ def _stage_py(header, tid, n):
         hd._gemv(w, s, h, hd._f32(load_i64(task + 8 * hd.K_OUT), vocab), lo, hi)
 
 
-ffi.purge_stale_cache("sparse_decode", attention, kernels, ffi, q4, q4_sparse, team, hd)
+ffi.purge_stale_cache("sparse_decode", attention, kernels, ffi, q4, q4_sparse, tables, team, hd)
 
 _stage = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True, cache=True)(_stage_py)
 
@@ -191,7 +191,7 @@ def _layer(header, layer, pos, x, k_ptr, v_ptr):
 @njit(**NOJIT)
 def _execute(frame, api):
     """host_decode's two call forms (layer and head) and checks, for a SparseHostDecoder header."""
-    header = ffi.find_table(frame)
+    header = tables.find_table(frame)
     if header == 0 or load_i64(header + 8 * H_MAGIC) != MAGIC:
         return make_error(api, ERRC_INVALID_ARGUMENT, cstr("pjinfer_sparse_decode: 'table' is not a SparseHostDecoder"))
     nargs = load_i64(frame + CF_NARGS)
@@ -341,7 +341,7 @@ class SparseHostDecoder(hd.HostDecoder):
         header[H_MAGIC] = MAGIC
         hd._HEADERS.append(header)
         self.address = int(header.ctypes.data)
-        self.table = ffi.register_table(self.address)  # what the calls pass (an index, see ffi.TABLES)
+        self.table = tables.register_table(self.address)  # what the calls pass (an index, see tables.TABLES)
         ffi.register(TARGET_NAME, _handler)
 
     def dequantized(self, weights: dict) -> dict:

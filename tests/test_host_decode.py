@@ -179,13 +179,13 @@ def test_unknown_formats_are_refused():
 
 
 def test_calls_name_the_table_by_index_so_executables_can_be_cached_across_processes():
-    """The FFI attribute is the decoder's index in ffi.TABLES, not its address: an executable's HLO (JAX's
+    """The FFI attribute is the decoder's index in tables.TABLES, not its address: an executable's HLO (JAX's
     persistent-cache key) is then the same in the next process that builds the same decoders."""
-    from cpu_offload import ffi
+    from cpu_offload import tables
 
     config = tiny_config(d_model=64, n_heads=2, n_kv_heads=1, head_dim=32, d_ff=128)
     a, b = (hd.HostDecoder(config, random_weights(config, seed), "q4_1") for seed in (0, 1))
-    assert b.table == a.table + 1 and ffi.TABLES[a.table] == a.address and ffi.TABLES[b.table] == b.address
+    assert b.table == a.table + 1 and tables.TABLES[a.table] == a.address and tables.TABLES[b.table] == b.address
     texts = [jax.jit(h.head).lower(jnp.ones(64, jnp.float32)).as_text() for h in (a, b)]
     assert str(a.address) not in texts[0] and str(b.address) not in texts[1]
     assert texts[0].replace(f"table = {a.table} ", f"table = {b.table} ") == texts[1]

@@ -63,7 +63,7 @@ def test_solver_places_what_fits_on_the_real_profile(engine, small_bundle):
     assert hot.shape == (engine.config.n_layers, engine.config.d_ff)
     assert record["bytes_used"] <= record["budget_bytes"]
     assert record["bytes_used"] == hot.sum() * stages.neuron_bytes(engine)
-    assert 0.2 < record["ffn_share_on_device"] < 0.5     # 400 MiB holds 40-46% of the FFN (float16 KV cache)
+    assert 0.2 < record["ffn_share_on_device"] < 0.45          # 355 MiB holds about a third of the FFN
     assert record["solve_seconds"] < 10 and record["status"] == "optimal"
     assert record["objective"] >= record["topk_objective"] - 1e-6
     stats = stages.load_stats(b)
