@@ -108,20 +108,8 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols))
 
 
-def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks: bool = False):
-    import sys
-
-    import gguf
-
-    from cpu_offload.blocks import KINDS
-    from cpu_offload.qtensor import Q4Tensor, QBlocks
-    from pjinfer.load.gguf_file import GGUFError, GGUFFile
-
-    try:
-        reader = GGUFFile(path)
-    except (GGUFError, ValueError, OSError) as e:
-        raise ConfigError(f"cannot read GGUF file {path}: it is truncated or not a GGUF model ({e})") from None
-
+def _gguf_config(reader, path: Path) -> ModelConfig:
+    """The ModelConfig a GGUF's metadata describes (architectures in GGUF_ARCHITECTURES, else refused)."""
     def field(key, default=None):
         return reader.fields.get(key, default)
 
@@ -153,15 +141,36 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks
         eos_ids=() if eos is None else (int(eos),),
         name=str(field("general.name", path.stem)),
     )
+    return config
 
+
+def _gguf_tokenizer(reader, config: ModelConfig) -> Tokenizer:
+    """The tokenizer and chat template stored in a GGUF's metadata."""
+    field = reader.fields.get
+    return Tokenizer.from_gguf_fields(
+        tokens=field("tokenizer.ggml.tokens"), merges=field("tokenizer.ggml.merges"), token_types=field("tokenizer.ggml.token_type"),
+        model=field("tokenizer.ggml.model"), pre=field("tokenizer.ggml.pre"),
+        chat_template=field("tokenizer.chat_template"), eos_ids=config.eos_ids, bos_id=config.bos_id,
+        add_bos=bool(field("tokenizer.ggml.add_bos_token", False)))
+
+
+def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks: bool = False):
+    import sys
+
+    from pjinfer.load.gguf_file import GGUFError, GGUFFile
+
+    try:
+        reader = GGUFFile(path)
+    except (GGUFError, ValueError, OSError) as e:
+        raise ConfigError(f"cannot read GGUF file {path}: it is truncated or not a GGUF model ({e})") from None
+    config = _gguf_config(reader, path)
+    arch = reader.fields.get("general.architecture")
     names = {"token_embd.weight": "embed", "output.weight": "lm_head", "output_norm.weight": "final_norm.scale"}
     per_layer = {"attn_norm.weight": "attn_norm.scale", "ffn_norm.weight": "ffn_norm.scale",
                  "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv", "attn_output.weight": "wo",
                  "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down_t"}
     if arch == "qwen2":
         per_layer |= {"attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv"}
-    # llama.cpp's converter interleaves Llama's q/k rows for its rotary layout; Qwen2's (NEOX rope) are as in HF.
-    permuted = arch == "llama"
     weights = {}
     dequantized = set()  # types of layer matrices made float32 although Q4_1 blocks were asked for
     if progress:
@@ -176,48 +185,48 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks
             name = names[t.name]
         else:
             continue  # e.g. rope_freqs: not used by this architecture
-        blocks = keep_q4_1 and t.type == GGML_Q4_1 and len(t.shape) == 2
-        if keep_blocks and t.type in KINDS and t.type != GGML_Q4_1 and len(t.shape) == 2:
-            w = t.data  # uint8 [rows, row bytes], as Q4_1 below
-            if permuted and (name.endswith(".wq") or name.endswith(".wk")):
-                w = _unpermute_rope(w, config.n_heads if name.endswith(".wq") else config.n_kv_heads)
-            weights[name] = QBlocks(w, t.shape[1], t.type)
-        elif keep_q4_1 and t.type == GGML_Q8_0 and name == ("embed" if config.tie_embeddings else "lm_head"):
-            # The output head: int8 on the host decode path, converted block by block without a float32 copy.
-            from cpu_offload.host_decode import int8_from_q8_0
-
-            weights[name] = int8_from_q8_0(t.data, t.shape[1])
-        elif blocks:  # uint8 [rows, row bytes]; w_down_t stays [d, d_ff], the file's layout
-            w = t.data
-            if permuted and (name.endswith(".wq") or name.endswith(".wk")):
-                w = _unpermute_rope(w, config.n_heads if name.endswith(".wq") else config.n_kv_heads)
-            weights[name] = Q4Tensor(w, t.shape[1])
-        else:
-            try:
-                w = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.type)).astype(np.float32)
-            except Exception as e:
-                raise ConfigError(f"cannot decode tensor {t.name} in {path.name}: {e}") from None
-            if keep_q4_1 and t.name.startswith("blk.") and w.ndim == 2:
-                dequantized.add(gguf.GGMLQuantizationType(t.type).name)
-            if name.endswith(".w_down_t"):
-                w = np.ascontiguousarray(w.T)
-            elif permuted and name.endswith(".wq"):
-                w = _unpermute_rope(w, config.n_heads)
-            elif permuted and name.endswith(".wk"):
-                w = _unpermute_rope(w, config.n_kv_heads)
-            weights[name] = w
+        weights[name] = _gguf_weight(t, name, config, path, permuted=arch == "llama", keep_q4_1=keep_q4_1,
+                                     keep_blocks=keep_blocks, dequantized=dequantized)
         if progress:
             progress(n + 1, len(reader.tensors))
     if dequantized:
         print(f"pjinfer: layer matrices of type {', '.join(sorted(dequantized))} are dequantized at load and "
               + ("stored as Q8_0 (no host kernel reads that type)" if keep_blocks else
                  "re-quantized to Q4_1 (--weights q4_1 reads Q4_1 blocks only)"), file=sys.stderr)
-    tokenizer = Tokenizer.from_gguf_fields(
-        tokens=tokens, merges=field("tokenizer.ggml.merges"), token_types=field("tokenizer.ggml.token_type"),
-        model=field("tokenizer.ggml.model"), pre=field("tokenizer.ggml.pre"),
-        chat_template=field("tokenizer.chat_template"), eos_ids=config.eos_ids, bos_id=config.bos_id,
-        add_bos=bool(field("tokenizer.ggml.add_bos_token", False)))
-    return config, weights, tokenizer
+    return config, weights, _gguf_tokenizer(reader, config)
+
+
+def _gguf_weight(t, name: str, config: ModelConfig, path: Path, *, permuted: bool, keep_q4_1: bool,
+                 keep_blocks: bool, dequantized: set):
+    """Tensor t as the canonical weight `name`: the file's blocks where asked and a host kernel reads them (no
+    copy), else float32. permuted: llama.cpp's converter interleaved Llama's q/k rows for its rotary layout
+    (Qwen2's, NEOX rope, are as in HF). Adds the type of a layer matrix made float32 to `dequantized`."""
+    import gguf
+
+    from cpu_offload.blocks import KINDS
+    from cpu_offload.qtensor import Q4Tensor, QBlocks
+
+    heads = config.n_heads if name.endswith(".wq") else config.n_kv_heads
+    rope_rows = permuted and (name.endswith(".wq") or name.endswith(".wk"))
+    if keep_blocks and t.type in KINDS and t.type != GGML_Q4_1 and len(t.shape) == 2:
+        return QBlocks(_unpermute_rope(t.data, heads) if rope_rows else t.data, t.shape[1], t.type)
+    if keep_q4_1 and t.type == GGML_Q8_0 and name == ("embed" if config.tie_embeddings else "lm_head"):
+        # The output head: int8 on the host decode path, converted block by block without a float32 copy.
+        from cpu_offload.host_decode import int8_from_q8_0
+
+        return int8_from_q8_0(t.data, t.shape[1])
+    if keep_q4_1 and t.type == GGML_Q4_1 and len(t.shape) == 2:
+        # uint8 [rows, row bytes]; w_down_t stays [d, d_ff], the file's layout
+        return Q4Tensor(_unpermute_rope(t.data, heads) if rope_rows else t.data, t.shape[1])
+    try:
+        w = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.type)).astype(np.float32)
+    except Exception as e:
+        raise ConfigError(f"cannot decode tensor {t.name} in {path.name}: {e}") from None
+    if keep_q4_1 and t.name.startswith("blk.") and w.ndim == 2:
+        dequantized.add(gguf.GGMLQuantizationType(t.type).name)
+    if name.endswith(".w_down_t"):
+        return np.ascontiguousarray(w.T)
+    return _unpermute_rope(w, heads) if rope_rows else w
 
 
 # ---------------------------------------------------------------- Hugging Face
