@@ -1,7 +1,7 @@
 """The 4-bit host decode step with input sparsity (TEAL, arXiv 2408.14690): every matrix reads only the weight
 columns whose input clears a fixed, calibrated threshold. One XLA FFI call per layer and one for the head.
 
-host_decode.HostDecoder reads every weight (GEMV over rows). Here every matrix keeps the GGUF's own Q4_1 numbers
+decoder.HostDecoder reads every weight (GEMV over rows). Here every matrix keeps the GGUF's own Q4_1 numbers
 laid out by input column (``q4_sparse.relayout``: the same model as --weights q4_1, the same bytes) and is
 computed from the active inputs' columns only (``q4_sparse.matvec``), with four thresholds per layer, fixed at
 load time (no per-token sort):
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import attention, ffi, host_decode as hd, kernels, q4, q4_sparse, tables, team
+from . import attention, decoder, ffi, host_decode as hd, kernels, q4, q4_sparse, tables, team
 from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F16, DT_F32, DT_S32,
                   ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, RUNTIME_ADDR, buffer_numel, cstr,
                   load_i32, load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i32, ptr_u8, ptr_u16, store_i64, unlock)
@@ -194,55 +194,24 @@ def _execute(frame, api):
     header = tables.find_table(frame)
     if header == 0 or load_i64(header + 8 * H_MAGIC) != MAGIC:
         return make_error(api, ERRC_INVALID_ARGUMENT, cstr("pjinfer_sparse_decode: 'table' is not a SparseHostDecoder"))
-    nargs = load_i64(frame + CF_NARGS)
-    nrets = load_i64(frame + CF_NRETS)
-    args = load_i64(frame + CF_ARGS)
-    rets = load_i64(frame + CF_RETS)
-    d, nh, nkv, hd_, ff = hd._dims(header)
+    nargs, nrets = load_i64(frame + CF_NARGS), load_i64(frame + CF_NRETS)
+    args, rets = load_i64(frame + CF_ARGS), load_i64(frame + CF_RETS)
     if nargs == 1 and nrets == 1:
-        b_x = load_i64(args)
-        b_out = load_i64(rets)
-        if (load_i32(b_x + BUF_DTYPE) != DT_F32 or load_i32(b_out + BUF_DTYPE) != DT_F32
-                or buffer_numel(b_x, False) != d or buffer_numel(b_out, False) != load_i64(header + 8 * H_VOCAB)):
-            return make_error(api, ERRC_INVALID_ARGUMENT,
-                              cstr("pjinfer_sparse_decode: head form is hidden f32 [d] -> logits f32 [vocab]"))
+        err, x_ptr, out_ptr = hd.head_operands(api, args, rets, header)
+        if err != 0:
+            return err
         lock(load_i64(header + 8 * H_RUNTIME))
-        hd._head(header, hd._f32(load_i64(b_x + BUF_DATA), d), load_i64(b_out + BUF_DATA))
+        hd._head(header, hd._f32(x_ptr, load_i64(header + 8 * hd.H_D)), out_ptr)
         unlock(load_i64(header + 8 * H_RUNTIME))
         return 0
     if nargs != 5 or nrets != 3:
         return make_error(api, ERRC_INVALID_ARGUMENT,
                           cstr("pjinfer_sparse_decode: expected 5 operands and 3 results, or 1 and 1"))
-    b_layer, b_pos, b_x = load_i64(args), load_i64(args + 8), load_i64(args + 16)
-    b_k, b_v = load_i64(args + 24), load_i64(args + 32)
-    r_x, r_k, r_v = load_i64(rets), load_i64(rets + 8), load_i64(rets + 16)
-    if (load_i32(b_layer + BUF_DTYPE) != DT_S32 or load_i32(b_pos + BUF_DTYPE) != DT_S32
-            or load_i32(b_x + BUF_DTYPE) != DT_F32 or load_i32(b_k + BUF_DTYPE) != DT_F16
-            or load_i32(b_v + BUF_DTYPE) != DT_F16 or load_i32(r_x + BUF_DTYPE) != DT_F32
-            or buffer_numel(b_layer, False) != 1 or buffer_numel(b_pos, False) != 1
-            or buffer_numel(b_x, False) != d or buffer_numel(r_x, False) != d):
-        return make_error(api, ERRC_INVALID_ARGUMENT, cstr(
-            "pjinfer_sparse_decode: layer form is (int32 [], int32 [], f32 [d], f16 cache, f16 cache)"))
-    length = hd._cache_rows(b_k, nkv, hd_)
-    if length < 1 or hd._cache_rows(b_v, nkv, hd_) != length or length > load_i64(header + 8 * H_MAXLEN):
-        return make_error(api, ERRC_INVALID_ARGUMENT, cstr(
-            "pjinfer_sparse_decode: caches must be [..., S, kv_heads, head_dim], S at most the model's context"))
-    k_ptr, v_ptr = load_i64(b_k + BUF_DATA), load_i64(b_v + BUF_DATA)
-    if load_i64(r_k + BUF_DATA) != k_ptr or load_i64(r_v + BUF_DATA) != v_ptr:
-        return make_error(api, ERRC_INVALID_ARGUMENT,
-                          cstr("pjinfer_sparse_decode: the caches must be aliased to results 2 and 3"))
-    layer = carray(ptr_i32(load_i64(b_layer + BUF_DATA)), (1,))[0]
-    pos = carray(ptr_i32(load_i64(b_pos + BUF_DATA)), (1,))[0]
-    if layer < 0 or layer >= load_i64(header + 8 * H_NLAYERS):
-        return make_error(api, ERRC_OUT_OF_RANGE, cstr("pjinfer_sparse_decode: layer index out of range"))
-    if pos < 0 or pos >= length:
-        return make_error(api, ERRC_OUT_OF_RANGE, cstr("pjinfer_sparse_decode: position outside the cache"))
-    x_in = hd._f32(load_i64(b_x + BUF_DATA), d)
-    x = hd._f32(load_i64(r_x + BUF_DATA), d)
-    for j in range(d):
-        x[j] = x_in[j]
+    err, layer, pos, x_ptr, k_ptr, v_ptr = hd.layer_operands(api, args, rets, header)
+    if err != 0:
+        return err
     lock(load_i64(header + 8 * H_RUNTIME))
-    _layer(header, layer, pos, x, k_ptr, v_ptr)
+    _layer(header, layer, pos, hd._f32(x_ptr, load_i64(header + 8 * hd.H_D)), k_ptr, v_ptr)
     unlock(load_i64(header + 8 * H_RUNTIME))
     return 0
 
@@ -259,7 +228,7 @@ _handler = cfunc(types.intp(types.intp), nopython=True, cache=True)(_handler_py)
 
 # ---------------------------------------------------------------------------------------------------------------
 
-class SparseHostDecoder(hd.HostDecoder):
+class SparseHostDecoder(decoder.HostDecoder):
     """A Llama-family model's decode step on the host, the Q4_1 numbers laid out by input column, reading only the
     inputs above fixed thresholds (see the module docstring).
 
@@ -314,7 +283,7 @@ class SparseHostDecoder(hd.HostDecoder):
             table[l, L_ATTN_NORM] = self._hold(np.asarray(weights[f"{p}.attn_norm.scale"], np.float32))
             table[l, L_FFN_NORM] = self._hold(np.asarray(weights[f"{p}.ffn_norm.scale"], np.float32))
         head_name = "embed" if c.tie_embeddings else "lm_head"
-        head_q, head_s = hd.quantize(weights[head_name])
+        head_q, head_s = decoder.quantize(weights[head_name])
         self._head_name, self._head = head_name, (head_q, head_s)
         inv_freq = (1.0 / (np.float32(c.rope_theta) ** (np.arange(0, c.head_dim, 2, dtype=np.float32)
                                                         / np.float32(c.head_dim)))).astype(np.float32)
@@ -339,7 +308,7 @@ class SparseHostDecoder(hd.HostDecoder):
         header[[hd.H_STAGE, H_RUNTIME]] = [_stage.address, RUNTIME_ADDR]
         header[hd.H_FORMAT] = hd.F_Q4_1
         header[H_MAGIC] = MAGIC
-        hd._HEADERS.append(header)
+        decoder._HEADERS.append(header)
         self.address = int(header.ctypes.data)
         self.table = tables.register_table(self.address)  # what the calls pass (an index, see tables.TABLES)
         ffi.register(TARGET_NAME, _handler)

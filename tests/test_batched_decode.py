@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from cpu_offload import batched_decode as bd
-from cpu_offload import host_decode as hd
-from cpu_offload import kernels, q4, q4_gemm
+from cpu_offload import decoder, kernels, q4, q4_gemm
 from tests.conftest import random_weights, tiny_config
 
 jax = pytest.importorskip("jax")
@@ -54,7 +53,7 @@ def test_int8_gemm_matches_float64_numpy(rows, cols, nt):
     """(Bit-for-bit equality with the single path is checked on whole steps below: _gemv's compiled loop depends on
     the function it is inlined into, so a direct call from Python is not what the single-token head runs.)"""
     seed, rng = _fresh_rng()
-    q, s = hd.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.1, 3, (rows, 1)))
+    q, s = decoder.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.1, 3, (rows, 1)))
     x = rng.standard_normal((nt, cols)).astype(np.float32)
     want = x.astype(np.float64) @ kernels.dequantize_rows(q, s).astype(np.float64).T
     out_rows = rng.permutation(nt + 2)[:nt].astype(np.int64)    # token t's output goes to row out_rows[t]
@@ -89,7 +88,7 @@ def _single_steps(host, config, tokens_per_slot, cache_len):
 @pytest.mark.parametrize("fmt", ["q4_1", "int8"])
 def test_batch_step_equals_single_steps_bit_for_bit_with_empty_slots(fmt):
     config = tiny_config(d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=192, tie_embeddings=True)
-    host = hd.HostDecoder(config, random_weights(config), fmt)
+    host = decoder.HostDecoder(config, random_weights(config), fmt)
     batch = bd.BatchDecoder(host, 4)
     seed, rng = _fresh_rng()
     live = [0, 2, 3]                                   # slot 1 stays empty throughout
@@ -124,7 +123,7 @@ def test_batch_step_equals_single_steps_bit_for_bit_with_empty_slots(fmt):
 
 def test_batch_refuses_positions_past_the_cache_and_bad_shapes():
     config = tiny_config(d_model=64, n_heads=2, n_kv_heads=1, head_dim=32, d_ff=128)
-    batch = bd.BatchDecoder(hd.HostDecoder(config, random_weights(config), "q4_1"), 2)
+    batch = bd.BatchDecoder(decoder.HostDecoder(config, random_weights(config), "q4_1"), 2)
     k = jnp.zeros((2, 16, 1, 32), jnp.float16)
     x = jnp.ones((2, 64), jnp.float32)
     with pytest.raises(Exception, match="position outside the cache"):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cpu_offload import host_decode as hd
-from cpu_offload import kernels, q4, team
+from cpu_offload import decoder, kernels, q4, team
 from tests.conftest import random_weights, tiny_config
 
 jax = pytest.importorskip("jax")
@@ -17,7 +17,7 @@ jnp = jax.numpy
 @pytest.mark.parametrize("rows,cols", [(1, 64), (3, 64), (5, 192), (37, 128), (130, 576)])
 def test_gemv_matches_numpy_on_its_rows_only(rows, cols):
     rng = np.random.default_rng(rows * 1000 + cols)
-    q, s = hd.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.1, 3, (rows, 1)))
+    q, s = decoder.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.1, 3, (rows, 1)))
     x = rng.standard_normal(cols).astype(np.float32)
     want = kernels.dequantize_rows(q, s) @ x
     for lo, hi in [(0, rows), (0, 0), (rows // 2, rows), (1 % rows, max(1 % rows, rows - 1))]:
@@ -97,7 +97,7 @@ def _models(config, seed=0, fmt="int8"):
     from pjinfer.runtime.model import Transformer
 
     weights = random_weights(config, seed)
-    host = hd.HostDecoder(config, weights, fmt)
+    host = decoder.HostDecoder(config, weights, fmt)
     values = host.dequantized(weights)
     model = Transformer(config, values)
     pjinfer_host.attach(model, host)
@@ -169,13 +169,13 @@ def test_last_cache_slot_and_positions_past_the_cache(fmt):
 def test_unsupported_models_are_refused(changes, fragment):
     config = tiny_config(**changes)
     with pytest.raises(ValueError, match=fragment):
-        hd.HostDecoder(config, random_weights(config))
+        decoder.HostDecoder(config, random_weights(config))
 
 
 def test_unknown_formats_are_refused():
     config = tiny_config(d_model=64, n_heads=2, n_kv_heads=1, head_dim=32, d_ff=128)
     with pytest.raises(ValueError, match="one of int8, q4_1, gguf, got 'q4_0'"):
-        hd.HostDecoder(config, random_weights(config), "q4_0")
+        decoder.HostDecoder(config, random_weights(config), "q4_0")
 
 
 def test_calls_name_the_table_by_index_so_executables_can_be_cached_across_processes():
@@ -184,7 +184,7 @@ def test_calls_name_the_table_by_index_so_executables_can_be_cached_across_proce
     from cpu_offload import tables
 
     config = tiny_config(d_model=64, n_heads=2, n_kv_heads=1, head_dim=32, d_ff=128)
-    a, b = (hd.HostDecoder(config, random_weights(config, seed), "q4_1") for seed in (0, 1))
+    a, b = (decoder.HostDecoder(config, random_weights(config, seed), "q4_1") for seed in (0, 1))
     assert b.table == a.table + 1 and tables.TABLES[a.table] == a.address and tables.TABLES[b.table] == b.address
     texts = [jax.jit(h.head).lower(jnp.ones(64, jnp.float32)).as_text() for h in (a, b)]
     assert str(a.address) not in texts[0] and str(b.address) not in texts[1]

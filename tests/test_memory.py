@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpu_offload import host_decode as hd
-from cpu_offload import kernels, q4
+from cpu_offload import decoder, kernels, q4
 from cpu_offload.qtensor import Int8Tensor, Q4Tensor, dequantize_int8, dequantize_q4_1
 from pjinfer.load import loader
 from pjinfer.load.gguf_file import GGUFFile
@@ -44,7 +43,7 @@ def test_fast_int8_quantizer_gives_kernels_bytes(rows, cols):
     rng = np.random.default_rng(rows)
     w = (rng.standard_normal((rows, cols)) * rng.uniform(0, 3, (rows, 1))).astype(np.float32)
     w[0, :64] = 0  # an all-zero block takes scale 1
-    got, want = hd.quantize(w), kernels.quantize_rows(w)
+    got, want = decoder.quantize(w), kernels.quantize_rows(w)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
 
@@ -79,7 +78,7 @@ def test_q4_1_layers_stay_the_files_blocks(tmp_path):
                 assert isinstance(w.data, np.memmap) and w.data.base is not None, name
         elif name == "lm_head":  # the untied head, Q8_0 in the file: the host decode's int8, no float32 copy
             assert isinstance(w, Int8Tensor)
-            want = hd.quantize(dense[name])
+            want = decoder.quantize(dense[name])
             np.testing.assert_array_equal(w.q, want[0])
             np.testing.assert_array_equal(w.scales, want[1])
         else:
@@ -90,8 +89,8 @@ def test_q4_1_layers_stay_the_files_blocks(tmp_path):
 def test_int8_head_from_the_real_q8_0_embedding():
     path = loader.default_model_path()
     t = next(t for t in GGUFFile(path).tensors if t.name == "token_embd.weight")
-    got = hd.int8_from_q8_0(t.data, t.shape[1])
-    want = hd.quantize(gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType.Q8_0))
+    got = decoder.int8_from_q8_0(t.data, t.shape[1])
+    want = decoder.quantize(gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType.Q8_0))
     np.testing.assert_array_equal(got.q, want[0])
     np.testing.assert_array_equal(got.scales, want[1])
 

@@ -125,7 +125,7 @@ def _mix(name):
 def test_decode_step_in_the_files_own_blocks_equals_float32_on_gguf_values(tmp_path, kinds):
     """kinds: every matrix in one type, a Q4_K_M-like mix, or that mix as a Qwen2 file (q/k/v biases, not
     permuted)."""
-    from cpu_offload.host_decode import HostDecoder, quantize_weights
+    from cpu_offload.decoder import HostDecoder, quantize_weights
     from cpu_offload.qtensor import Q4Tensor, QBlocks
     from pjinfer.load import loader
     from pjinfer.runtime.host import attach

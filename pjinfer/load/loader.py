@@ -212,7 +212,7 @@ def _gguf_weight(t, name: str, config: ModelConfig, path: Path, *, permuted: boo
         return QBlocks(_unpermute_rope(t.data, heads) if rope_rows else t.data, t.shape[1], t.type)
     if keep_q4_1 and t.type == GGML_Q8_0 and name == ("embed" if config.tie_embeddings else "lm_head"):
         # The output head: int8 on the host decode path, converted block by block without a float32 copy.
-        from cpu_offload.host_decode import int8_from_q8_0
+        from cpu_offload.decoder import int8_from_q8_0
 
         return int8_from_q8_0(t.data, t.shape[1])
     if keep_q4_1 and t.type == GGML_Q4_1 and len(t.shape) == 2:

@@ -34,7 +34,7 @@ from pjinfer.runtime.sampling import Sampling, recent_ids, sample
 
 def unsupported(engine) -> str | None:
     """Why `engine` cannot decode in batches (None when it can): the batched step runs the dense host decode."""
-    from cpu_offload.host_decode import HostDecoder
+    from cpu_offload.decoder import HostDecoder
 
     host = engine.host
     if type(host) is not HostDecoder or engine.bundle is not None:

@@ -78,7 +78,7 @@ class Engine:
         if thresholds is not None and weights_format in ("int8", "gguf"):
             raise ConfigError("input-sparsity thresholds run with --weights q4_1 or float32, not int8 or gguf")
         if weights_format != "float32":
-            from cpu_offload.host_decode import HostDecoder, quantize_weights
+            from cpu_offload.decoder import HostDecoder, quantize_weights
             from cpu_offload.sparse_decode import SparseHostDecoder
 
             try:
@@ -121,7 +121,7 @@ class Engine:
         config, tensors, tokenizer = loader.load(path, progress=progress, keep_q4_1=weights == "q4_1",
                                                  keep_blocks=weights == "gguf")
         if asked == "auto" and weights != "float32":
-            from cpu_offload.host_decode import check_supported
+            from cpu_offload.decoder import check_supported
 
             try:
                 check_supported(config, tensors, weights)

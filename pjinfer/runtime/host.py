@@ -3,7 +3,7 @@ Block with a HostBlock and the Head with a HostHead, the way pjinfer.runtime.spa
 
 A swapped module keeps the original's children, so prefill and scoring (`__call__`) still run through XLA on
 the same stored blocks; only `decode` (one token) changes: it calls the host decoder's FFI target
-(cpu_offload.host_decode.HostDecoder, or the input-sparse cpu_offload.sparse_decode.SparseHostDecoder), which
+(cpu_offload.decoder.HostDecoder, or the input-sparse cpu_offload.sparse_decode.SparseHostDecoder), which
 computes the whole layer, or the head, in one call on the CPU threads."""
 from __future__ import annotations
 
