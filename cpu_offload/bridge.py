@@ -79,7 +79,7 @@ from . import ffi, kernels
 from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F32, DT_PRED, DT_S32,
                   ERRC_FAILED_PRECONDITION, ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, R_BATCH_THREADS,
                   R_EXECUTES, R_THREADS, RUNTIME as _RUNTIME, RUNTIME_ADDR as _RUNTIME_ADDR, buffer_numel, cstr,
-                  find_table_attr, last_dim, load_i32, load_i64, lock, make_error, ptr_f32, ptr_i8, ptr_i32, ptr_u8,
+                  last_dim, load_i32, load_i64, lock, make_error, ptr_f32, ptr_i8, ptr_i32, ptr_u8,
                   store_i64, unlock)
 from .kernels import act_code as _act_code
 
@@ -183,7 +183,7 @@ def _execute(frame, api):
     if (nargs != 3 and nargs != 4 and nargs != 5) or load_i64(frame + CF_NRETS) != 1:
         return make_error(api, ERRC_INVALID_ARGUMENT,
                            cstr("pjinfer_cold_ffn: expected 3, 4 or 5 operands and 1 result"))
-    header = find_table_attr(frame)
+    header = ffi.find_table(frame)
     err = _header_error(api, header)
     if err != 0:
         return err
@@ -445,7 +445,8 @@ class ColdFFN:
         header[H_MAGIC] = MAGIC_ALIVE
         _HEADERS.append(header)
         self._header = header
-        self.address = int(header.ctypes.data)  # the value of the 'table' attribute
+        self.address = int(header.ctypes.data)
+        self.table = ffi.register_table(self.address)  # the value of the 'table' attribute (ffi.TABLES)
         self.closed = False
         register()
 
@@ -499,12 +500,12 @@ class ColdFFN:
         result = jax.ShapeDtypeStruct(x.shape, jnp.float32)
         if out_init is None:
             call = jax.ffi.ffi_call(TARGET_NAME, result, vmap_method="broadcast_all")
-            return call(layer, x, ids, count, table=np.int64(self.address))
+            return call(layer, x, ids, count, table=np.int64(self.table))
         out_init = jnp.asarray(out_init, jnp.float32)
         if out_init.shape != x.shape:
             raise ValueError(f"out_init must have shape {x.shape}, got {out_init.shape}")
         call = jax.ffi.ffi_call(TARGET_NAME, result, vmap_method="broadcast_all", input_output_aliases={4: 0})
-        return call(layer, x, ids, count, out_init, table=np.int64(self.address))
+        return call(layer, x, ids, count, out_init, table=np.int64(self.table))
 
     def masked(self, layer, x, mask):
         """y f32 [N, d]: token b's sum over the cold rows n of `layer` with mask[b, n] (bool [N, n_cold(layer)])."""
@@ -522,7 +523,7 @@ class ColdFFN:
         if mask.shape != (x.shape[0], self.n_cold[int(layer)]):
             raise ValueError(f"mask must be [{x.shape[0]}, {self.n_cold[int(layer)]}], got {mask.shape}")
         call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct(x.shape, jnp.float32))
-        return call(jnp.asarray(layer, jnp.int32), x, mask, table=np.int64(self.address))
+        return call(jnp.asarray(layer, jnp.int32), x, mask, table=np.int64(self.table))
 
     def numpy_call(self, layer: int, x, ids, count, out=None, max_threads=None) -> np.ndarray:
         """The same computation called directly from Python (under the bridge lock), for tests and tools."""

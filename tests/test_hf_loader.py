@@ -18,7 +18,7 @@ from tokenizers import models, pre_tokenizers
 from pjinfer import loader
 from pjinfer.config import ConfigError, ModelConfig
 from pjinfer.engine import Engine
-from pjinfer.model import KVCache, Transformer
+from pjinfer.model import Transformer
 
 VOCAB, D, LAYERS, HEADS, KV_HEADS, FF, MAX_POS = 128, 64, 2, 4, 2, 96, 64
 HD = D // HEADS
@@ -136,7 +136,7 @@ def write_checkpoint(path, raw: dict, tensors: dict):
 def forward_logits(config: ModelConfig, weights: dict, ids) -> np.ndarray:
     """Full-vocab logits [T, vocab] of one sequence, from a plain (unjitted) forward pass."""
     model = Transformer(config, weights)
-    hidden, _ = model(jnp.asarray(ids, jnp.int32)[None], 0, KVCache.create(config, 1, len(ids)))
+    hidden = model.forward_sequence(jnp.asarray(ids, jnp.int32)[None])  # float32 attention, as transformers
     return np.asarray(model.logits(hidden))[0]
 
 
