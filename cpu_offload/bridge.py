@@ -25,7 +25,7 @@ import numpy as np
 from pjinfer import activations
 from pjinfer.config import COLD_WEIGHTS
 
-from . import kernels
+from . import kernels, tables
 from .cold_handler import (H_ACT, H_D, H_ID, H_MAGIC, H_NLAYERS, H_RUNTIME, H_TABLE, MAGIC_ALIVE, T_BIAS, T_DOWN,
                            T_GATE, T_NCOLD, T_SCALES, T_UP, T_WIDTH, TARGET_NAME, cold_ffn_locked, register, retire)
 from .ffi import RUNTIME_ADDR as _RUNTIME_ADDR
@@ -120,7 +120,8 @@ class ColdFFN:
         header[H_MAGIC] = MAGIC_ALIVE
         _HEADERS.append(header)
         self._header = header
-        self.address = int(header.ctypes.data)  # the value of the 'table' attribute
+        self.address = int(header.ctypes.data)
+        self.table = tables.register_table(self.address)  # the value of the "table" attribute (cpu_offload.tables)
         self.closed = False
         register()
 
@@ -174,12 +175,12 @@ class ColdFFN:
         result = jax.ShapeDtypeStruct(x.shape, jnp.float32)
         if out_init is None:
             call = jax.ffi.ffi_call(TARGET_NAME, result, vmap_method="broadcast_all")
-            return call(layer, x, ids, count, table=np.int64(self.address))
+            return call(layer, x, ids, count, table=np.int64(self.table))
         out_init = jnp.asarray(out_init, jnp.float32)
         if out_init.shape != x.shape:
             raise ValueError(f"out_init must have shape {x.shape}, got {out_init.shape}")
         call = jax.ffi.ffi_call(TARGET_NAME, result, vmap_method="broadcast_all", input_output_aliases={4: 0})
-        return call(layer, x, ids, count, out_init, table=np.int64(self.address))
+        return call(layer, x, ids, count, out_init, table=np.int64(self.table))
 
     def masked(self, layer, x, mask):
         """y f32 [N, d]: token b's sum over the cold rows n of `layer` with mask[b, n] (bool [N, n_cold(layer)])."""
@@ -197,7 +198,7 @@ class ColdFFN:
         if mask.shape != (x.shape[0], self.n_cold[int(layer)]):
             raise ValueError(f"mask must be [{x.shape[0]}, {self.n_cold[int(layer)]}], got {mask.shape}")
         call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct(x.shape, jnp.float32))
-        return call(jnp.asarray(layer, jnp.int32), x, mask, table=np.int64(self.address))
+        return call(jnp.asarray(layer, jnp.int32), x, mask, table=np.int64(self.table))
 
     def numpy_call(self, layer: int, x, ids, count, out=None, max_threads=None) -> np.ndarray:
         """The same computation called directly from Python (under the bridge lock), for tests and tools."""

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import os
 
-from . import ffi, kernels
+from . import ffi, kernels, tables
 from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F32, DT_PRED, DT_S32,
                   ERRC_FAILED_PRECONDITION, ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, R_BATCH_THREADS,
                   R_EXECUTES, R_THREADS, RUNTIME as _RUNTIME, RUNTIME_ADDR as _RUNTIME_ADDR, buffer_numel, cstr,
-                  find_table_attr, last_dim, load_i32, load_i64, lock, make_error, ptr_f32, ptr_i8, ptr_i32, ptr_u8,
+                  last_dim, load_i32, load_i64, lock, make_error, ptr_f32, ptr_i8, ptr_i32, ptr_u8,
                   store_i64, unlock)
 
 import numba  # noqa: E402  (kernels set the threading layer first)
@@ -118,7 +118,7 @@ def _execute(frame, api):
     if (nargs != 3 and nargs != 4 and nargs != 5) or load_i64(frame + CF_NRETS) != 1:
         return make_error(api, ERRC_INVALID_ARGUMENT,
                            cstr("pjinfer_cold_ffn: expected 3, 4 or 5 operands and 1 result"))
-    header = find_table_attr(frame)
+    header = tables.find_table(frame)
     err = _header_error(api, header)
     if err != 0:
         return err
@@ -238,7 +238,7 @@ def _handler_py(frame):
     return _execute(frame, load_i64(frame + ffi.CF_API))
 
 
-ffi.purge_stale_cache("cold_handler", kernels, ffi)
+ffi.purge_stale_cache("cold_handler", kernels, ffi, tables)
 
 # XLA_FFI_Error* handler(XLA_FFI_CallFrame*): pointers travel as pointer-sized integers (same registers on LP64).
 _handler = cfunc(types.intp(types.intp), nopython=True, cache=True)(_handler_py)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cpu_offload import host_decode as hd
 from cpu_offload import decoder, kernels, q4, team
+from cpu_offload import host_decode as hd
 from tests.conftest import random_weights, tiny_config
 
 jax = pytest.importorskip("jax")
