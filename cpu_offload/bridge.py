@@ -10,7 +10,7 @@ and ids outside [0, n_cold(l)) are skipped, so a layer with no cold neuron retur
 ``jax.vmap`` works. The masked form reads each row once for all N tokens.
 
 Each call is the XLA FFI target ``pjinfer_cold_ffn`` (handler: cpu_offload/cold_handler.py), whose one attribute is
-the address of this object's header; the weights are reached by address, never passed as operands. Keep the
+the index of this object's header in cpu_offload.tables; the weights are reached by address, never passed as operands. Keep the
 ColdFFN alive until every result computed from it is ready and do not mutate its arrays meanwhile; after
 ``close()`` an executable that still refers to it fails with "ColdFFN was closed" instead of reading freed memory
 (headers are never freed). The header, layer table and lifetime rules: cpu_offload/README.md.
