@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import ffi, kernels, q4, tables, team
+from . import ffi, kernels, q4, quants, tables, team
 from .ffi import RUNTIME_ADDR
 from .host_decode import (FORMATS, H_ACT, H_D, H_EPS, H_FF, H_FORMAT, H_HD, H_HEAD, H_HEAD_KIND, H_HEAD_SCALES,
                           H_HEADS, H_INV_FREQ, H_KV, H_MAGIC, H_MAXLEN, H_NLAYERS, H_RUNTIME, H_SCRATCH, H_STAGE,
