@@ -29,6 +29,8 @@ import ctypes
 import numpy as np
 from numba import carray, cfunc, njit, types
 
+from pjinfer.config import ConfigError
+
 from . import attention, ffi, host_decode, kernels, q4, q4_gemm, team
 from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F16, DT_F32, DT_S32,
                   ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, buffer_numel, cstr, find_table_attr, load_i32,
@@ -337,7 +339,7 @@ class BatchDecoder:
 
     def __init__(self, host, max_batch: int):
         if max_batch < 1:
-            raise ValueError(f"max batch must be >= 1, got {max_batch}")
+            raise ConfigError(f"max batch must be >= 1, got {max_batch}")
         c = host.config
         self.host, self.config, self.max_batch = host, c, int(max_batch)
         header = np.zeros(WIDTH, np.int64)
@@ -369,9 +371,9 @@ class BatchDecoder:
 
         c = self.config
         if not 0 <= int(layer) < c.n_layers:
-            raise ValueError(f"layer {layer} out of range [0, {c.n_layers})")
+            raise ConfigError(f"layer {layer} out of range [0, {c.n_layers})")
         if x.size != self.max_batch * c.d_model or pos.shape != (self.max_batch,):
-            raise ValueError(f"x must be [{self.max_batch}, {c.d_model}] and pos [{self.max_batch}], got "
+            raise ConfigError(f"x must be [{self.max_batch}, {c.d_model}] and pos [{self.max_batch}], got "
                              f"{x.shape} and {pos.shape}")
         result = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
@@ -386,7 +388,7 @@ class BatchDecoder:
 
         c = self.config
         if hidden.shape != (self.max_batch, c.d_model):
-            raise ValueError(f"hidden must be [{self.max_batch}, {c.d_model}], got {hidden.shape}")
+            raise ConfigError(f"hidden must be [{self.max_batch}, {c.d_model}], got {hidden.shape}")
         call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((self.max_batch, c.vocab_size), jnp.float32))
         return call(hidden.astype(jnp.float32), pos.astype(jnp.int32), table=np.int64(self.address))
 

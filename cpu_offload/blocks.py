@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pjinfer.config import ConfigError
+
 # ggml type number -> (name, weights per block, bytes per block)
 KINDS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
          12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
@@ -42,7 +44,7 @@ def row_bytes(kind: int, cols: int) -> int:
     """Bytes of a row of cols weights (cols a multiple of the block size)."""
     _, block, nbytes = KINDS[kind]
     if cols % block:
-        raise ValueError(f"{name(kind)} rows need a multiple of {block} elements, got {cols}")
+        raise ConfigError(f"{name(kind)} rows need a multiple of {block} elements, got {cols}")
     return cols // block * nbytes
 
 
@@ -130,7 +132,7 @@ def _k(kind, b, f16, xp):
 def dequantize(kind: int, data, cols: int, xp=np):
     """uint8 [rows, row_bytes(kind, cols)] blocks -> float32 [rows, cols]; xp: numpy or jax.numpy."""
     if kind not in KINDS:
-        raise ValueError(f"no dequantizer for ggml type {kind}")
+        raise ConfigError(f"no dequantizer for ggml type {kind}")
     _, block, nbytes = KINDS[kind]
     rows = data.shape[0]
     b = xp.asarray(data).reshape(rows, cols // block, nbytes).astype(xp.int32)

@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from pjinfer import activations
-from pjinfer.config import COLD_WEIGHTS
+from pjinfer.config import COLD_WEIGHTS, ConfigError
 
 from . import kernels, tables
 from .cold_handler import (H_ACT, H_D, H_ID, H_MAGIC, H_NLAYERS, H_RUNTIME, H_TABLE, MAGIC_ALIVE, T_BIAS, T_DOWN,
@@ -38,7 +38,7 @@ _ids = itertools.count(1)
 def _f32_rows(a, d: int, name: str, layer: int) -> np.ndarray:
     a = np.require(a, np.float32, ["C_CONTIGUOUS", "ALIGNED"])
     if a.ndim != 2 or a.shape[1] != d:
-        raise ValueError(f"layer {layer}: {name} must be [n_cold, {d}], got {a.shape}")
+        raise ConfigError(f"layer {layer}: {name} must be [n_cold, {d}], got {a.shape}")
     return a
 
 
@@ -59,18 +59,18 @@ class ColdFFN:
                  activation: str = "swiglu", cold_ids: Sequence[np.ndarray] | None = None,
                  weights: str = "float32"):
         if weights not in COLD_WEIGHTS:
-            raise ValueError(f"weights must be one of {COLD_WEIGHTS}, got {weights!r}")
+            raise ConfigError(f"weights must be one of {COLD_WEIGHTS}, got {weights!r}")
         code = _act_code(activation)
         gated = activations.get(activation).gated
         n_layers = len(w_up)
         if n_layers == 0 or len(w_down_t) != n_layers:
-            raise ValueError("need one w_up and one w_down_t per layer (at least one layer)")
+            raise ConfigError("need one w_up and one w_down_t per layer (at least one layer)")
         if gated and (w_gate is None or len(w_gate) != n_layers):
-            raise ValueError(f"activation {activation!r} needs one w_gate per layer")
+            raise ConfigError(f"activation {activation!r} needs one w_gate per layer")
         if not gated and w_gate is not None:
-            raise ValueError("activation 'relu' is ungated: pass w_gate=None")
+            raise ConfigError("activation 'relu' is ungated: pass w_gate=None")
         if b_up is not None and len(b_up) != n_layers:
-            raise ValueError("b_up needs one entry per layer")
+            raise ConfigError("b_up needs one entry per layer")
         d = int(np.shape(w_up[0])[1])
         self.activation, self.d, self.n_layers = activation, d, n_layers
         self.w_up, self.w_down_t = [], []
@@ -83,12 +83,12 @@ class ColdFFN:
             c = up.shape[0]
             down = _f32_rows(w_down_t[l], d, "w_down_t", l)
             if down.shape[0] != c:
-                raise ValueError(f"layer {l}: w_down_t has {down.shape[0]} rows, w_up {c}")
+                raise ConfigError(f"layer {l}: w_down_t has {down.shape[0]} rows, w_up {c}")
             gate = None
             if gated:
                 gate = _f32_rows(w_gate[l], d, "w_gate", l)
                 if gate.shape[0] != c:
-                    raise ValueError(f"layer {l}: w_gate has {gate.shape[0]} rows, w_up {c}")
+                    raise ConfigError(f"layer {l}: w_gate has {gate.shape[0]} rows, w_up {c}")
             if weights == "int8":
                 scales = np.ones((3, c, -(-d // kernels.QBLOCK)), np.float32)  # gate, up, down
                 if gated:
@@ -108,7 +108,7 @@ class ColdFFN:
             if b_up is not None:
                 bias = np.require(b_up[l], np.float32, ["C_CONTIGUOUS", "ALIGNED"])
                 if bias.shape != (c,):
-                    raise ValueError(f"layer {l}: b_up must be [{c}], got {bias.shape}")
+                    raise ConfigError(f"layer {l}: b_up must be [{c}], got {bias.shape}")
                 self.b_up.append(bias)
                 table[l, T_BIAS] = bias.ctypes.data
         self.n_cold = [int(c) for c in table[:, T_NCOLD]]
@@ -139,7 +139,7 @@ class ColdFFN:
     def cold_position(self, layer: int, d_ff: int | None = None) -> np.ndarray:
         """int32 [d_ff]: compacted cold row of each dense neuron of a layer, -1 where the neuron is not cold."""
         if self.cold_ids is None:
-            raise ValueError("this ColdFFN was built without cold_ids")
+            raise ConfigError("this ColdFFN was built without cold_ids")
         ids = self.cold_ids[layer]
         size = int(d_ff) if d_ff is not None else (int(ids.max()) + 1 if ids.size else 0)
         pos = np.full(size, -1, np.int32)
@@ -158,27 +158,27 @@ class ColdFFN:
         if self.closed:
             raise RuntimeError("ColdFFN is closed")
         if isinstance(layer, (int, np.integer)) and not 0 <= int(layer) < self.n_layers:
-            raise ValueError(f"layer {int(layer)} out of range [0, {self.n_layers})")
+            raise ConfigError(f"layer {int(layer)} out of range [0, {self.n_layers})")
         layer = jnp.asarray(layer, jnp.int32)
         x = jnp.asarray(x, jnp.float32)
         ids = jnp.asarray(ids, jnp.int32)
         count = jnp.asarray(count, jnp.int32)
         if x.ndim < 1 or x.shape[-1] != self.d:
-            raise ValueError(f"x must be [..., {self.d}], got {x.shape}")
+            raise ConfigError(f"x must be [..., {self.d}], got {x.shape}")
         batch = x.shape[:-1]
         if ids.ndim != x.ndim or ids.shape[:-1] != batch:
-            raise ValueError(f"ids must be [{', '.join(map(str, batch + ('K',)))}], got {ids.shape}")
+            raise ConfigError(f"ids must be [{', '.join(map(str, batch + ('K',)))}], got {ids.shape}")
         if count.shape != batch:
-            raise ValueError(f"count must have shape {batch}, got {count.shape}")
+            raise ConfigError(f"count must have shape {batch}, got {count.shape}")
         if layer.shape not in ((), batch):
-            raise ValueError(f"layer must be a scalar or have shape {batch}, got {layer.shape}")
+            raise ConfigError(f"layer must be a scalar or have shape {batch}, got {layer.shape}")
         result = jax.ShapeDtypeStruct(x.shape, jnp.float32)
         if out_init is None:
             call = jax.ffi.ffi_call(TARGET_NAME, result, vmap_method="broadcast_all")
             return call(layer, x, ids, count, table=np.int64(self.table))
         out_init = jnp.asarray(out_init, jnp.float32)
         if out_init.shape != x.shape:
-            raise ValueError(f"out_init must have shape {x.shape}, got {out_init.shape}")
+            raise ConfigError(f"out_init must have shape {x.shape}, got {out_init.shape}")
         call = jax.ffi.ffi_call(TARGET_NAME, result, vmap_method="broadcast_all", input_output_aliases={4: 0})
         return call(layer, x, ids, count, out_init, table=np.int64(self.table))
 
@@ -190,13 +190,13 @@ class ColdFFN:
         if self.closed:
             raise RuntimeError("ColdFFN is closed")
         if not isinstance(layer, (int, np.integer)) or not 0 <= int(layer) < self.n_layers:
-            raise ValueError(f"layer must be a Python int in [0, {self.n_layers}), got {layer!r}")
+            raise ConfigError(f"layer must be a Python int in [0, {self.n_layers}), got {layer!r}")
         x = jnp.asarray(x, jnp.float32)
         mask = jnp.asarray(mask, bool)
         if x.ndim != 2 or x.shape[1] != self.d:
-            raise ValueError(f"x must be [N, {self.d}], got {x.shape}")
+            raise ConfigError(f"x must be [N, {self.d}], got {x.shape}")
         if mask.shape != (x.shape[0], self.n_cold[int(layer)]):
-            raise ValueError(f"mask must be [{x.shape[0]}, {self.n_cold[int(layer)]}], got {mask.shape}")
+            raise ConfigError(f"mask must be [{x.shape[0]}, {self.n_cold[int(layer)]}], got {mask.shape}")
         call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct(x.shape, jnp.float32))
         return call(jnp.asarray(layer, jnp.int32), x, mask, table=np.int64(self.table))
 

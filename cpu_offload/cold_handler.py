@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 
+from pjinfer.config import ConfigError
+
 from . import ffi, kernels, tables
 from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F32, DT_PRED, DT_S32,
                   ERRC_FAILED_PRECONDITION, ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, R_BATCH_THREADS,
@@ -255,7 +257,7 @@ def set_num_threads(n: int) -> None:
     Process-wide; the default comes from ``_default_threads`` (env PJINFER_COLD_THREADS)."""
     n = int(n)
     if not 1 <= n <= numba.config.NUMBA_NUM_THREADS:
-        raise ValueError(f"threads must be in [1, {numba.config.NUMBA_NUM_THREADS}], got {n}")
+        raise ConfigError(f"threads must be in [1, {numba.config.NUMBA_NUM_THREADS}], got {n}")
     _RUNTIME[R_THREADS] = n
     _RUNTIME[R_BATCH_THREADS] = n
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pjinfer.config import ConfigError
+
 from . import ffi, kernels, q4, quants, tables, team
 from .ffi import RUNTIME_ADDR
 from .host_decode import (FORMATS, H_ACT, H_D, H_EPS, H_FF, H_FORMAT, H_HD, H_HEAD, H_HEAD_KIND, H_HEAD_SCALES,
@@ -91,7 +93,7 @@ def int8_from_q8_0(blocks, cols: int) -> Int8Tensor:
     """A GGUF Q8_0 matrix (uint8 [rows, cols / 32 * 34]) as the host decode's int8 head: the bytes quantize gives
     for its float32 values (the int8 GEMV takes a float32 scale per 64; issue 16 may read Q8_0 as stored)."""
     if cols % QBLOCK:
-        raise ValueError(f"int8 rows need a multiple of {QBLOCK} columns, got {cols}")
+        raise ConfigError(f"int8 rows need a multiple of {QBLOCK} columns, got {cols}")
     rows = blocks.shape[0]
     b = np.asarray(blocks).reshape(rows, cols // 32, Q8_0_BLOCK_BYTES)
     d = np.ascontiguousarray(b[..., :2]).view(np.float16)[..., 0].astype(np.float32)
@@ -105,21 +107,21 @@ def check_supported(config, weights: dict, fmt: str) -> None:
     """Raises ValueError (one line) unless the host decode can run this model in this format."""
     c = config
     if fmt not in FORMATS:
-        raise ValueError(f"host decode weights must be one of {', '.join(FORMATS)}, got {fmt!r}")
+        raise ConfigError(f"host decode weights must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if not (c.uses_rope and c.gated):
-        raise ValueError(f"host decode supports Llama-family models, not {c.arch!r}")
+        raise ConfigError(f"host decode supports Llama-family models, not {c.arch!r}")
     biases = [k for k in weights if k.rsplit(".", 1)[-1] in ("bo", "b_up", "b_down", "bias")]
     if biases:
-        raise ValueError(f"host decode supports no biases but q/k/v ones, this one has {biases[0]!r}")
+        raise ConfigError(f"host decode supports no biases but q/k/v ones, this one has {biases[0]!r}")
     for l in range(c.n_layers):
         have = [f"layers.{l}.{b}" in weights for b in ("bq", "bk", "bv")]
         if any(have) and not all(have):
-            raise ValueError(f"host decode needs all of layer {l}'s q/k/v biases or none")
+            raise ConfigError(f"host decode needs all of layer {l}'s q/k/v biases or none")
     for name, n in (("d_model", c.d_model), ("n_heads * head_dim", c.n_heads * c.head_dim), ("d_ff", c.d_ff)):
         if n % QBLOCK:
-            raise ValueError(f"host decode needs {name} to be a multiple of {QBLOCK}, got {n}")
+            raise ConfigError(f"host decode needs {name} to be a multiple of {QBLOCK}, got {n}")
     if c.head_dim % 2:
-        raise ValueError(f"host decode needs an even head_dim, got {c.head_dim}")
+        raise ConfigError(f"host decode needs an even head_dim, got {c.head_dim}")
 
 
 def _head_name(config) -> str:
@@ -239,7 +241,7 @@ class HostDecoder:
     def _hold(self, a: np.ndarray) -> int:
         b = np.require(a, requirements=["C_CONTIGUOUS", "ALIGNED"])
         if b is not a and a.nbytes > 1 << 20:
-            raise ValueError("host decode: a stored matrix is not C-contiguous; it would be copied")
+            raise ConfigError("host decode: a stored matrix is not C-contiguous; it would be copied")
         self._keep.append(b)
         return int(b.ctypes.data)
 
@@ -268,11 +270,11 @@ class HostDecoder:
         import jax.numpy as jnp
 
         if not 0 <= int(layer) < self.config.n_layers:
-            raise ValueError(f"layer {layer} out of range [0, {self.config.n_layers})")
+            raise ConfigError(f"layer {layer} out of range [0, {self.config.n_layers})")
         if x.size != self.config.d_model:
-            raise ValueError(f"x must hold one token's {self.config.d_model} features, got shape {x.shape}")
+            raise ConfigError(f"x must hold one token's {self.config.d_model} features, got shape {x.shape}")
         if k_cache.dtype != jnp.float16 or v_cache.dtype != jnp.float16:
-            raise ValueError(f"host decode caches must be float16, got {k_cache.dtype} and {v_cache.dtype}")
+            raise ConfigError(f"host decode caches must be float16, got {k_cache.dtype} and {v_cache.dtype}")
         result = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, jnp.float16),
                   jax.ShapeDtypeStruct(v_cache.shape, jnp.float16))
         call = jax.ffi.ffi_call(self.target, result, input_output_aliases={3: 1, 4: 2})
@@ -285,6 +287,6 @@ class HostDecoder:
         import jax.numpy as jnp
 
         if hidden.shape != (self.config.d_model,):
-            raise ValueError(f"hidden must be [{self.config.d_model}], got {hidden.shape}")
+            raise ConfigError(f"hidden must be [{self.config.d_model}], got {hidden.shape}")
         call = jax.ffi.ffi_call(self.target, jax.ShapeDtypeStruct((self.config.vocab_size,), jnp.float32))
         return call(hidden.astype(jnp.float32), table=np.int64(self.table))

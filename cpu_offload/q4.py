@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pjinfer.config import ConfigError
+
 from . import _threading  # noqa: F401  (sets NUMBA_THREADING_LAYER before numba is imported)
 
 from llvmlite import ir  # noqa: E402
@@ -61,7 +63,7 @@ def quantize(w) -> np.ndarray:
     w = np.ascontiguousarray(w, np.float32)
     rows, cols = w.shape
     if cols % BLOCK:
-        raise ValueError(f"Q4_1 rows need a multiple of {BLOCK} elements, got {cols}")
+        raise ConfigError(f"Q4_1 rows need a multiple of {BLOCK} elements, got {cols}")
     b = w.reshape(rows, cols // BLOCK, BLOCK)
     lo, hi = b.min(-1), b.max(-1)
     d = ((hi - lo) / 15).astype(np.float16)

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pjinfer.config import ConfigError
+
 from . import _threading  # noqa: F401  (sets NUMBA_THREADING_LAYER before numba is imported)
 
 from llvmlite import ir  # noqa: E402
@@ -48,7 +50,7 @@ def relayout(blocks: np.ndarray, out: int, cols: int) -> tuple[np.ndarray, np.nd
     """q4.quantize's blocks of W [out, cols] -> (nib [cols, out / 2] uint8, d [cols / 32, out], m [cols / 32, out]:
     float16 bits as uint16), the same numbers by input column. out and cols multiples of 32."""
     if out % BLOCK or cols % BLOCK:
-        raise ValueError(f"Q4_1 columns need rows and columns in multiples of {BLOCK}, got {out} x {cols}")
+        raise ConfigError(f"Q4_1 columns need rows and columns in multiples of {BLOCK}, got {out} x {cols}")
     b = np.ascontiguousarray(blocks).reshape(out, cols // BLOCK, BLOCK_BYTES)
     d = np.ascontiguousarray(np.ascontiguousarray(b[..., 0:2]).view(np.uint16)[..., 0].T)
     m = np.ascontiguousarray(np.ascontiguousarray(b[..., 2:4]).view(np.uint16)[..., 0].T)

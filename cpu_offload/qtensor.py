@@ -19,6 +19,8 @@ import dataclasses
 
 import numpy as np
 
+from pjinfer.config import ConfigError
+
 from . import blocks
 
 Q4_BLOCK = 32        # weights per Q4_1 block
@@ -99,9 +101,9 @@ class QBlocks:
 
     def __post_init__(self):
         if self.kind not in blocks.KINDS:
-            raise ValueError(f"no block layout for ggml type {self.kind}")
+            raise ConfigError(f"no block layout for ggml type {self.kind}")
         if tuple(self.data.shape[1:]) != (blocks.row_bytes(self.kind, self.cols),):
-            raise ValueError(f"{blocks.name(self.kind)} data of shape {tuple(self.data.shape)} does not hold rows "
+            raise ConfigError(f"{blocks.name(self.kind)} data of shape {tuple(self.data.shape)} does not hold rows "
                              f"of {self.cols} weights")
 
     @property

@@ -41,7 +41,7 @@ from .host_decode import (H_EPS, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS, H_RUN
 from .kernels import act
 from .q4 import BLOCK
 from .qtensor import Int8Tensor
-from pjinfer.config import THRESHOLD_INPUTS
+from pjinfer.config import THRESHOLD_INPUTS, ConfigError
 
 from numba import carray, cfunc, njit, types  # noqa: E402
 
@@ -242,23 +242,23 @@ class SparseHostDecoder(decoder.HostDecoder):
         c = config
         thresholds = np.ascontiguousarray(thresholds, np.float32)
         if thresholds.shape != (c.n_layers, len(THRESHOLD_INPUTS)):
-            raise ValueError(f"thresholds must be [{c.n_layers}, {len(THRESHOLD_INPUTS)}] (layers x {', '.join(THRESHOLD_INPUTS)}), "
+            raise ConfigError(f"thresholds must be [{c.n_layers}, {len(THRESHOLD_INPUTS)}] (layers x {', '.join(THRESHOLD_INPUTS)}), "
                              f"got {list(thresholds.shape)}")
         if not (np.isfinite(thresholds).all() and (thresholds >= 0).all()):
-            raise ValueError("thresholds must be finite and >= 0")
+            raise ConfigError("thresholds must be finite and >= 0")
         if not (c.uses_rope and c.gated):
-            raise ValueError(f"sparse host decode supports Llama-family models, not {c.arch!r}")
+            raise ConfigError(f"sparse host decode supports Llama-family models, not {c.arch!r}")
         biases = [k for k in weights if k.rsplit(".", 1)[-1] in ("bq", "bk", "bv", "bo", "b_up", "b_down", "bias")]
         if biases:
-            raise ValueError(f"sparse host decode supports models without biases, this one has {biases[0]!r}")
+            raise ConfigError(f"sparse host decode supports models without biases, this one has {biases[0]!r}")
         if c.d_model % kernels.QBLOCK or c.head_dim % 2:
-            raise ValueError(f"sparse host decode needs d_model a multiple of {kernels.QBLOCK} (the int8 head) and "
+            raise ConfigError(f"sparse host decode needs d_model a multiple of {kernels.QBLOCK} (the int8 head) and "
                              f"an even head_dim, got {c.d_model} and {c.head_dim}")
         for name, n in (("d_model", c.d_model), ("n_heads * head_dim", c.n_heads * c.head_dim),
                         ("(n_heads + 2 n_kv_heads) * head_dim",
                                                   (c.n_heads + 2 * c.n_kv_heads) * c.head_dim), ("d_ff", c.d_ff)):
             if n % BLOCK:
-                raise ValueError(f"sparse host decode needs {name} to be a multiple of {BLOCK}, got {n}")
+                raise ConfigError(f"sparse host decode needs {name} to be a multiple of {BLOCK}, got {n}")
         self.config = c
         self.format = "q4_1"
         self.thresholds = thresholds

@@ -27,6 +27,8 @@ import threading
 
 import numpy as np
 
+from pjinfer.config import ConfigError
+
 from . import ffi
 from .ffi import (NOJIT, RUNTIME, R_YIELD, call_void0, load_acquire_i64, load_i64, store_i64,
                   store_release_i64)
@@ -191,7 +193,7 @@ def default_size() -> int:
     env = os.environ.get("PJINFER_HOST_THREADS")
     if env:
         if not env.isdigit() or int(env) < 1:
-            raise ValueError(f"PJINFER_HOST_THREADS must be a positive integer, got {env!r}")
+            raise ConfigError(f"PJINFER_HOST_THREADS must be a positive integer, got {env!r}")
         return int(env)
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 

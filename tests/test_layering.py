@@ -118,3 +118,15 @@ def test_every_form_of_each_activation_agrees():
             assert (want[u < 0] == 0).all() if name == "relu" else (want[g < 0] == 0).all()
     with pytest.raises(ValueError, match="unknown activation 'gelu'"):
         activations.get("gelu")
+
+
+def test_host_kernels_refuse_with_the_projects_error():
+    """cpu_offload refuses bad input with config.ConfigError (a ValueError), so every caller reports it in one
+    line the same way; a plain ValueError raised there would be the odd one out."""
+    from cpu_offload.bridge import ColdFFN
+    from pjinfer.config import ConfigError
+
+    plain = [module_name(p) for p in sources("cpu_offload") if "raise ValueError(" in p.read_text()]
+    assert not plain, plain
+    with pytest.raises(ConfigError, match="one w_up and one w_down_t per layer"):
+        ColdFFN.from_dense([], [], [])

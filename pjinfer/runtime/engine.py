@@ -81,16 +81,13 @@ class Engine:
             from cpu_offload.decoder import HostDecoder, quantize_weights
             from cpu_offload.sparse_decode import SparseHostDecoder
 
-            try:
-                if thresholds is not None:   # checks the model and lays the layers out by input column
-                    host = SparseHostDecoder(config, Float32View(weights), thresholds)
-                stored = quantize_weights(config, weights, weights_format, check=thresholds is None)
-                weights = None  # the caller's float32 copies (if any) are not kept alive by this frame
-                stored = {k: v.map(jax.device_put) if is_quantized(v) else v for k, v in stored.items()}
-                if thresholds is None:
-                    host = HostDecoder(config, stored, weights_format)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
+            if thresholds is not None:   # checks the model and lays the layers out by input column
+                host = SparseHostDecoder(config, Float32View(weights), thresholds)
+            stored = quantize_weights(config, weights, weights_format, check=thresholds is None)
+            weights = None  # the caller's float32 copies (if any) are not kept alive by this frame
+            stored = {k: v.map(jax.device_put) if is_quantized(v) else v for k, v in stored.items()}
+            if thresholds is None:
+                host = HostDecoder(config, stored, weights_format)
             weights = stored
         elif any(is_quantized(w) for w in weights.values()):
             weights = float32_weights(weights)
@@ -125,7 +122,7 @@ class Engine:
 
             try:
                 check_supported(config, tensors, weights)
-            except ValueError as e:   # said, not silent: the slower path runs
+            except ConfigError as e:   # said, not silent: the slower path runs
                 print(f"pjinfer: running float32 weights: the {weights} host decode cannot run this model ({e})",
                       file=sys.stderr)
                 weights = "float32"
