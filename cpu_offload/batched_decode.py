@@ -158,12 +158,6 @@ _stage = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True,
 
 
 @njit(**NOJIT)
-def _run(header, stage):
-    store_i64(load_i64(header + 8 * H_TASK) + 8 * K_STAGE, stage)
-    team.run(load_i64(header + 8 * H_TEAM), load_i64(header + 8 * H_STAGE), header)
-
-
-@njit(**NOJIT)
 def _layer(header, layer, nt, k_ptr, v_ptr, s_len):
     """One decoder layer for the nt compact tokens in x (updated in place); caches [MB, S, KV, hd] written at each
     token's slot and position. Each token's operations are host_decode._layer's, in its order."""
@@ -183,7 +177,7 @@ def _layer(header, layer, nt, k_ptr, v_ptr, s_len):
     for t in range(nt):
         _rmsnorm(x[t], attn_norm, eps, h[t])
         _prepare(header, h[t], xp[t])
-    _run(header, ST_QKV)
+    host_decode.run_stage(header, ST_QKV)
     inv_freq = _f32(load_i64(header + 8 * H_INV_FREQ), hd // 2)
     kv = nkv * hd
     for t in range(nt):
@@ -193,20 +187,20 @@ def _layer(header, layer, nt, k_ptr, v_ptr, s_len):
         row = 2 * (slots[t] * s_len + pos) * kv
         attention.store(qkv[t, nh * hd:nh * hd + kv], qkv[t, nh * hd + kv:nh * hd + 2 * kv],
                         carray(ptr_u16(k_ptr + row), (nkv, hd)), carray(ptr_u16(v_ptr + row), (nkv, hd)))
-    _run(header, ST_ATTN)
+    host_decode.run_stage(header, ST_ATTN)
     for t in range(nt):
         _prepare(header, att[t], xp[t])
-    _run(header, ST_O)
+    host_decode.run_stage(header, ST_O)
     for t in range(nt):
         xt, ot = x[t], o[t]
         for j in range(d):
             xt[j] += ot[j]
         _rmsnorm(xt, ffn_norm, eps, h[t])
         _prepare(header, h[t], xp[t])
-    _run(header, ST_GATE_UP)
+    host_decode.run_stage(header, ST_GATE_UP)
     for t in range(nt):
         _prepare(header, gate[t], xp[t])
-    _run(header, ST_DOWN)
+    host_decode.run_stage(header, ST_DOWN)
     for t in range(nt):
         xt, dt = x[t], down[t]
         for j in range(d):
@@ -257,7 +251,7 @@ def _execute_head(header, api, args, rets, mb, d):
     store_i64(load_i64(header + 8 * H_TASK) + 8 * K_NT, max(nt, 0))
     store_i64(load_i64(header + 8 * H_TASK) + 8 * K_OUT, out.ctypes.data)
     env = team.enter()
-    _run(header, ST_HEAD)
+    host_decode.run_stage(header, ST_HEAD)
     team.leave(env)
     unlock(load_i64(header + 8 * H_RUNTIME))
     return 0

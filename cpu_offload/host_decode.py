@@ -269,7 +269,7 @@ def attend(header, pos, k_ptr, v_ptr):
     kv = nkv * hd
     attention.store(qkv[nh * hd:nh * hd + kv], qkv[nh * hd + kv:nh * hd + 2 * kv],
                     _cache(task, K_KCACHE, pos, nkv, hd)[pos], _cache(task, K_VCACHE, pos, nkv, hd)[pos])
-    _run(header, ST_ATTN)
+    run_stage(header, ST_ATTN)
     attention.merge(pos, load_i64(load_i64(header + 8 * H_TEAM) + 8 * team.C_SIZE), scores, att.reshape((nh, hd)))
 
 
@@ -321,7 +321,8 @@ stage_cfunc = cfunc(types.void(types.int64, types.int64, types.int64), nopython=
 
 
 @njit(**NOJIT)
-def _run(header, stage):
+def run_stage(header, stage):
+    """Stage `stage` of the header's task on its team (the decoders' handlers share it: task slot 0 is the stage)."""
     store_i64(load_i64(header + 8 * H_TASK) + 8 * K_STAGE, stage)
     team.run(load_i64(header + 8 * H_TEAM), load_i64(header + 8 * H_STAGE), header)
 
@@ -338,7 +339,7 @@ def _layer(header, layer, pos, x, k_ptr, v_ptr):
 
     _rmsnorm(x, _f32(load_i64(table + 8 * L_ATTN_NORM), d), eps, h)
     _prepare(header, h)
-    _run(header, ST_QKV)
+    run_stage(header, ST_QKV)
     bias = load_i64(table + 8 * L_QKV_BIAS)
     if bias != 0:
         b = _f32(bias, qkv.shape[0])
@@ -349,14 +350,14 @@ def _layer(header, layer, pos, x, k_ptr, v_ptr):
     _rope(qkv[nh * hd:(nh + nkv) * hd], nkv, hd, inv_freq, pos)
     attend(header, pos, k_ptr, v_ptr)
     _prepare(header, att)
-    _run(header, ST_O)
+    run_stage(header, ST_O)
     for j in range(d):
         x[j] += o[j]
     _rmsnorm(x, _f32(load_i64(table + 8 * L_FFN_NORM), d), eps, h)
     _prepare(header, h)
-    _run(header, ST_GATE_UP)
+    run_stage(header, ST_GATE_UP)
     _prepare(header, gate)
-    _run(header, ST_DOWN)
+    run_stage(header, ST_DOWN)
     for j in range(d):
         x[j] += down[j]
 
@@ -368,7 +369,7 @@ def _head(header, hidden, logits_ptr):
     for j in range(d):
         h[j] = hidden[j]
     store_i64(load_i64(header + 8 * H_TASK) + 8 * K_OUT, logits_ptr)
-    _run(header, ST_HEAD)
+    run_stage(header, ST_HEAD)
 
 
 # ---------------------------------------------------------------------------------------------------------------

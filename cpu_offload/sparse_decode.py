@@ -159,7 +159,7 @@ def _sparse_run(header, stage, x, layer, k):
     """Find x's active inputs for threshold k of the layer, then run the stage on the team."""
     store_i64(load_i64(header + 8 * H_TASK) + 8 * K_COUNT,
               q4_sparse.active(x, _threshold(header, layer, k), _idx(header, x.shape[0])))
-    hd._run(header, stage)
+    hd.run_stage(header, stage)
 
 
 @njit(**NOJIT)
@@ -183,7 +183,7 @@ def _layer(header, layer, pos, x, k_ptr, v_ptr):
     _sum_partials(header, x, True)
     hd._rmsnorm(x, hd._f32(load_i64(table + 8 * L_FFN_NORM), d), eps, h)
     _sparse_run(header, ST_GATE_UP, h, layer, T_FFN)
-    hd._run(header, ST_ACT)
+    hd.run_stage(header, ST_ACT)
     _sparse_run(header, ST_DOWN, gate, layer, T_DOWN)
     _sum_partials(header, x, True)
 
