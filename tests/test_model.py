@@ -136,3 +136,12 @@ def test_n_params_counts_every_weight_of_the_model(arch, tied):
     model = Transformer(config, random_weights(config))
     assert config.n_params == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert config.kv_cache_bytes(10, 2) == 2 * config.n_layers * 10 * config.n_kv_heads * config.head_dim * 2
+
+
+def test_a_head_or_embedding_of_the_wrong_shape_is_refused():
+    """A checkpoint whose untied head is short would make the host decode read past its end: refused at build."""
+    config = tiny_config(tie_embeddings=False)
+    weights = random_weights(config)
+    weights["lm_head"] = weights["lm_head"][:-1]
+    with pytest.raises(ConfigError, match=r"output head shape \(96, 48\) does not match the config's \(97, 48\)"):
+        Transformer(config, weights)

@@ -378,8 +378,9 @@ class Transformer(nnx.Module):
         self.final_norm = Norm(weights, "final_norm", config.norm_eps)
         self.head = Head(self.embed if config.tie_embeddings else _param(weights, "lm_head"))
         expected = (config.vocab_size, config.d_model)
-        if self.embed.shape != expected:
-            raise ConfigError(f"embedding shape {self.embed.shape} does not match the config's {expected}")
+        for name, w in (("embedding", self.embed), ("output head", self.head.w)):
+            if tuple(w.shape) != expected:
+                raise ConfigError(f"{name} shape {tuple(w.shape)} does not match the config's {expected}")
 
     def __call__(self, tokens, start, cache: KVCache | None, *, capture: bool = False):
         """tokens [B, T] at positions start..start+T-1 -> final hidden states [B, T, d], updated cache.
