@@ -121,12 +121,13 @@ def test_host_decode_equals_xla_at_long_positions(fmt, wiki_512, request):
         want, want_cache = _step_logits(xla_graphdef, xla_state, token, p, start)
         got, want = np.asarray(got), np.asarray(want)
         scale = np.abs(want).max()
-        # float32 rounding only: the host sums each 64-block of int8 (or 32-block of Q4_1) products and then
-        # scales, XLA sums the dequantized products in its own order. Over 30 layers and the 49152-row head that
-        # measured at most 4.6e-6 of the largest logit (about 40 float32 ulps of it); the bound is 2^-14
-        # (128 ulps). A real fault is far larger: an attention scale of 1/sqrt(65) for 1/sqrt(64) moves it ~1e-2.
+        # Rounding only: the host sums each 64-block of int8 (or 32-block of Q4_1) products and then scales, XLA
+        # sums the dequantized products in its own order (with a float32 cache that measured at most 4.6e-6 of the
+        # largest logit). Each path then writes the step's own k and v to the float16 cache, and values a hair
+        # apart can round to neighbouring float16 steps: measured up to 6.4e-5 in a fresh process. The bound is
+        # 2^-12; a real fault is far larger: an attention scale of 1/sqrt(65) for 1/sqrt(64) moves it ~1e-2.
         err = np.abs(got - want).max() / scale
-        assert err < 2.0 ** -14, (pos, err)
+        assert err < 2.0 ** -12, (pos, err)
         assert int(np.argmax(got)) == int(np.argmax(want))
         # XLA's step equals XLA's prefill at that position (the reference itself is consistent).
         np.testing.assert_allclose(want, np.asarray(all_logits[pos]), rtol=0, atol=2.0 ** -14 * scale)
