@@ -368,7 +368,7 @@ class BatchDecoder:
             raise ConfigError(f"layer {layer} out of range [0, {c.n_layers})")
         if x.size != self.max_batch * c.d_model or pos.shape != (self.max_batch,):
             raise ConfigError(f"x must be [{self.max_batch}, {c.d_model}] and pos [{self.max_batch}], got "
-                             f"{x.shape} and {pos.shape}")
+                              f"{x.shape} and {pos.shape}")
         result = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
         call = jax.ffi.ffi_call(TARGET_NAME, result, input_output_aliases={3: 1, 4: 2})

@@ -104,7 +104,7 @@ class QBlocks:
             raise ConfigError(f"no block layout for ggml type {self.kind}")
         if tuple(self.data.shape[1:]) != (blocks.row_bytes(self.kind, self.cols),):
             raise ConfigError(f"{blocks.name(self.kind)} data of shape {tuple(self.data.shape)} does not hold rows "
-                             f"of {self.cols} weights")
+                              f"of {self.cols} weights")
 
     @property
     def shape(self) -> tuple[int, int]:

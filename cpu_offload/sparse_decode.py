@@ -243,7 +243,7 @@ class SparseHostDecoder(decoder.HostDecoder):
         thresholds = np.ascontiguousarray(thresholds, np.float32)
         if thresholds.shape != (c.n_layers, len(THRESHOLD_INPUTS)):
             raise ConfigError(f"thresholds must be [{c.n_layers}, {len(THRESHOLD_INPUTS)}] (layers x {', '.join(THRESHOLD_INPUTS)}), "
-                             f"got {list(thresholds.shape)}")
+                              f"got {list(thresholds.shape)}")
         if not (np.isfinite(thresholds).all() and (thresholds >= 0).all()):
             raise ConfigError("thresholds must be finite and >= 0")
         if not (c.uses_rope and c.gated):
@@ -253,7 +253,7 @@ class SparseHostDecoder(decoder.HostDecoder):
             raise ConfigError(f"sparse host decode supports models without biases, this one has {biases[0]!r}")
         if c.d_model % kernels.QBLOCK or c.head_dim % 2:
             raise ConfigError(f"sparse host decode needs d_model a multiple of {kernels.QBLOCK} (the int8 head) and "
-                             f"an even head_dim, got {c.d_model} and {c.head_dim}")
+                              f"an even head_dim, got {c.d_model} and {c.head_dim}")
         for name, n in (("d_model", c.d_model), ("n_heads * head_dim", c.n_heads * c.head_dim),
                         ("(n_heads + 2 n_kv_heads) * head_dim",
                                                   (c.n_heads + 2 * c.n_kv_heads) * c.head_dim), ("d_ff", c.d_ff)):
