@@ -16,8 +16,6 @@ direct call of _gemv from Python has measured 1-2 ulps apart from it).
 """
 from __future__ import annotations
 
-import numpy as np
-
 from . import _threading  # noqa: F401  (sets NUMBA_THREADING_LAYER before numba is imported)
 
 from llvmlite import ir  # noqa: E402

@@ -49,11 +49,8 @@ def dequantize_int8(q, scales) -> np.ndarray:
     return (q.astype(np.float32) * np.repeat(scales, INT8_BLOCK, axis=1)[:, :q.shape[1]]).astype(np.float32)
 
 
-@dataclasses.dataclass(frozen=True)
-class Q4Tensor:
-    """A [rows, cols] matrix as Q4_1 blocks: data uint8 [rows, cols / 32 * 20]."""
-    data: object
-    cols: int
+class _RowBlocks:
+    """What a matrix held as a file's row blocks (data uint8 [rows, row bytes], cols weights a row) knows."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -62,6 +59,13 @@ class Q4Tensor:
     @property
     def nbytes(self) -> int:
         return int(self.data.nbytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Q4Tensor(_RowBlocks):
+    """A [rows, cols] matrix as Q4_1 blocks: data uint8 [rows, cols / 32 * 20]."""
+    data: object
+    cols: int
 
     def float32(self) -> np.ndarray:
         return dequantize_q4_1(self.data, self.cols)
@@ -93,7 +97,7 @@ class Int8Tensor:
 
 
 @dataclasses.dataclass(frozen=True)
-class QBlocks:
+class QBlocks(_RowBlocks):
     """A [rows, cols] matrix as llama.cpp blocks of ggml type kind (blocks.KINDS): data uint8 [rows, row bytes]."""
     data: object
     cols: int
@@ -105,14 +109,6 @@ class QBlocks:
         if tuple(self.data.shape[1:]) != (blocks.row_bytes(self.kind, self.cols),):
             raise ConfigError(f"{blocks.name(self.kind)} data of shape {tuple(self.data.shape)} does not hold rows "
                               f"of {self.cols} weights")
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (int(self.data.shape[0]), self.cols)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.data.nbytes)
 
     def float32(self) -> np.ndarray:
         return blocks.dequantize(self.kind, np.asarray(self.data), self.cols)

@@ -11,9 +11,7 @@ import numpy as np
 
 from pjinfer.config import ConfigError
 from pjinfer.load import data
-from pjinfer.runtime import generate as gen
 from pjinfer.runtime.engine import Engine
-from pjinfer.runtime.sampling import Sampling
 
 
 def bench_prompt(engine: Engine, prompt_len: int) -> list[int]:

@@ -5,13 +5,10 @@ and achieved figures in the manifest, and prints a per-layer table.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 from pjinfer.activations import EXACT_ZERO
 from pjinfer.config import THRESHOLD_INPUTS, ConfigError
-from pjinfer.load import loader
 from pjinfer.offline import profile as prof
 from pjinfer.offline import teal
 from pjinfer.offline.bundle import THRESHOLDS, Bundle, model_record

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pjinfer.config import THRESHOLD_INPUTS, ConfigError
+from pjinfer.config import ConfigError
 from pjinfer.runtime import model as model_lib
 
 LEVELS = np.round(np.arange(0.0, 0.91, 0.05), 2)     # sparsity levels a threshold can be fitted at
