@@ -31,7 +31,7 @@ from numba import carray, cfunc, njit, types
 
 from pjinfer.config import ConfigError
 
-from . import attention, ffi, host_decode, kernels, q4, q4_gemm, team
+from . import attention, ffi, host_decode, int8, kernels, q4, q4_gemm, team, vector_ir
 from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F16, DT_F32, DT_S32,
                   ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, buffer_numel, cstr, find_table_attr, load_i32,
                   load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i32, ptr_u8, ptr_u16, store_i64, unlock)
@@ -152,7 +152,7 @@ def _stage_py(header, tid, n):
         q4_gemm.gemm_int8(w, s, h, out, _i64s(header, B_SLOTS), nt, lo, hi)
 
 
-ffi.purge_stale_cache("batched_decode", attention, kernels, ffi, q4, q4_gemm, host_decode, team)
+ffi.purge_stale_cache("batched_decode", attention, kernels, ffi, int8, q4, q4_gemm, host_decode, team, vector_ir)
 
 _stage = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True, cache=True)(_stage_py)
 

@@ -23,8 +23,8 @@ KV cache arrays (float16, [..., S, KV, hd]) are operands aliased to results: XLA
 position ``pos`` in place.
 
 Matrices are stored one row per output (a stored w_down_t is [d, d_ff], untransposed: pjinfer.runtime.model's rule for
-quantized matrices), so every stage is a GEMV over contiguous rows: ``_gemv`` (int8) takes four rows at a time against one pass over x; ``q4.gemv``
-takes one row at a time against x prepared once per stage by the caller thread (``_prepare``).
+quantized matrices), so every stage is a GEMV over contiguous rows: ``int8.gemv`` takes four rows at a time against one pass over x;
+``q4.gemv`` takes one row at a time against x prepared once per stage by the caller thread (``_prepare``).
 
 Supported: the Llama family (RMSNorm, RoPE, grouped-query attention, gated FFN, no biases but Qwen2's q/k/v ones)
 with d_model, n_heads*head_dim and d_ff multiples of 64. Anything else is refused with a ConfigError-style ValueError.
@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import attention, ffi, kernels, q4, quants, tables, team
+from . import attention, ffi, int8, kernels, q4, quants, tables, team, vector_ir
 from .ffi import (BUF_DATA, BUF_DIMS, BUF_DTYPE, BUF_RANK, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F16, DT_F32, DT_S32,
                   ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, buffer_numel, cstr,
                   last_dim, load_i32, load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i8, ptr_i32, ptr_u8, ptr_u16,
                   store_i64, unlock)
-from .kernels import QBLOCK, act, prefetch
+from .kernels import QBLOCK, act
 
 from numba import carray, cfunc, njit, types  # noqa: E402
 
@@ -67,7 +67,6 @@ MATRICES = {"wq": L_Q, "wk": L_K, "wv": L_V, "wo": L_O, "w_gate": L_GATE, "w_up"
 K_STAGE, K_LAYER, K_POS, K_KCACHE, K_VCACHE, K_OUT = range(6)
 ST_QKV, ST_ATTN, ST_O, ST_GATE_UP, ST_DOWN, ST_HEAD = range(6)
 
-PREFETCH_ROWS = 16
 _F0 = np.float32(0.0)
 _ONE = np.float32(1.0)
 _JIT = dict(fastmath=True, cache=True, nogil=True)
@@ -75,56 +74,6 @@ _JIT = dict(fastmath=True, cache=True, nogil=True)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Kernels (plain Numba; the stage function below picks each thread's share).
-
-@njit(**_JIT)
-def _gemv(w, s, x, y, lo, hi):
-    """y[r] = sum_j w[r, j] * s[r, j // 64] * x[j] for rows lo..hi-1 (int8 rows, len(x) a multiple of 64).
-
-    Four rows share each pass over x; within a 64-block the products are summed, then scaled once. The rows
-    PREFETCH_ROWS ahead are prefetched line by line: one thread then streams 2.6x faster from DRAM (4.4 -> 11.5
-    G weights/s measured on 30 x [3072, 576], 16 rows ahead; 4 ahead gave 8.2, 32 gave 7.9)."""
-    nb = x.shape[0] // QBLOCK
-    r = lo
-    while r + 4 <= hi:
-        if r + PREFETCH_ROWS + 4 <= hi:
-            for ahead in range(r + PREFETCH_ROWS, r + PREFETCH_ROWS + 4):
-                for j in range(0, x.shape[0], 64):
-                    prefetch(w, ahead, j)
-        a0 = _F0
-        a1 = _F0
-        a2 = _F0
-        a3 = _F0
-        for b in range(nb):
-            base = b * QBLOCK
-            t0 = _F0
-            t1 = _F0
-            t2 = _F0
-            t3 = _F0
-            for j in range(base, base + QBLOCK):
-                xv = x[j]
-                t0 += np.float32(w[r, j]) * xv
-                t1 += np.float32(w[r + 1, j]) * xv
-                t2 += np.float32(w[r + 2, j]) * xv
-                t3 += np.float32(w[r + 3, j]) * xv
-            a0 += t0 * s[r, b]
-            a1 += t1 * s[r + 1, b]
-            a2 += t2 * s[r + 2, b]
-            a3 += t3 * s[r + 3, b]
-        y[r] = a0
-        y[r + 1] = a1
-        y[r + 2] = a2
-        y[r + 3] = a3
-        r += 4
-    while r < hi:
-        a = _F0
-        for b in range(nb):
-            t = _F0
-            for j in range(b * QBLOCK, (b + 1) * QBLOCK):
-                t += np.float32(w[r, j]) * x[j]
-            a += t * s[r, b]
-        y[r] = a
-        r += 1
-
 
 @njit(**_JIT)
 def _rmsnorm(x, scale, eps, out):
@@ -228,7 +177,7 @@ def _matvec(header, layer, slot, rows, x, y, lo, hi):
             quants.gemv(kind, carray(ptr_u8(load_i64(entry)), (rows, quants.row_bytes(kind, cols))), x, y, lo, hi)
     else:
         w, s = _matrix(header, layer, slot, rows, cols)
-        _gemv(w, s, x, y, lo, hi)
+        int8.gemv(w, s, x, y, lo, hi)
 
 
 @njit(**NOJIT)
@@ -311,10 +260,10 @@ def _stage_py(header, tid, n):
         else:
             w = _i8(load_i64(header + 8 * H_HEAD), vocab, d)
             s = _f32_2d(load_i64(header + 8 * H_HEAD_SCALES), vocab, d // QBLOCK)
-            _gemv(w, s, h, _f32(load_i64(task + 8 * K_OUT), vocab), lo, hi)
+            int8.gemv(w, s, h, _f32(load_i64(task + 8 * K_OUT), vocab), lo, hi)
 
 
-ffi.purge_stale_cache("host_decode", attention, kernels, ffi, q4, quants, tables, team)
+ffi.purge_stale_cache("host_decode", attention, kernels, ffi, int8, q4, quants, tables, team, vector_ir)
 
 # void stage(int64 header, int64 tid, int64 n): what the team runs.
 stage_cfunc = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True, cache=True)(_stage_py)

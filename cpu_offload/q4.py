@@ -34,11 +34,12 @@ from numba import njit, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from . import ffi, kernels  # noqa: E402
+from . import ffi, kernels, vector_ir  # noqa: E402
+from .vector_ir import F32, I64, V16F, V16I8, ZERO16, hsum, load, splat, strict, vector_intrinsic  # noqa: E402
 from .qtensor import dequantize_q4_1  # noqa: E402
 from .kernels import prefetch  # noqa: E402
 
-ffi.purge_stale_cache("q4", kernels)  # prefetch is compiled into this module's cached functions
+ffi.purge_stale_cache("q4", kernels, vector_ir)  # prefetch is compiled into this module's cached functions
 
 BLOCK = 32          # weights per block
 BLOCK_BYTES = 20    # float16 d, float16 m, 16 bytes of nibbles
@@ -92,17 +93,6 @@ def prepared_size(cols):
 # ---------------------------------------------------------------------------------------------------------------
 # The kernel.
 
-_f32, _i32, _i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
-_v16f = ir.VectorType(_f32, 16)
-_v16b = ir.VectorType(ir.IntType(8), 16)
-
-
-def _vector_intrinsic(builder, name, n_args):
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_v16f, [_v16f] * n_args), f"{name}.v16f32")
-
-
-def _load(builder, addr, ty, align):
-    return builder.load(builder.inttoptr(addr, ty.as_pointer()), align=align)
 
 
 def emit_rows_dot(builder, row, nb, xls, x2s, xss):
@@ -114,37 +104,27 @@ def emit_rows_dot(builder, row, nb, xls, x2s, xss):
     dot as c x_lo + q_hi x2 (a multiply and an FMA), one FMA of d into the accumulator, m times the block sum into
     a scalar chain; finally one horizontal sum per token. (Multiplying d into c and q_hi once per block and
     keeping two accumulators per token measured no faster batched, and 1.5x slower with 8 tokens: spills.)"""
-    floor = _vector_intrinsic(builder, "llvm.floor", 1)
-    fma = _vector_intrinsic(builder, "llvm.fma", 3)
-    acc = [cgutils.alloca_once_value(builder, ir.Constant(_v16f, [0.0] * 16)) for _ in xls]  # sum of d * block dot
-    macc = [cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0)) for _ in xls]        # sum of m * block sum
-    sixteenth = ir.Constant(_v16f, [1.0 / 16] * 16)
-    lane0 = ir.Constant(ir.VectorType(_i32, 16), [0] * 16)
+    floor = vector_intrinsic(builder, "llvm.floor", 1)
+    fma = vector_intrinsic(builder, "llvm.fma", 3)
+    acc = [cgutils.alloca_once_value(builder, ZERO16) for _ in xls]             # sum of d * block dot
+    macc = [cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0)) for _ in xls]  # sum of m * block sum
+    sixteenth = ir.Constant(V16F, [1.0 / 16] * 16)
     with cgutils.for_range(builder, nb) as loop:
         b = loop.index
-        p = builder.add(row, builder.mul(b, _i64(BLOCK_BYTES)))
-        d = builder.fpext(_load(builder, p, ir.HalfType(), 1), _f32)
-        m = builder.fpext(_load(builder, builder.add(p, _i64(2)), ir.HalfType(), 1), _f32)
-        c = builder.uitofp(_load(builder, builder.add(p, _i64(4)), _v16b, 1), _v16f)
-        q_hi = builder.call(floor, [builder.fmul(c, sixteenth)])
-        d16 = builder.shuffle_vector(builder.insert_element(ir.Constant(_v16f, ir.Undefined), d, _i32(0)),
-                                     ir.Constant(_v16f, ir.Undefined), lane0)
-        off = builder.mul(b, _i64(64))  # 16 floats of x_lo / x2 per block
+        p = builder.add(row, builder.mul(b, I64(BLOCK_BYTES)))
+        d = builder.fpext(load(builder, p, ir.HalfType(), 1), F32)
+        m = builder.fpext(load(builder, builder.add(p, I64(2)), ir.HalfType(), 1), F32)
+        c = builder.uitofp(load(builder, builder.add(p, I64(4)), V16I8, 1), V16F)
+        q_hi = builder.call(floor, [strict(builder.fmul(c, sixteenth))])
+        d16 = splat(builder, d)
+        off = builder.mul(b, I64(64))  # 16 floats of x_lo / x2 per block
         for t in range(len(xls)):
-            dot = builder.call(fma, [q_hi, _load(builder, builder.add(x2s[t], off), _v16f, 4),
-                                     builder.fmul(c, _load(builder, builder.add(xls[t], off), _v16f, 4))])
+            dot = builder.call(fma, [q_hi, load(builder, builder.add(x2s[t], off), V16F, 4),
+                                     strict(builder.fmul(c, load(builder, builder.add(xls[t], off), V16F, 4)))])
             builder.store(builder.call(fma, [dot, d16, builder.load(acc[t])]), acc[t])
-            s = _load(builder, builder.add(xss[t], builder.mul(b, _i64(4))), _f32, 4)
-            builder.store(builder.fadd(builder.fmul(m, s), builder.load(macc[t])), macc[t])
-    out = []
-    for t in range(len(xls)):
-        v = builder.load(acc[t])
-        for width in (8, 4, 2, 1):  # horizontal sum, once per row
-            halves = [builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, width), list(range(k, k + width))))
-                      for k in (0, width)]
-            v = builder.fadd(*halves)
-        out.append(builder.fadd(builder.extract_element(v, _i32(0)), builder.load(macc[t])))
-    return out
+            s = load(builder, builder.add(xss[t], builder.mul(b, I64(4))), F32, 4)
+            builder.store(strict(builder.fadd(strict(builder.fmul(m, s)), builder.load(macc[t]))), macc[t])
+    return [strict(builder.fadd(hsum(builder, builder.load(acc[t])), builder.load(macc[t]))) for t in range(len(xls))]
 
 
 @intrinsic
@@ -160,9 +140,10 @@ def _row_dot(typingctx, row, nb, xl, x2, xs):
     return types.float32(types.int64, types.int64, types.int64, types.int64, types.int64), codegen
 
 
-@njit(**_JIT)
+@njit(fastmath=False, cache=True, nogil=True)
 def prepare(x, xp):
-    """xp[:cols] <- x_lo and x_hi - 16 x_lo per block (16 + 16 floats), xp[cols:cols + cols/32] <- block sums."""
+    """xp[:cols] <- x_lo and x_hi - 16 x_lo per block (16 + 16 floats), xp[cols:cols + cols/32] <- block sums.
+    Without fastmath, so each block sum is added in one order wherever this is compiled (see ``strict``)."""
     cols = x.shape[0]
     half = cols // 2
     for b in range(cols // BLOCK):

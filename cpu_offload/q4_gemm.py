@@ -8,11 +8,9 @@ token's result is the single-token GEMV's bit for bit (tests/test_batched_decode
 batch wider than GROUP re-reads the row from L1 for the next group.
 
 ``gemm_int8(w, s, x, y, y_rows, nt, lo, hi)`` is the int8 form (the output head, and layers with ``--weights int8``): it
-walks the rows in tiles of TILE rows and runs ``host_decode._gemv`` over the tile for each token in turn, so the
-tile is read from memory once and from cache nt - 1 times, and every token's result is the single-token GEMV's
-(the same loop over the same rows; tiles are multiples of 4 rows, the GEMV's row group). That equality rests on
-LLVM compiling _gemv's fastmath loop the same way inside both stage functions: the whole-step tests check it (a
-direct call of _gemv from Python has measured 1-2 ulps apart from it).
+walks the rows in tiles of TILE rows and runs ``int8.gemv`` over the tile for each token in turn, so the tile is
+read from memory once and from cache nt - 1 times, and every token's result is the single-token GEMV's bit for bit
+(each row's dot is the same IR in a fixed order, ``vector_ir``).
 """
 from __future__ import annotations
 
@@ -22,11 +20,11 @@ from llvmlite import ir  # noqa: E402
 from numba import njit, types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from . import ffi, host_decode, kernels, q4  # noqa: E402
+from . import ffi, int8, kernels, q4, vector_ir  # noqa: E402
 from .kernels import prefetch  # noqa: E402
 from .q4 import BLOCK, BLOCK_BYTES, PREFETCH_ROWS  # noqa: E402
 
-ffi.purge_stale_cache("q4_gemm", kernels, q4, host_decode, ffi)
+ffi.purge_stale_cache("q4_gemm", kernels, int8, q4, ffi, vector_ir)
 
 GROUP = 8     # tokens per pass over a row: 8 accumulators of 16 floats (AVX-512 has 32 vector registers)
 TILE = 16     # int8 rows per tile: 16 x 576 bytes sit in L1
@@ -104,7 +102,7 @@ def gemm(q, xp, y, nt, lo, hi):
 
 @njit(fastmath=True, cache=True, nogil=True)
 def gemm_int8(w, s, x, y, y_rows, nt, lo, hi):
-    """y[y_rows[t], r] = host_decode._gemv's y[r] for input x[t], t < nt, r in [lo, hi) (int8 w [rows, cols], s
+    """y[y_rows[t], r] = int8.gemv's y[r] for input x[t], t < nt, r in [lo, hi) (int8 w [rows, cols], s
     float32 [rows, cols / 64], y_rows int64 [>= nt]); lo a multiple of 4, as host_decode's thread shares are."""
     for a in range(lo, hi, TILE):
         b = min(hi, a + TILE)
@@ -112,4 +110,4 @@ def gemm_int8(w, s, x, y, y_rows, nt, lo, hi):
             for j in range(0, w.shape[1], 64):
                 prefetch(w, ahead, j)
         for t in range(nt):
-            host_decode._gemv(w, s, x[t], y[y_rows[t]], a, b)
+            int8.gemv(w, s, x[t], y[y_rows[t]], a, b)

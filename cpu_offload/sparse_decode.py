@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import attention, decoder, ffi, host_decode as hd, kernels, q4, q4_sparse, tables, team
+from . import attention, decoder, ffi, host_decode as hd, int8, kernels, q4, q4_sparse, tables, team, vector_ir
 from .ffi import (CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, ERRC_INVALID_ARGUMENT, NOJIT, RUNTIME_ADDR, cstr, load_i64,
                   lock, make_error, ptr_f32, ptr_f64, ptr_i32, ptr_u8, ptr_u16, store_i64, unlock)
 from .host_decode import (H_EPS, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS, H_RUNTIME, H_TABLE, H_TASK, H_VOCAB,
@@ -145,10 +145,10 @@ def _stage_py(header, tid, n):
         w = hd._i8(load_i64(header + 8 * hd.H_HEAD), vocab, d)
         s = hd._f32_2d(load_i64(header + 8 * hd.H_HEAD_SCALES), vocab, d // kernels.QBLOCK)
         lo, hi = hd._share(vocab, tid, n, 4)
-        hd._gemv(w, s, h, hd._f32(load_i64(task + 8 * hd.K_OUT), vocab), lo, hi)
+        int8.gemv(w, s, h, hd._f32(load_i64(task + 8 * hd.K_OUT), vocab), lo, hi)
 
 
-ffi.purge_stale_cache("sparse_decode", attention, kernels, ffi, q4, q4_sparse, tables, team, hd)
+ffi.purge_stale_cache("sparse_decode", attention, kernels, ffi, int8, q4, q4_sparse, tables, team, hd, vector_ir)
 
 _stage = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True, cache=True)(_stage_py)
 

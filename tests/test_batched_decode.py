@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cpu_offload import batched_decode as bd
-from cpu_offload import decoder, kernels, q4, q4_gemm
+from cpu_offload import decoder, int8, kernels, q4, q4_gemm
 from tests.conftest import q4_dot_tolerance, random_weights, tiny_config
 
 jax = pytest.importorskip("jax")
@@ -49,9 +49,7 @@ def test_q4_gemm_matches_float64_numpy_and_the_gemv_bit_for_bit(rows, cols, nt):
 
 @pytest.mark.parametrize("rows,cols", [(1, 64), (5, 192), (37, 576), (131, 576)])
 @pytest.mark.parametrize("nt", [1, 4, 11])
-def test_int8_gemm_matches_float64_numpy(rows, cols, nt):
-    """(Bit-for-bit equality with the single path is checked on whole steps below: _gemv's compiled loop depends on
-    the function it is inlined into, so a direct call from Python is not what the single-token head runs.)"""
+def test_int8_gemm_matches_float64_numpy_and_the_gemv_bit_for_bit(rows, cols, nt):
     seed, rng = _fresh_rng()
     q, s = decoder.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.1, 3, (rows, 1)))
     x = rng.standard_normal((nt, cols)).astype(np.float32)
@@ -65,6 +63,10 @@ def test_int8_gemm_matches_float64_numpy(rows, cols, nt):
                                    err_msg=f"seed {seed}")
         untouched = np.setdiff1d(np.arange(nt + 2), out_rows)
         assert np.isnan(got[:, :lo]).all() and np.isnan(got[:, hi:]).all() and np.isnan(y[untouched]).all(), seed
+        for t in range(nt):
+            single = np.full(rows, np.nan, np.float32)
+            int8.gemv(q, s, x[t], single, lo, hi)
+            np.testing.assert_array_equal(_bits(got[t, lo:hi]), _bits(single[lo:hi]), err_msg=f"seed {seed}")
 
 
 # ------------------------------------------------------------------------------------------------ whole steps

@@ -1,0 +1,49 @@
+"""Small LLVM IR helpers for the host kernels written as vector IR (``q4.py``, ``int8.py``).
+
+Why IR with explicit flags: Numba's fastmath gives every float operation that carries no flags all the fast-math
+flags, and with reassociation and contraction allowed LLVM may order a sum differently depending on the function
+the kernel is inlined into (a callee loaded from Numba's cache is linked, a freshly compiled one inlined). The
+single-token and the batched decode steps then came out ulps apart. Operations built through ``strict`` keep the
+order the IR states in every caller, so two paths that emit the same IR compute the same bits.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba.core import cgutils
+
+F32, I32, I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+V16F = ir.VectorType(F32, 16)
+V16I8 = ir.VectorType(ir.IntType(8), 16)
+ZERO16 = ir.Constant(V16F, [0.0] * 16)
+
+
+def strict(instr):
+    """Mark a float instruction with flags that allow no reassociation or contraction (see the module docstring)."""
+    instr.flags.extend(("nnan", "ninf"))
+    return instr
+
+
+def vector_intrinsic(builder, name: str, n_args: int):
+    """The 16 x float32 form of an LLVM intrinsic (llvm.fma, llvm.floor, ...)."""
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F] * n_args), f"{name}.v16f32")
+
+
+def load(builder, addr, ty, align):
+    """Load a ty from an integer address."""
+    return builder.load(builder.inttoptr(addr, ty.as_pointer()), align=align)
+
+
+def splat(builder, value):
+    """A float32 broadcast to 16 lanes."""
+    lane0 = ir.Constant(ir.VectorType(I32, 16), [0] * 16)
+    one = builder.insert_element(ir.Constant(V16F, ir.Undefined), value, I32(0))
+    return builder.shuffle_vector(one, ir.Constant(V16F, ir.Undefined), lane0)
+
+
+def hsum(builder, v):
+    """The 16 lanes of v summed as a fixed tree (halves, then quarters, ...)."""
+    for width in (8, 4, 2, 1):
+        halves = [builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, width), list(range(k, k + width))))
+                  for k in (0, width)]
+        v = strict(builder.fadd(*halves))
+    return builder.extract_element(v, I32(0))
