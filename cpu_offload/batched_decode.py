@@ -38,7 +38,7 @@ from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_
 from .host_decode import (F_Q4_1, H_EPS, H_FORMAT, H_HEAD, H_HEAD_SCALES, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS,
                           H_RUNTIME, H_STAGE, H_TABLE, H_TASK, H_TEAM, H_VOCAB, H_WIDTH, L_ATTN_NORM, L_DOWN,
                           L_FFN_NORM, L_GATE, L_K, L_O, L_Q, L_UP, L_V, L_WIDTH, ST_ATTN, ST_DOWN, ST_GATE_UP,
-                          ST_HEAD, ST_O, ST_QKV, _cache_rows, _dims, _f32, _matrix, _rmsnorm, _rope, _share)
+                          ST_HEAD, ST_O, ST_QKV, cache_rows, dims, f32_view, int8_matrix, rmsnorm, rope, thread_share)
 from .kernels import act
 
 
@@ -72,7 +72,7 @@ def _i64s(header, slot):
 def _bscratch(header):
     """x [MB, d], h [MB, d], qkv [MB, (H + 2 KV) hd], att [MB, H hd], o [MB, d], gate, up [MB, F], down [MB, d],
     xp [MB, q4.prepared_size(widest)]."""
-    d, nh, nkv, hd, ff = _dims(header)
+    d, nh, nkv, hd, ff = dims(header)
     return (_rows(header, B_X, d), _rows(header, B_H, d), _rows(header, B_QKV, (nh + 2 * nkv) * hd),
             _rows(header, B_ATT, nh * hd), _rows(header, B_O, d), _rows(header, B_GATE, ff),
             _rows(header, B_UP, ff), _rows(header, B_DOWN, d), _rows(header, B_XP, load_i64(header + 8 * B_PSIZE)))
@@ -93,7 +93,7 @@ def _matmul(header, layer, slot, rows, x, xp, y, nt, lo, hi):
                         (rows, q4.row_bytes(cols)))
         q4_gemm.gemm(blocks, xp, y, nt, lo, hi)
     else:
-        w, s = _matrix(header, layer, slot, rows, cols)
+        w, s = int8_matrix(header, layer, slot, rows, cols)
         q4_gemm.gemm_int8(w, s, x, y, _i64s(header, B_IDENT), nt, lo, hi)
 
 
@@ -102,10 +102,10 @@ def _stage_py(header, tid, n):
     stage = load_i64(task + 8 * K_STAGE)
     layer = load_i64(task + 8 * K_LAYER)
     nt = load_i64(task + 8 * K_NT)
-    d, nh, nkv, hd, ff = _dims(header)
+    d, nh, nkv, hd, ff = dims(header)
     x, h, qkv, att, o, gate, up, down, xp = _bscratch(header)
     if stage == ST_QKV:
-        lo, hi = _share(qkv.shape[1], tid, n, 4)
+        lo, hi = thread_share(qkv.shape[1], tid, n, 4)
         nq, nk = nh * hd, nkv * hd
         for slot, r0, r1 in ((L_Q, 0, nq), (L_K, nq, nq + nk), (L_V, nq + nk, nq + 2 * nk)):
             a, b = max(lo, r0), min(hi, r1)
@@ -119,7 +119,7 @@ def _stage_py(header, tid, n):
         scores = carray(ptr_f32(load_i64(header + 8 * B_SCORES)),
                         (load_i64(header + 8 * B_MB) * nh, load_i64(header + 8 * H_MAXLEN)))
         shares = load_i64(load_i64(header + 8 * H_TEAM) + 8 * team.C_SIZE)
-        lo, hi = _share(nt, tid, n, 1)
+        lo, hi = thread_share(nt, tid, n, 1)
         for i in range(lo, hi):
             pos = poss[i]
             base = 2 * slots[i] * s_len * nkv * hd
@@ -130,10 +130,10 @@ def _stage_py(header, tid, n):
                 attention.attend_share(q, kc, vc, pos, share, shares, sc, out)
             attention.merge(pos, shares, sc, out)
     elif stage == ST_O:
-        lo, hi = _share(d, tid, n, 4)
+        lo, hi = thread_share(d, tid, n, 4)
         _matmul(header, layer, L_O, d, att, xp, o, nt, lo, hi)
     elif stage == ST_GATE_UP:
-        lo, hi = _share(ff, tid, n, 4)
+        lo, hi = thread_share(ff, tid, n, 4)
         _matmul(header, layer, L_GATE, ff, h, xp, gate, nt, lo, hi)
         _matmul(header, layer, L_UP, ff, h, xp, up, nt, lo, hi)
         code = load_i64(header + 8 * host_decode.H_ACT)
@@ -141,14 +141,14 @@ def _stage_py(header, tid, n):
             for i in range(lo, hi):
                 gate[t, i] = act(gate[t, i], up[t, i], code)
     elif stage == ST_DOWN:
-        lo, hi = _share(d, tid, n, 4)
+        lo, hi = thread_share(d, tid, n, 4)
         _matmul(header, layer, L_DOWN, d, gate, xp, down, nt, lo, hi)
     elif stage == ST_HEAD:
         vocab = load_i64(header + 8 * H_VOCAB)
-        w = host_decode._i8(load_i64(header + 8 * H_HEAD), vocab, d)
-        s = host_decode._f32_2d(load_i64(header + 8 * H_HEAD_SCALES), vocab, d // kernels.QBLOCK)
+        w = host_decode.i8_view(load_i64(header + 8 * H_HEAD), vocab, d)
+        s = host_decode.f32_view_2d(load_i64(header + 8 * H_HEAD_SCALES), vocab, d // kernels.QBLOCK)
         out = carray(ptr_f32(load_i64(task + 8 * K_OUT)), (load_i64(header + 8 * B_MB), vocab))
-        lo, hi = _share(vocab, tid, n, 4)
+        lo, hi = thread_share(vocab, tid, n, 4)
         q4_gemm.gemm_int8(w, s, h, out, _i64s(header, B_SLOTS), nt, lo, hi)
 
 
@@ -160,8 +160,8 @@ _stage = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True,
 @njit(**NOJIT)
 def _layer(header, layer, nt, k_ptr, v_ptr, s_len):
     """One decoder layer for the nt compact tokens in x (updated in place); caches [MB, S, KV, hd] written at each
-    token's slot and position. Each token's operations are host_decode._layer's, in its order."""
-    d, nh, nkv, hd, ff = _dims(header)
+    token's slot and position. Each token's operations are host_decode.run_layer's, in its order."""
+    d, nh, nkv, hd, ff = dims(header)
     eps = np.float32(carray(ptr_f64(header + 8 * H_EPS), (1,))[0])
     x, h, qkv, att, o, gate, up, down, xp = _bscratch(header)
     slots, poss = _i64s(header, B_SLOTS), _i64s(header, B_POS)
@@ -172,18 +172,18 @@ def _layer(header, layer, nt, k_ptr, v_ptr, s_len):
     store_i64(task + 8 * K_KCACHE, k_ptr)
     store_i64(task + 8 * K_VCACHE, v_ptr)
     store_i64(task + 8 * K_S, s_len)
-    attn_norm = _f32(load_i64(table + 8 * L_ATTN_NORM), d)
-    ffn_norm = _f32(load_i64(table + 8 * L_FFN_NORM), d)
+    attn_norm = f32_view(load_i64(table + 8 * L_ATTN_NORM), d)
+    ffn_norm = f32_view(load_i64(table + 8 * L_FFN_NORM), d)
     for t in range(nt):
-        _rmsnorm(x[t], attn_norm, eps, h[t])
+        rmsnorm(x[t], attn_norm, eps, h[t])
         _prepare(header, h[t], xp[t])
     host_decode.run_stage(header, ST_QKV)
-    inv_freq = _f32(load_i64(header + 8 * H_INV_FREQ), hd // 2)
+    inv_freq = f32_view(load_i64(header + 8 * H_INV_FREQ), hd // 2)
     kv = nkv * hd
     for t in range(nt):
         pos = poss[t]
-        _rope(qkv[t, :nh * hd], nh, hd, inv_freq, pos)
-        _rope(qkv[t, nh * hd:(nh + nkv) * hd], nkv, hd, inv_freq, pos)
+        rope(qkv[t, :nh * hd], nh, hd, inv_freq, pos)
+        rope(qkv[t, nh * hd:(nh + nkv) * hd], nkv, hd, inv_freq, pos)
         row = 2 * (slots[t] * s_len + pos) * kv
         attention.store(qkv[t, nh * hd:nh * hd + kv], qkv[t, nh * hd + kv:nh * hd + 2 * kv],
                         carray(ptr_u16(k_ptr + row), (nkv, hd)), carray(ptr_u16(v_ptr + row), (nkv, hd)))
@@ -195,7 +195,7 @@ def _layer(header, layer, nt, k_ptr, v_ptr, s_len):
         xt, ot = x[t], o[t]
         for j in range(d):
             xt[j] += ot[j]
-        _rmsnorm(xt, ffn_norm, eps, h[t])
+        rmsnorm(xt, ffn_norm, eps, h[t])
         _prepare(header, h[t], xp[t])
     host_decode.run_stage(header, ST_GATE_UP)
     for t in range(nt):
@@ -264,7 +264,7 @@ def _execute(frame, api):
         return make_error(api, ERRC_INVALID_ARGUMENT, cstr("pjinfer_host_decode_batch: 'table' is not a BatchDecoder"))
     nargs, nrets = load_i64(frame + CF_NARGS), load_i64(frame + CF_NRETS)
     args, rets = load_i64(frame + CF_ARGS), load_i64(frame + CF_RETS)
-    d, nh, nkv, hd, ff = _dims(header)
+    d, nh, nkv, hd, ff = dims(header)
     mb = load_i64(header + 8 * B_MB)
     if nargs == 2 and nrets == 1:
         return _execute_head(header, api, args, rets, mb, d)
@@ -281,9 +281,9 @@ def _execute(frame, api):
             or buffer_numel(b_x, False) != mb * d or buffer_numel(r_x, False) != mb * d):
         return make_error(api, ERRC_INVALID_ARGUMENT, cstr(
             "pjinfer_host_decode_batch: layer form is (int32 [], int32 [B], f32 [B, d], f16 cache, f16 cache)"))
-    rows = _cache_rows(b_k, nkv, hd)
+    rows = cache_rows(b_k, nkv, hd)
     s_len = rows // mb
-    if (rows < mb or rows % mb or _cache_rows(b_v, nkv, hd) != rows or s_len > load_i64(header + 8 * H_MAXLEN)):
+    if (rows < mb or rows % mb or cache_rows(b_v, nkv, hd) != rows or s_len > load_i64(header + 8 * H_MAXLEN)):
         return make_error(api, ERRC_INVALID_ARGUMENT, cstr(
             "pjinfer_host_decode_batch: caches must be [B, S, kv_heads, head_dim], S at most the model's context"))
     k_ptr, v_ptr = load_i64(b_k + BUF_DATA), load_i64(b_v + BUF_DATA)

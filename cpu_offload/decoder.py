@@ -34,7 +34,7 @@ from numba import njit, prange  # noqa: E402  (ffi sets the threading layer firs
 _F0, _ONE = np.float32(0.0), np.float32(1.0)
 
 
-_HEADERS: list[np.ndarray] = []  # every header ever made; never freed (executables hold their address)
+HEADERS: list[np.ndarray] = []  # every header ever made; never freed (executables hold their address)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -233,7 +233,7 @@ class HostDecoder:
         header[H_FORMAT] = FORMATS[fmt]
         header[H_HEAD_KIND] = head_kind
         header[H_MAGIC] = MAGIC
-        _HEADERS.append(header)
+        HEADERS.append(header)
         self.address = int(header.ctypes.data)
         self.table = tables.register_table(self.address)  # what the calls pass (an index, see tables.TABLES)
         ffi.register(TARGET_NAME, handler_cfunc)

@@ -76,7 +76,7 @@ _JIT = dict(fastmath=True, cache=True, nogil=True)
 # Kernels (plain Numba; the stage function below picks each thread's share).
 
 @njit(**_JIT)
-def _rmsnorm(x, scale, eps, out):
+def rmsnorm(x, scale, eps, out):
     ss = _F0
     for j in range(x.shape[0]):
         ss += x[j] * x[j]
@@ -86,7 +86,7 @@ def _rmsnorm(x, scale, eps, out):
 
 
 @njit(**_JIT)
-def _rope(v, heads, hd, inv_freq, pos):
+def rope(v, heads, hd, inv_freq, pos):
     """Rotate-half RoPE in place on v = [heads * hd] at position pos (pjinfer.runtime.model.rope's layout)."""
     half = hd // 2
     for i in range(half):
@@ -104,48 +104,48 @@ def _rope(v, heads, hd, inv_freq, pos):
 # Views of the host memory a header describes.
 
 @njit(**NOJIT)
-def _i8(addr, rows, cols):
+def i8_view(addr, rows, cols):
     return carray(ptr_i8(addr), (rows, cols))
 
 
 @njit(**NOJIT)
-def _f32(addr, n):
+def f32_view(addr, n):
     return carray(ptr_f32(addr), (n,))
 
 
 @njit(**NOJIT)
-def _f32_2d(addr, rows, cols):
+def f32_view_2d(addr, rows, cols):
     return carray(ptr_f32(addr), (rows, cols))
 
 
 @njit(**NOJIT)
-def _dims(header):
+def dims(header):
     return (load_i64(header + 8 * H_D), load_i64(header + 8 * H_HEADS), load_i64(header + 8 * H_KV),
             load_i64(header + 8 * H_HD), load_i64(header + 8 * H_FF))
 
 
 @njit(**NOJIT)
-def _scratch(header):
+def scratch(header):
     """The float32 working vectors: h [d], qkv [(H + 2 KV) hd], att [H hd], o [d], gate [F], up [F], down [d],
     scores [H, max_len], then (Q4_1 only) the prepared GEMV input xp [q4.prepared_size(max(d, H hd, F))]."""
-    d, nh, nkv, hd, ff = _dims(header)
+    d, nh, nkv, hd, ff = dims(header)
     base = load_i64(header + 8 * H_SCRATCH)
     nqkv = (nh + 2 * nkv) * hd
     sizes = (d, nqkv, nh * hd, d, ff, ff, d)
     views = []
     off = base
     for n in sizes:
-        views.append(_f32(off, n))
+        views.append(f32_view(off, n))
         off += 4 * n
-    scores = _f32_2d(off, nh, load_i64(header + 8 * H_MAXLEN))
+    scores = f32_view_2d(off, nh, load_i64(header + 8 * H_MAXLEN))
     return views[0], views[1], views[2], views[3], views[4], views[5], views[6], scores
 
 
 @njit(**NOJIT)
 def _prepared(header, cols):
-    """The Q4_1 GEMV input scratch, sized for an input of cols: right after _scratch's last view."""
-    scores = _scratch(header)[7]
-    return _f32(scores.ctypes.data + 4 * scores.size, q4.prepared_size(cols))
+    """The Q4_1 GEMV input scratch, sized for an input of cols: right after scratch's last view."""
+    scores = scratch(header)[7]
+    return f32_view(scores.ctypes.data + 4 * scores.size, q4.prepared_size(cols))
 
 
 @njit(**NOJIT)
@@ -156,10 +156,10 @@ def _prepare(header, x):
 
 
 @njit(**NOJIT)
-def _matrix(header, layer, slot, rows, cols):
+def int8_matrix(header, layer, slot, rows, cols):
     table = load_i64(header + 8 * H_TABLE) + 8 * L_WIDTH * layer
-    return (_i8(load_i64(table + 8 * slot), rows, cols),
-            _f32_2d(load_i64(table + 8 * (slot + 1)), rows, cols // QBLOCK))
+    return (i8_view(load_i64(table + 8 * slot), rows, cols),
+            f32_view_2d(load_i64(table + 8 * (slot + 1)), rows, cols // QBLOCK))
 
 
 @njit(**NOJIT)
@@ -176,12 +176,12 @@ def _matvec(header, layer, slot, rows, x, y, lo, hi):
         else:
             quants.gemv(kind, carray(ptr_u8(load_i64(entry)), (rows, quants.row_bytes(kind, cols))), x, y, lo, hi)
     else:
-        w, s = _matrix(header, layer, slot, rows, cols)
+        w, s = int8_matrix(header, layer, slot, rows, cols)
         int8.gemv(w, s, x, y, lo, hi)
 
 
 @njit(**NOJIT)
-def _share(rows, tid, n, step):
+def thread_share(rows, tid, n, step):
     """Thread tid's rows [lo, hi) of n equal shares, each a multiple of step."""
     chunk = ((rows + n - 1) // n + step - 1) // step * step
     lo = min(rows, tid * chunk)
@@ -199,8 +199,8 @@ def attend_stage(header, tid, n):
     """The ATTN stage (thread tid of n): attention.attend_share over the task's caches, q from the qkv scratch."""
     task = load_i64(header + 8 * H_TASK)
     pos = load_i64(task + 8 * K_POS)  # < the cache length <= max_len, checked by the handler
-    d, nh, nkv, hd, ff = _dims(header)
-    h, qkv, att, o, gate, up, down, scores = _scratch(header)
+    d, nh, nkv, hd, ff = dims(header)
+    h, qkv, att, o, gate, up, down, scores = scratch(header)
     attention.attend_share(qkv[:nh * hd].reshape((nh, hd)), _cache(task, K_KCACHE, pos, nkv, hd),
                            _cache(task, K_VCACHE, pos, nkv, hd), pos, tid, n, scores, att.reshape((nh, hd)))
 
@@ -209,8 +209,8 @@ def attend_stage(header, tid, n):
 def attend(header, pos, k_ptr, v_ptr):
     """The layer's attention after RoPE: writes k and v (from the qkv scratch) into the caches at pos as float16,
     runs the ATTN stage on the team and merges its partials into the att scratch."""
-    d, nh, nkv, hd, ff = _dims(header)
-    h, qkv, att, o, gate, up, down, scores = _scratch(header)
+    d, nh, nkv, hd, ff = dims(header)
+    h, qkv, att, o, gate, up, down, scores = scratch(header)
     task = load_i64(header + 8 * H_TASK)
     store_i64(task + 8 * K_POS, pos)
     store_i64(task + 8 * K_KCACHE, k_ptr)
@@ -226,10 +226,10 @@ def _stage_py(header, tid, n):
     task = load_i64(header + 8 * H_TASK)
     stage = load_i64(task + 8 * K_STAGE)
     layer = load_i64(task + 8 * K_LAYER)
-    d, nh, nkv, hd, ff = _dims(header)
-    h, qkv, att, o, gate, up, down, scores = _scratch(header)
+    d, nh, nkv, hd, ff = dims(header)
+    h, qkv, att, o, gate, up, down, scores = scratch(header)
     if stage == ST_QKV:  # q, k and v are three matrices; the team splits their rows as one
-        lo, hi = _share(qkv.shape[0], tid, n, 4)
+        lo, hi = thread_share(qkv.shape[0], tid, n, 4)
         nq, nk = nh * hd, nkv * hd
         for slot, r0, r1 in ((L_Q, 0, nq), (L_K, nq, nq + nk), (L_V, nq + nk, nq + 2 * nk)):
             a, b = max(lo, r0), min(hi, r1)
@@ -238,29 +238,29 @@ def _stage_py(header, tid, n):
     elif stage == ST_ATTN:
         attend_stage(header, tid, n)
     elif stage == ST_O:
-        lo, hi = _share(d, tid, n, 4)
+        lo, hi = thread_share(d, tid, n, 4)
         _matvec(header, layer, L_O, d, att, o, lo, hi)
     elif stage == ST_GATE_UP:
-        lo, hi = _share(ff, tid, n, 4)
+        lo, hi = thread_share(ff, tid, n, 4)
         _matvec(header, layer, L_GATE, ff, h, gate, lo, hi)
         _matvec(header, layer, L_UP, ff, h, up, lo, hi)
         code = load_i64(header + 8 * H_ACT)
         for i in range(lo, hi):
             gate[i] = act(gate[i], up[i], code)
     elif stage == ST_DOWN:
-        lo, hi = _share(d, tid, n, 4)
+        lo, hi = thread_share(d, tid, n, 4)
         _matvec(header, layer, L_DOWN, d, gate, down, lo, hi)
     elif stage == ST_HEAD:
         vocab = load_i64(header + 8 * H_VOCAB)
-        lo, hi = _share(vocab, tid, n, 4)
+        lo, hi = thread_share(vocab, tid, n, 4)
         kind = load_i64(header + 8 * H_HEAD_KIND)
         if kind:  # GGUF blocks (quants.py)
             blocks = carray(ptr_u8(load_i64(header + 8 * H_HEAD)), (vocab, quants.row_bytes(kind, d)))
-            quants.gemv(kind, blocks, h, _f32(load_i64(task + 8 * K_OUT), vocab), lo, hi)
+            quants.gemv(kind, blocks, h, f32_view(load_i64(task + 8 * K_OUT), vocab), lo, hi)
         else:
-            w = _i8(load_i64(header + 8 * H_HEAD), vocab, d)
-            s = _f32_2d(load_i64(header + 8 * H_HEAD_SCALES), vocab, d // QBLOCK)
-            int8.gemv(w, s, h, _f32(load_i64(task + 8 * K_OUT), vocab), lo, hi)
+            w = i8_view(load_i64(header + 8 * H_HEAD), vocab, d)
+            s = f32_view_2d(load_i64(header + 8 * H_HEAD_SCALES), vocab, d // QBLOCK)
+            int8.gemv(w, s, h, f32_view(load_i64(task + 8 * K_OUT), vocab), lo, hi)
 
 
 ffi.purge_stale_cache("host_decode", attention, kernels, ffi, int8, q4, quants, tables, team, vector_ir)
@@ -277,32 +277,32 @@ def run_stage(header, stage):
 
 
 @njit(**NOJIT)
-def _layer(header, layer, pos, x, k_ptr, v_ptr):
+def run_layer(header, layer, pos, x, k_ptr, v_ptr):
     """One decoder layer for one token, x [d] updated in place; caches [S, KV, hd] written at pos."""
-    d, nh, nkv, hd, ff = _dims(header)
+    d, nh, nkv, hd, ff = dims(header)
     eps = np.float32(carray(ptr_f64(header + 8 * H_EPS), (1,))[0])
-    h, qkv, att, o, gate, up, down, scores = _scratch(header)
+    h, qkv, att, o, gate, up, down, scores = scratch(header)
     table = load_i64(header + 8 * H_TABLE) + 8 * L_WIDTH * layer
     task = load_i64(header + 8 * H_TASK)
     store_i64(task + 8 * K_LAYER, layer)
 
-    _rmsnorm(x, _f32(load_i64(table + 8 * L_ATTN_NORM), d), eps, h)
+    rmsnorm(x, f32_view(load_i64(table + 8 * L_ATTN_NORM), d), eps, h)
     _prepare(header, h)
     run_stage(header, ST_QKV)
     bias = load_i64(table + 8 * L_QKV_BIAS)
     if bias != 0:
-        b = _f32(bias, qkv.shape[0])
+        b = f32_view(bias, qkv.shape[0])
         for j in range(qkv.shape[0]):
             qkv[j] += b[j]
-    inv_freq = _f32(load_i64(header + 8 * H_INV_FREQ), hd // 2)
-    _rope(qkv[:nh * hd], nh, hd, inv_freq, pos)
-    _rope(qkv[nh * hd:(nh + nkv) * hd], nkv, hd, inv_freq, pos)
+    inv_freq = f32_view(load_i64(header + 8 * H_INV_FREQ), hd // 2)
+    rope(qkv[:nh * hd], nh, hd, inv_freq, pos)
+    rope(qkv[nh * hd:(nh + nkv) * hd], nkv, hd, inv_freq, pos)
     attend(header, pos, k_ptr, v_ptr)
     _prepare(header, att)
     run_stage(header, ST_O)
     for j in range(d):
         x[j] += o[j]
-    _rmsnorm(x, _f32(load_i64(table + 8 * L_FFN_NORM), d), eps, h)
+    rmsnorm(x, f32_view(load_i64(table + 8 * L_FFN_NORM), d), eps, h)
     _prepare(header, h)
     run_stage(header, ST_GATE_UP)
     _prepare(header, gate)
@@ -312,9 +312,9 @@ def _layer(header, layer, pos, x, k_ptr, v_ptr):
 
 
 @njit(**NOJIT)
-def _head(header, hidden, logits_ptr):
+def run_head(header, hidden, logits_ptr):
     d = load_i64(header + 8 * H_D)
-    h = _scratch(header)[0]
+    h = scratch(header)[0]
     for j in range(d):
         h[j] = hidden[j]
     store_i64(load_i64(header + 8 * H_TASK) + 8 * K_OUT, logits_ptr)
@@ -328,7 +328,7 @@ def _head(header, hidden, logits_ptr):
 # - head:  (hidden f32 [d elements]) -> logits f32 [vocab elements].
 
 @njit(**NOJIT)
-def _cache_rows(buf, nkv, hd):
+def cache_rows(buf, nkv, hd):
     """S of a [..., S, KV, hd] cache buffer, or -1 when its shape does not end in (KV, hd)."""
     rank = load_i64(buf + BUF_RANK)
     if rank < 3 or last_dim(buf) != hd:
@@ -355,7 +355,7 @@ def head_operands(api, args, rets, header):
 def layer_operands(api, args, rets, header):
     """The layer form's operands checked (dtypes, shapes, aliasing, layer and position ranges) and x copied to the
     result: (error or 0, layer, pos, the result x's address, the k and v caches' addresses)."""
-    d, nh, nkv, hd, ff = _dims(header)
+    d, nh, nkv, hd, ff = dims(header)
     b_layer, b_pos, b_x = load_i64(args), load_i64(args + 8), load_i64(args + 16)
     b_k, b_v = load_i64(args + 24), load_i64(args + 32)
     r_x, r_k, r_v = load_i64(rets), load_i64(rets + 8), load_i64(rets + 16)
@@ -366,8 +366,8 @@ def layer_operands(api, args, rets, header):
             or buffer_numel(b_x, False) != d or buffer_numel(r_x, False) != d):
         return make_error(api, ERRC_INVALID_ARGUMENT, cstr(
             "host decode: layer form is (int32 [], int32 [], f32 [d], f16 cache, f16 cache)")), 0, 0, 0, 0, 0
-    length = _cache_rows(b_k, nkv, hd)
-    if length < 1 or _cache_rows(b_v, nkv, hd) != length or length > load_i64(header + 8 * H_MAXLEN):
+    length = cache_rows(b_k, nkv, hd)
+    if length < 1 or cache_rows(b_v, nkv, hd) != length or length > load_i64(header + 8 * H_MAXLEN):
         return make_error(api, ERRC_INVALID_ARGUMENT, cstr(
             "host decode: caches must be [..., S, kv_heads, head_dim], S at most the model's context")), 0, 0, 0, 0, 0
     k_ptr, v_ptr = load_i64(b_k + BUF_DATA), load_i64(b_v + BUF_DATA)
@@ -380,7 +380,7 @@ def layer_operands(api, args, rets, header):
         return make_error(api, ERRC_OUT_OF_RANGE, cstr("host decode: layer index out of range")), 0, 0, 0, 0, 0
     if pos < 0 or pos >= length:
         return make_error(api, ERRC_OUT_OF_RANGE, cstr("host decode: position outside the cache")), 0, 0, 0, 0, 0
-    x_in, x = _f32(load_i64(b_x + BUF_DATA), d), _f32(load_i64(r_x + BUF_DATA), d)
+    x_in, x = f32_view(load_i64(b_x + BUF_DATA), d), f32_view(load_i64(r_x + BUF_DATA), d)
     for j in range(d):
         x[j] = x_in[j]
     return 0, layer, pos, load_i64(r_x + BUF_DATA), k_ptr, v_ptr
@@ -399,7 +399,7 @@ def _execute(frame, api):
             return err
         lock(load_i64(header + 8 * H_RUNTIME))
         env = team.enter()
-        _head(header, _f32(x_ptr, load_i64(header + 8 * H_D)), out_ptr)
+        run_head(header, f32_view(x_ptr, load_i64(header + 8 * H_D)), out_ptr)
         team.leave(env)
         unlock(load_i64(header + 8 * H_RUNTIME))
         return 0
@@ -411,7 +411,7 @@ def _execute(frame, api):
         return err
     lock(load_i64(header + 8 * H_RUNTIME))
     env = team.enter()
-    _layer(header, layer, pos, _f32(x_ptr, load_i64(header + 8 * H_D)), k_ptr, v_ptr)
+    run_layer(header, layer, pos, f32_view(x_ptr, load_i64(header + 8 * H_D)), k_ptr, v_ptr)
     team.leave(env)
     unlock(load_i64(header + 8 * H_RUNTIME))
     return 0

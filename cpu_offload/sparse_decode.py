@@ -70,7 +70,7 @@ def _matvec(header, layer, slot, cols, x, count, y, acc, tid, n):
     nib = carray(ptr_u8(load_i64(table)), (cols, out // 2))
     d = carray(ptr_u16(load_i64(table + 8)), (cols // BLOCK, out))
     m = carray(ptr_u16(load_i64(table + 16)), (cols // BLOCK, out))
-    b0, b1 = hd._share(cols // BLOCK, tid, n, 1)
+    b0, b1 = hd.thread_share(cols // BLOCK, tid, n, 1)
     q4_sparse.matvec(nib, d, m, _idx(header, cols), count, x, y, acc, b0, b1)
 
 
@@ -114,8 +114,8 @@ def _stage_py(header, tid, n):
     stage = load_i64(task + 8 * K_STAGE)
     layer = load_i64(task + 8 * K_LAYER)
     count = load_i64(task + 8 * K_COUNT)
-    d, nh, nkv, hd_, ff = hd._dims(header)
-    h, qkv, att, o, gate, up, down, scores = hd._scratch(header)
+    d, nh, nkv, hd_, ff = hd.dims(header)
+    h, qkv, att, o, gate, up, down, scores = hd.scratch(header)
     # The matrix stages split the input blocks: each thread streams its own columns into its own partial y.
     if stage == ST_QKV:
         nq = qkv.shape[0]
@@ -130,7 +130,7 @@ def _stage_py(header, tid, n):
     elif stage == ST_ACT:
         parts = _partials(header, n, 2 * ff)
         code = load_i64(header + 8 * hd.H_ACT)
-        lo, hi = hd._share(ff, tid, n, 16)
+        lo, hi = hd.thread_share(ff, tid, n, 16)
         for i in range(lo, hi):
             g = parts[0, i]
             u = parts[0, ff + i]
@@ -142,10 +142,10 @@ def _stage_py(header, tid, n):
         _matvec(header, layer, L_DOWN, ff, gate, count, _partials(header, n, d)[tid], _acc(header, tid, d), tid, n)
     elif stage == ST_HEAD:
         vocab = load_i64(header + 8 * H_VOCAB)
-        w = hd._i8(load_i64(header + 8 * hd.H_HEAD), vocab, d)
-        s = hd._f32_2d(load_i64(header + 8 * hd.H_HEAD_SCALES), vocab, d // kernels.QBLOCK)
-        lo, hi = hd._share(vocab, tid, n, 4)
-        int8.gemv(w, s, h, hd._f32(load_i64(task + 8 * hd.K_OUT), vocab), lo, hi)
+        w = hd.i8_view(load_i64(header + 8 * hd.H_HEAD), vocab, d)
+        s = hd.f32_view_2d(load_i64(header + 8 * hd.H_HEAD_SCALES), vocab, d // kernels.QBLOCK)
+        lo, hi = hd.thread_share(vocab, tid, n, 4)
+        int8.gemv(w, s, h, hd.f32_view(load_i64(task + 8 * hd.K_OUT), vocab), lo, hi)
 
 
 ffi.purge_stale_cache("sparse_decode", attention, kernels, ffi, int8, q4, q4_sparse, tables, team, hd, vector_ir)
@@ -164,23 +164,23 @@ def _sparse_run(header, stage, x, layer, k):
 @njit(**NOJIT)
 def _layer(header, layer, pos, x, k_ptr, v_ptr):
     """One decoder layer for one token, x [d] updated in place; caches [S, KV, hd] written at pos."""
-    d, nh, nkv, hd_, ff = hd._dims(header)
+    d, nh, nkv, hd_, ff = hd.dims(header)
     eps = np.float32(carray(ptr_f64(header + 8 * H_EPS), (1,))[0])
-    h, qkv, att, o, gate, up, down, scores = hd._scratch(header)
+    h, qkv, att, o, gate, up, down, scores = hd.scratch(header)
     table = load_i64(header + 8 * H_TABLE) + 8 * L_WIDTH * layer
     task = load_i64(header + 8 * H_TASK)
     store_i64(task + 8 * K_LAYER, layer)
 
-    hd._rmsnorm(x, hd._f32(load_i64(table + 8 * L_ATTN_NORM), d), eps, h)
+    hd.rmsnorm(x, hd.f32_view(load_i64(table + 8 * L_ATTN_NORM), d), eps, h)
     _sparse_run(header, ST_QKV, h, layer, T_ATTN)
     _sum_partials(header, qkv, False)
-    inv_freq = hd._f32(load_i64(header + 8 * H_INV_FREQ), hd_ // 2)
-    hd._rope(qkv[:nh * hd_], nh, hd_, inv_freq, pos)
-    hd._rope(qkv[nh * hd_:(nh + nkv) * hd_], nkv, hd_, inv_freq, pos)
+    inv_freq = hd.f32_view(load_i64(header + 8 * H_INV_FREQ), hd_ // 2)
+    hd.rope(qkv[:nh * hd_], nh, hd_, inv_freq, pos)
+    hd.rope(qkv[nh * hd_:(nh + nkv) * hd_], nkv, hd_, inv_freq, pos)
     hd.attend(header, pos, k_ptr, v_ptr)
     _sparse_run(header, ST_O, att, layer, T_O)
     _sum_partials(header, x, True)
-    hd._rmsnorm(x, hd._f32(load_i64(table + 8 * L_FFN_NORM), d), eps, h)
+    hd.rmsnorm(x, hd.f32_view(load_i64(table + 8 * L_FFN_NORM), d), eps, h)
     _sparse_run(header, ST_GATE_UP, h, layer, T_FFN)
     hd.run_stage(header, ST_ACT)
     _sparse_run(header, ST_DOWN, gate, layer, T_DOWN)
@@ -200,7 +200,7 @@ def _execute(frame, api):
         if err != 0:
             return err
         lock(load_i64(header + 8 * H_RUNTIME))
-        hd._head(header, hd._f32(x_ptr, load_i64(header + 8 * hd.H_D)), out_ptr)
+        hd.run_head(header, hd.f32_view(x_ptr, load_i64(header + 8 * hd.H_D)), out_ptr)
         unlock(load_i64(header + 8 * H_RUNTIME))
         return 0
     if nargs != 5 or nrets != 3:
@@ -210,7 +210,7 @@ def _execute(frame, api):
     if err != 0:
         return err
     lock(load_i64(header + 8 * H_RUNTIME))
-    _layer(header, layer, pos, hd._f32(x_ptr, load_i64(header + 8 * hd.H_D)), k_ptr, v_ptr)
+    _layer(header, layer, pos, hd.f32_view(x_ptr, load_i64(header + 8 * hd.H_D)), k_ptr, v_ptr)
     unlock(load_i64(header + 8 * H_RUNTIME))
     return 0
 
@@ -289,7 +289,7 @@ class SparseHostDecoder(decoder.HostDecoder):
         nqkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
         widest = max(c.d_model, c.n_heads * c.head_dim, c.d_ff)
         scratch = np.zeros(3 * c.d_model + nqkv + c.n_heads * c.head_dim + 2 * c.d_ff
-                           + c.n_heads * c.max_seq_len, np.float32)  # host_decode._scratch's views
+                           + c.n_heads * c.max_seq_len, np.float32)  # host_decode.scratch's views
         task = np.zeros(8, np.int64)
         task[K_THREADS] = self.team.size
         header = np.zeros(HEADER_WIDTH, np.int64)
@@ -307,7 +307,7 @@ class SparseHostDecoder(decoder.HostDecoder):
         header[[hd.H_STAGE, H_RUNTIME]] = [_stage.address, RUNTIME_ADDR]
         header[hd.H_FORMAT] = hd.F_Q4_1
         header[H_MAGIC] = MAGIC
-        decoder._HEADERS.append(header)
+        decoder.HEADERS.append(header)
         self.address = int(header.ctypes.data)
         self.table = tables.register_table(self.address)  # what the calls pass (an index, see tables.TABLES)
         ffi.register(TARGET_NAME, _handler)

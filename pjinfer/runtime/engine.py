@@ -173,7 +173,7 @@ class Engine:
         cache_len = min(gen.bucket(total, gen.MIN_CACHE_BUCKET), self.config.max_seq_len)
         return min(gen.bucket(prompt_len, gen.MIN_PROMPT_BUCKET), cache_len), cache_len
 
-    def _stop_ids(self, stop_ids) -> jnp.ndarray:
+    def stop_tokens(self, stop_ids) -> jnp.ndarray:
         ids = list(self.tokenizer.eos_ids if stop_ids is None else stop_ids)[:gen.MAX_STOP_IDS]
         return jnp.array(ids + [-1] * (gen.MAX_STOP_IDS - len(ids)), jnp.int32)
 
@@ -198,7 +198,7 @@ class Engine:
         max_new_tokens)."""
         padded, planned = self.plan(len(prompt_ids), max_new_tokens)
         cache_len = planned if cache_len is None else max(cache_len, planned)
-        stops = self._stop_ids(stop_ids)
+        stops = self.stop_tokens(stop_ids)
         out, n = gen.generate_tokens(
             self.graphdef, self.state, self.pad_prompt(prompt_ids, padded), jnp.int32(len(prompt_ids)),
             jax.random.key(sampling.seed), sampling.params(), jnp.int32(max_new_tokens), stops,
@@ -210,7 +210,7 @@ class Engine:
                stop_ids=None) -> Iterator[int]:
         """Yields generated ids one by one (prefill, then one jitted decode step per token)."""
         _, cache_len = self.plan(len(prompt_ids), max_new_tokens)
-        stops = set(np.asarray(self._stop_ids(stop_ids)).tolist())
+        stops = set(np.asarray(self.stop_tokens(stop_ids)).tolist())
         params = sampling.params()
         key, sub = jax.random.split(jax.random.key(sampling.seed))
         token, cache = self.prefill(prompt_ids, cache_len=cache_len, sampling=sampling, key=sub)

@@ -116,7 +116,7 @@ class Scheduler:
                 continue
             taken = {e.state.slot for e in self._active if e.state is not None}
             slot = min(set(range(self.max_active)) - taken)
-            entry.stops = frozenset(self.engine._stop_ids(job.stop_ids).tolist())
+            entry.stops = frozenset(self.engine.stop_tokens(job.stop_ids).tolist())
             try:
                 entry.state = self.batch.start(slot, job.prompt_ids, job.max_tokens, job.sampling)
             except Exception as e:            # the engine refusing, or a bug: the job ends, the server goes on
