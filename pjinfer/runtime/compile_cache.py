@@ -1,6 +1,9 @@
-"""Process-wide JAX set-up: the persistent compilation cache, and counting what gets compiled."""
+"""Process-wide JAX set-up: the persistent compilation cache, memory given back after compiling, and counting what
+gets compiled."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 from pathlib import Path
 
@@ -25,6 +28,26 @@ def enable_compilation_cache(path: Path | None = None) -> Path:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # every executable, small ones too
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+_trimming = False
+
+
+def trim_after_compiles() -> None:
+    """After every executable XLA builds or reads from disk, hand the heap memory it freed back to the OS
+    (glibc's malloc_trim): glibc keeps it otherwise, and what each executable leaves adds up in peak RSS
+    (docs/performance.md, "Memory"). Once per process; nothing to do where the C library is not glibc."""
+    global _trimming
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if _trimming or libc is None or not hasattr(libc, "malloc_trim"):
+        return
+
+    def trim(event: str, duration: float, **kwargs):
+        if event == _BACKEND:
+            libc.malloc_trim(0)
+    jax.monitoring.register_event_duration_secs_listener(trim)
+    _trimming = True
 
 
 class CompileStats:

@@ -106,10 +106,11 @@ class Engine:
         """The model at `path` (default: the embedded SmolLM2-135M), ready to generate. weights: a format or
         "auto" (resolve_weights). bundle: a sparse bundle to run with. compile_cache: keep compiled executables
         on disk (runtime.enable_compilation_cache), so the next process does not compile again."""
-        start = time.perf_counter()
-        if compile_cache:
-            from pjinfer.runtime.compile_cache import enable_compilation_cache
+        from pjinfer.runtime.compile_cache import enable_compilation_cache, trim_after_compiles
 
+        start = time.perf_counter()
+        trim_after_compiles()
+        if compile_cache:
             enable_compilation_cache()
         if weights not in WEIGHT_CHOICES:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {weights!r}")
