@@ -257,9 +257,12 @@ def test_sparse_perplexity_is_the_masked_models_and_stays_near_dense(engine, spa
     sparse, reference, dense = (e.token_logprobs(tokens)[0] for e in (sparse_engine, masked_reference, engine))
     ppl = lambda logp: float(np.exp(-logp.mean()))
     # End to end the rounding differences flip a few predictor decisions that sit at the threshold, and a flip
-    # in an early layer moves later ones: measured 21.18 against 21.02 (0.8%); most tokens agree to 1e-4 nats.
+    # moves every later position's inputs, so only the tokens before the first flip agree to rounding: measured
+    # 21.18 against 21.02 (0.8%) on one machine, a median gap of 0.0034 nats on another (Intel, AVX512-FP16,
+    # whose XLA rounds differently). Exactness on the same inputs is test_sparse_layers_equal_the_masked_model_...
+    diff = np.abs(sparse - reference)
     assert ppl(sparse) == pytest.approx(ppl(reference), rel=0.03)
-    assert np.median(np.abs(sparse - reference)) < 1e-4
+    assert diff[:8].max() < 1e-4 and np.median(diff) < 0.02, (diff[:8], np.median(diff))
     # Quality: this quick bundle skips about a tenth of the neurons and misses 10-15% of the active ones, which
     # costs about 60% perplexity here (measured 13.18 dense, 21.2 sparse on this window; `make bundle`'s
     # predictors keep task accuracy, see README). The bound is 2x dense; and the sparse model is not dense.
@@ -279,9 +282,9 @@ def test_skipped_share_is_what_the_predictors_skip(sparse_engine, small_bundle, 
 def test_sparse_greedy_generate_follows_the_masked_model(sparse_engine, masked_reference, wiki_window):
     # The jitted generate (prefill, then the while_loop of one-token steps: per-token hot gather and the cold
     # rows through the FFI): every token it picks is the masked reference's argmax given the tokens before it, or
-    # a near tie of it (scored in one float32 pass; generate's float16 cache rounds k and v, which moves the
+    # a runner-up close to it (scored in one float32 pass; generate's float16 cache rounds k and v, which moves the
     # logits by about 1e-3 and flips predictor decisions at their threshold: on this prompt 1 of the 8 picks is
-    # a runner-up, 0.15 below the best).
+    # a runner-up, 0.15 below the best on one machine and 0.98 below on another). A wrong path picks far from it.
     prompt = sparse_engine.tokenizer.encode("The capital of France is", add_special=False)
     got = sparse_engine.generate(prompt, max_new_tokens=8, stop_ids=[])
     assert len(got) == 8
@@ -289,7 +292,8 @@ def test_sparse_greedy_generate_follows_the_masked_model(sparse_engine, masked_r
     logits = np.asarray(reference.logits(reference.forward_sequence(jnp.asarray([prompt + got]))[0]))
     logits = logits[len(prompt) - 1:-1]
     picked, best = logits[np.arange(8), got], logits.max(-1)
-    assert (best - picked <= 0.5).all() and (picked == best).sum() >= 6, best - picked
+    rank = (logits > picked[:, None]).sum(-1)
+    assert (best - picked <= 1.5).all() and (rank <= 2).all() and (picked == best).sum() >= 6, best - picked
 
 
 def test_real_model_pallas_interpret_decode_step(engine, small_bundle):
@@ -305,6 +309,10 @@ def test_real_model_pallas_interpret_decode_step(engine, small_bundle):
         models[backend] = nnx.merge(sparse.graphdef, sparse.state)
         out[backend], jaxprs[backend] = decode_steps(models[backend], tokens, reference=models.get("xla"))
     assert "pallas_call" in jaxprs["pallas-interpret"] and "pallas_call" not in jaxprs["xla"]
-    # Within a step the two paths write k and v a rounding apart, which the float16 cache can round to
-    # neighbouring steps (test_host_decode's tolerance).
-    np.testing.assert_allclose(out["pallas-interpret"], out["xla"], rtol=1e-3, atol=5e-4 * np.abs(out["xla"]).max())
+    # The two paths sum the hot rows in other orders, so a layer's output differs by rounding and can move a
+    # predictor decision that sits at its threshold in a later layer (each flip moves logits by about 1e-3 of their
+    # largest: 34 of 147456 logits measured 0.021 apart on a machine whose XLA rounds differently, the first step
+    # 0.0027 apart at most).
+    scale = np.abs(out["xla"]).max()
+    np.testing.assert_allclose(out["pallas-interpret"], out["xla"], rtol=1e-3, atol=5e-3 * scale)
+    assert (np.abs(out["pallas-interpret"] - out["xla"]) > 1e-3 * scale).mean() < 1e-3

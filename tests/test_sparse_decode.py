@@ -164,12 +164,13 @@ def test_calibrate_and_q4_1_bundle_bad_input_get_one_line(tmp_path, capsys):
 
 def test_real_model_host_decode_equals_xla_with_the_same_thresholds():
     """The default model, thresholds of the calibrated magnitudes (about 20-40% of each input skipped): each decode
-    step, run by the host and by XLA on the same cache (fed XLA's greedy tokens, then fixed ones), picks the same
-    token, and most steps' logits agree to float rounding. The others differ by up to 0.85 of 20: within a step
-    each path writes its own float16 k and v, a value the two compute a hair apart can round to neighbouring
-    float16 steps, and an input within that of its threshold lands on different sides in a later layer. (For the
-    same reason free-running greedy texts of the two paths can part: on this prompt after 7 tokens, on a 0.25
-    margin; even XLA eager and jitted part there.)"""
+    step, run by the host and by XLA on the same cache (fed XLA's greedy tokens, then fixed ones), agrees to float
+    rounding in most steps, and picks the same token in all but at most one. The others differ: within a step each
+    path writes its own float16 k and v, a value the two compute a hair apart can round to neighbouring float16
+    steps, and an input within that of its threshold lands on different sides in a later layer (measured: up to
+    0.85 of 20 on one machine; on another, one step of 15 by 3.7 of 29, which changed its pick). For the same
+    reason free-running greedy texts of the two paths can part: on this prompt after 7 tokens, on a 0.25 margin;
+    even XLA eager and jitted part there. A wrong rule in either path differs at nearly every step."""
     from pjinfer.load import loader
 
     config, weights, tokenizer = loader.load(None)
@@ -182,15 +183,17 @@ def test_real_model_host_decode_equals_xla_with_the_same_thresholds():
     model, reference = nnx.merge(host.graphdef, host.state), nnx.merge(xla.graphdef, xla.state)
     feed = [*tokens[:-1], 11, 260, 314, 1000]
     _, cache = xla.prefill(prompt, cache_len=xla.plan(len(prompt), len(feed) + 1)[1])
-    exact = 0
+    exact = same_pick = 0
     for i, t in enumerate(feed):
         got, _ = model.decode(jnp.int32(t), len(prompt) + i, cache)
         want, cache = reference.decode(jnp.int32(t), len(prompt) + i, cache)
         got, want = np.asarray(got), np.asarray(want)
-        assert np.argmax(got) == np.argmax(want)
-        np.testing.assert_allclose(got, want, atol=0.06 * np.abs(want).max())
-        exact += np.allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-    assert exact >= len(feed) // 2
+        np.testing.assert_allclose(got, want, atol=0.25 * np.abs(want).max())
+        close = np.allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        assert not close or np.argmax(got) == np.argmax(want)
+        exact += close
+        same_pick += np.argmax(got) == np.argmax(want)
+    assert exact >= len(feed) // 2 and same_pick >= len(feed) - 1, (exact, same_pick)
 
 
 def test_a_threshold_bundle_is_the_engine_path_that_runs(engine, tmp_path, capsys):
