@@ -123,19 +123,21 @@ def test_a_score_equal_to_the_threshold_is_active(tmp_path, tiny):
 
 
 def masked_reference(model, fc1, fc2, tokens, threshold):
-    """The dense model with each layer's FFN neurons outside PowerInfer's predicted set zeroed."""
-    x = model.embed[...][tokens]
+    """The dense model with each layer's FFN neurons outside PowerInfer's predicted set zeroed: its logits, and
+    the share of neurons predicted active."""
+    x, density = model.embed[...][tokens], []
     for l, layer in enumerate(model.layers):
         h = x + layer.attn(layer.attn_norm(x), 0, None, None)[0]
         act = layer.ffn.neurons(layer.ffn_norm(h))
         mask, _ = reference_active(fc1[l], fc2[l], np.asarray(h).reshape(-1, h.shape[-1]), threshold)
         x = h + (act * mask.reshape(act.shape)) @ layer.ffn.w_down_t[...]
-    return model.logits(model.final_norm(x))
+        density.append(mask.mean())
+    return model.logits(model.final_norm(x)), float(np.mean(density))
 
 
 def test_bundle_runs_the_sparse_engine_as_the_masked_dense_model(tmp_path, tiny):
     from pjinfer.runtime.engine import Engine
-    from pjinfer.runtime.sparse import SparseFFN
+    from pjinfer.runtime.sparse import SparseFFN, skipped_share
 
     config, weights, fc1, fc2 = tiny
     hot = np.random.default_rng(1).random((config.n_layers, config.d_ff)) < 0.5
@@ -148,12 +150,15 @@ def test_bundle_runs_the_sparse_engine_as_the_masked_dense_model(tmp_path, tiny)
     model, reference = nnx.merge(sparse.graphdef, sparse.state), nnx.merge(dense.graphdef, dense.state)
     assert all(isinstance(layer.ffn, SparseFFN) for layer in model.layers)
     f1, f2 = [w.astype(np.float32) for w in fc1], [w.astype(np.float32) for w in fc2]
-    for tokens in (jnp.asarray([[5, 17, 42, 7, 99, 3]]), jnp.asarray([[64]])):   # many tokens, and one
+    for tokens in (jnp.asarray([[64]]), jnp.asarray([[5, 17, 42, 7, 99, 3]])):   # one token, and many
         got = model.logits(model.forward_sequence(tokens))
-        want = masked_reference(reference, f1, f2, tokens, 0.0)
+        want, density = masked_reference(reference, f1, f2, tokens, 0.0)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
         full = reference.logits(reference.forward_sequence(tokens))
         assert np.abs(np.asarray(full) - np.asarray(want)).max() > 1e-3   # the mask does change the result
+        assert 0.1 < density < 0.9
+    # What the bench and perplexity report as skipped: the same predictions, from the residual stream.
+    assert skipped_share(sparse, tokens[0].tolist()) == pytest.approx(1 - density, abs=1e-6)
 
 
 def test_placement_comes_from_powerinfers_gpu_index(tmp_path, tiny):
@@ -187,6 +192,7 @@ def test_command_imports_and_refuses_bad_files_in_one_line(tmp_path, tiny, capsy
         "layers": (dict(fc1=fc1[:1], fc2=fc2[:1]), "its predictors cover layers 0-0 (1); the model has 2 layers"),
         "extra": (dict(fc1=fc1 * 2, fc2=fc2 * 2), "cover layers 0-3 (4); the model has 2 layers"),
         "arch": (dict(arch="falcon"), "unsupported GGUF architecture 'falcon'"),
+        "qwen2": (dict(arch="qwen2"), "is a qwen2 model (swiglu): PowerInfer's predictors go with"),
         "bucket": (dict(hot="bucket"), "blk.0.gpu_bucket does not list the neurons"),
     }
     for name, (change, message) in bad.items():

@@ -49,6 +49,12 @@ LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_
 def layer_types(path: str | os.PathLike | None = None) -> set[str] | None:
     """The ggml type names of the layer matrices of the GGUF at `path` (default: the embedded model), or None for
     an HF directory or a file the loader will refuse. Reads the header only."""
+    found = _layer_tensors(path)
+    return None if found is None else {kind for name, kind in found if name in LAYER_MATRICES}
+
+
+def _layer_tensors(path) -> set[tuple[str, str]] | None:
+    """{(name within the layer, ggml type name)} of the GGUF's blk.N tensors, or None (see layer_types)."""
     import gguf
 
     from pjinfer.load.gguf_file import GGUFError, GGUFFile
@@ -60,15 +66,8 @@ def layer_types(path: str | os.PathLike | None = None) -> set[str] | None:
         reader = GGUFFile(path)
     except (GGUFError, ValueError, OSError):
         return None
-    return {gguf.GGMLQuantizationType(t.type).name for t in reader.tensors
-            if t.name.startswith("blk.") and t.name.split(".")[2] in LAYER_MATRICES}
-
-
-def _layer_tensor_names(path) -> set[str]:
-    from pjinfer.load.gguf_file import GGUFFile
-
-    return {t.name.split(".")[2] for t in GGUFFile(Path(path) if path else default_model_path()).tensors
-            if t.name.startswith("blk.")}
+    return {(t.name.split(".")[2], gguf.GGMLQuantizationType(t.type).name) for t in reader.tensors
+            if t.name.startswith("blk.") and t.name.split(".")[2] in LAYER_MATRICES + ("ffn_down_t",)}
 
 
 def stored_format(path: str | os.PathLike | None = None) -> str | None:
@@ -77,8 +76,9 @@ def stored_format(path: str | os.PathLike | None = None) -> str | None:
     (float or other block types, HF directories, or a file the loader will refuse). Reads the header only."""
     from cpu_offload.blocks import BY_NAME
 
-    kinds = layer_types(path)
-    if not kinds or "ffn_down_t" in _layer_tensor_names(path):
+    found = _layer_tensors(path)
+    kinds = {kind for name, kind in found or () if name in LAYER_MATRICES}
+    if not kinds or any(name == "ffn_down_t" for name, _ in found):
         return None  # PowerInfer's transposed down matrix: no host kernel reads it as stored
     if kinds == {"Q4_1"}:
         return "q4_1"
@@ -173,17 +173,23 @@ def _gguf_tokenizer(reader, config: ModelConfig) -> Tokenizer:
         add_bos=bool(field("tokenizer.ggml.add_bos_token", False)))
 
 
-def gguf_header(path: Path):
-    """(reader, config) of the GGUF at `path`: its metadata and memory-mapped tensors, no weight read yet. A file
-    that is not a GGUF, or whose architecture pjinfer cannot run, is refused in one line."""
+def open_gguf(path: Path, what: str = "model"):
+    """The GGUFFile at `path` (metadata and memory-mapped tensors); a missing or unreadable file is refused in
+    one line that calls it `what`."""
     from pjinfer.load.gguf_file import GGUFError, GGUFFile
 
     if not path.is_file():
-        raise ConfigError(f"model not found: {path}")
+        raise ConfigError(f"{what} not found: {path}")
     try:
-        reader = GGUFFile(path)
+        return GGUFFile(path)
     except (GGUFError, ValueError, OSError) as e:
-        raise ConfigError(f"cannot read GGUF file {path}: it is truncated or not a GGUF model ({e})") from None
+        raise ConfigError(f"cannot read {what} {path}: it is truncated or not a GGUF file ({e})") from None
+
+
+def gguf_header(path: Path):
+    """(reader, config) of the GGUF model at `path`, no weight read yet. A file that is not a GGUF, or whose
+    architecture pjinfer cannot run, is refused in one line."""
+    reader = open_gguf(path)
     return reader, _gguf_config(reader, path)
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from pjinfer.config import ConfigError, ModelConfig
-from pjinfer.load.loader import PLACEMENT_TENSORS, PREDICTOR_TENSORS
+from pjinfer.load.loader import PLACEMENT_TENSORS, PREDICTOR_TENSORS, open_gguf
 
 SPARSE_THRESHOLD = "powerinfer.sparse_threshold"
 GPU_INDEX_SUFFIX = ".generated.gpuidx"      # where PowerInfer caches the placement it solved for a model file
@@ -134,15 +134,7 @@ def gpu_index_path(model: Path, given: str | Path | None = None) -> Path | None:
 
 def read_gpu_index(path: Path, config: ModelConfig) -> np.ndarray:
     """The placement in a PowerInfer GPU index file (FILE.generated.gpuidx)."""
-    from pjinfer.load.gguf_file import GGUFError, GGUFFile
-
-    if not path.is_file():
-        raise ConfigError(f"GPU index not found: {path}")
-    try:
-        reader = GGUFFile(path)
-    except (GGUFError, ValueError, OSError) as e:
-        raise ConfigError(f"cannot read GPU index {path}: it is truncated or not a GGUF file ({e})") from None
-    hot = read_placement(reader, config, path)
+    hot = read_placement(open_gguf(path, "GPU index"), config, path)
     if hot is None:
         raise ConfigError(f"{path.name} has no gpu_idx tensors: not a PowerInfer GPU index")
     return hot

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pjinfer.config import ConfigError
 from pjinfer.load import powerinfer
 from pjinfer.load.loader import gguf_header
 from pjinfer.offline.bundle import Bundle, model_record
@@ -34,6 +35,9 @@ def read(model: Path, gpu_index=None):
     MODEL.generated.gpuidx beside the file), else the model file's own gpu_idx tensors."""
     reader, config = gguf_header(model)
     predictors = powerinfer.read_predictors(reader, config, model)
+    if config.activation not in ("reglu", "drelu"):
+        raise ConfigError(f"{model.name} is a {reader.fields.get('general.architecture')} model ({config.activation}): "
+                          "PowerInfer's predictors go with its ReLU-family llama and bamboo files")
     index = powerinfer.gpu_index_path(model, gpu_index)
     if index is not None:
         return config, predictors, powerinfer.read_gpu_index(index, config), index
