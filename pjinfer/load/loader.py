@@ -197,6 +197,7 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks
     import sys
 
     reader, config = gguf_header(path)
+    tokenizer = _gguf_tokenizer(reader, config)   # an unsupported tokenizer is refused before any weight is read
     arch = reader.fields.get("general.architecture")
     names = {"token_embd.weight": "embed", "output.weight": "lm_head", "output_norm.weight": "final_norm.scale"}
     per_layer = {"attn_norm.weight": "attn_norm.scale", "ffn_norm.weight": "ffn_norm.scale",
@@ -232,7 +233,7 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks
         print(f"pjinfer: layer matrices of type {', '.join(sorted(dequantized))} are dequantized at load and "
               + ("stored as Q8_0 (no host kernel reads that type)" if keep_blocks else
                  "re-quantized to Q4_1 (--weights q4_1 reads Q4_1 blocks only)"), file=sys.stderr)
-    return config, weights, _gguf_tokenizer(reader, config)
+    return config, weights, tokenizer
 
 
 def _gguf_weight(t, name: str, config: ModelConfig, path: Path, *, permuted: bool, keep_q4_1: bool,
