@@ -90,6 +90,22 @@ def test_file_loads_as_the_dense_relu_model(tmp_path, tiny):
         loader.load(tmp_path / "m.powerinfer.gguf", keep_q4_1=True)
 
 
+def test_file_computes_what_transformers_relu_llama_computes(tmp_path):
+    """The dense reference: transformers' LlamaForCausalLM with hidden_act relu (down(relu(gate x) * up x)), written
+    in PowerInfer's layout (plus predictors it does not use) and run by pjinfer."""
+    from tests.test_hf_loader import ATOL, _hf_model, _torch_logits, forward_logits, random_ids, write_tokenizer
+
+    model = _hf_model("llama", seed=17, hidden_act="relu", vocab_size=262)   # write_tiny_gguf's vocabulary
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    write_tokenizer(tmp_path / "hf")
+    config, weights, _ = loader.load(tmp_path / "hf")
+    write_powerinfer(tmp_path / "m.gguf", config, weights, *powerinfer_predictors(config))
+    config, weights, _ = loader.load(tmp_path / "m.gguf")
+    assert config.activation == "reglu"
+    ids = random_ids(18)
+    np.testing.assert_allclose(forward_logits(config, weights, ids), _torch_logits(model, ids), atol=ATOL)
+
+
 def test_imported_predictors_decide_as_powerinfer(tmp_path, tiny):
     config, weights, fc1, fc2 = tiny
     for threshold in (None, 0.05):     # absent: PowerInfer's default 0; ProSparse-style files set one
