@@ -10,6 +10,7 @@ from flax import nnx
 from pjinfer.cli.main import main
 from pjinfer.config import ConfigError
 from pjinfer.load import loader
+from pjinfer.load.gguf_file import GGUFFile
 from pjinfer.offline.bundle import Bundle
 from pjinfer.offline.powerinfer import run_import
 from tests.conftest import random_weights, tiny_config
@@ -184,6 +185,7 @@ def test_placement_comes_from_powerinfers_gpu_index(tmp_path, tiny):
     write_powerinfer(path, config, weights, fc1, fc2, hot=in_file)
     hot = np.random.default_rng(2).random((config.n_layers, config.d_ff)) < 0.3
     write_gpu_index(tmp_path / "m.powerinfer.gguf.generated.gpuidx", hot)     # PowerInfer's cache beside the file
+    assert {t.type for t in GGUFFile(tmp_path / "m.powerinfer.gguf.generated.gpuidx").tensors} == {18}
     bundle = run_import(path, tmp_path / "b1", out=lambda *_: None)
     np.testing.assert_array_equal(bundle.load_stage("placement")["hot"], hot)
     write_gpu_index(tmp_path / "modern.gpuidx", ~hot, powerinfer_int32=False)  # int32 as today's gguf numbers it
