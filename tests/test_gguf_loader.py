@@ -25,10 +25,13 @@ def permute_like_llama_cpp(w, n_heads):
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, config, weights, *, arch="llama", quantize=False, layer_type=None):
+def write_tiny_gguf(path, config, weights, *, arch="llama", quantize=False, layer_type=None, down_t=False,
+                    extra=None, fields=None, magic=None):
     """quantize: every matrix Q8_0; layer_type (a gguf.GGMLQuantizationType): the layers' matrices in it instead,
     or a function of the canonical name giving each matrix's type (None: float32). K types are written by
-    tests/kquants.py (gguf has no quantizer for them)."""
+    tests/kquants.py (gguf has no quantizer for them). PowerInfer's layout: down_t writes blk.N.ffn_down_t
+    [d_ff, d] instead of ffn_down, extra {GGUF name: array} adds tensors as they are, fields {key: float} adds
+    float32 metadata, and magic (b"PWRI") overwrites the file's first four bytes, as PowerInfer's converters do."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokens = specials + byte_level_vocab() + ["Ġt", "he", "Ġthe"]
     merges = ["Ġ t", "h e", "Ġt he"]
@@ -62,16 +65,21 @@ def write_tiny_gguf(path, config, weights, *, arch="llama", quantize=False, laye
     per_layer = {"attn_norm.scale": "attn_norm", "ffn_norm.scale": "ffn_norm", "wq": "attn_q", "wk": "attn_k",
                  "wv": "attn_v", "wo": "attn_output", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down_t": "ffn_down"}
     biases = {"bq": "attn_q", "bk": "attn_k", "bv": "attn_v"}  # Qwen2's
+    for key, number in (fields or {}).items():
+        w.add_float32(key, number)
+    permuted = arch in ("llama", "bamboo")             # llama.cpp permutes Llama's q/k rows, not Qwen2's
     for name, value in weights.items():
         if name.startswith("layers."):
             _, i, rest = name.split(".", 2)
             gname = f"blk.{i}.{biases[rest]}.bias" if rest in biases else f"blk.{i}.{per_layer[rest]}.weight"
         else:
             gname = names[name]
-        if rest_is(name, "wq") and arch == "llama":    # llama.cpp permutes Llama's q/k rows, not Qwen2's
+        if rest_is(name, "wq") and permuted:
             value = permute_like_llama_cpp(value, config.n_heads)
-        elif rest_is(name, "wk") and arch == "llama":
+        elif rest_is(name, "wk") and permuted:
             value = permute_like_llama_cpp(value, config.n_kv_heads)
+        elif rest_is(name, "w_down_t") and down_t:
+            gname = gname.replace("ffn_down", "ffn_down_t")
         elif rest_is(name, "w_down_t"):
             value = np.ascontiguousarray(value.T)
         kind = None
@@ -84,10 +92,15 @@ def write_tiny_gguf(path, config, weights, *, arch="llama", quantize=False, laye
             w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=kind)
         else:
             w.add_tensor(gname, value)
+    for gname, value in (extra or {}).items():
+        w.add_tensor(gname, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    if magic:
+        with open(path, "r+b") as f:
+            f.write(magic)
     return config, weights
 
 

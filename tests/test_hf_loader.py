@@ -204,7 +204,7 @@ def _hf_model(kind: str, seed: int, **cfg):
     torch.manual_seed(seed)
     if kind == "llama":
         config = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=D, intermediate_size=FF, num_hidden_layers=LAYERS,
+            vocab_size=cfg.pop("vocab_size", VOCAB), hidden_size=D, intermediate_size=FF, num_hidden_layers=LAYERS,
             num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=MAX_POS, **cfg)
         model = transformers.LlamaForCausalLM(config)
     elif kind == "qwen2":

@@ -206,7 +206,7 @@ class MaskedFFN(nnx.Module):
     def __init__(self, ffn, predictor):
         self.ffn, self.predictor = ffn, predictor
 
-    def __call__(self, x):
+    def __call__(self, x, residual=None):
         y = (self.ffn.neurons(x) * self.predictor.active(x)) @ self.ffn.w_down_t[...]
         return y if self.ffn.b_down is None else y + self.ffn.b_down[...]
 

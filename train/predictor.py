@@ -20,6 +20,9 @@ RANK_STEP = 16            # ranks are multiples of 16: full vector lanes and GPU
 BLOCK = 256               # tokens per split block: one profiled window, so held-back blocks are unseen text
 SPLIT_CYCLE = 10          # of every 10 blocks: 8 train, 1 validation, 1 test
 RECALL_MARGIN = 0.005     # calibrate a little above the target so held-back recall clears it too
+# What a predictor reads: the FFN's input (after the layer's FFN norm; what pjinfer's profiler records and trains
+# on), or the residual stream before that norm (PowerInfer's predictors, imported from its GGUF files).
+INPUTS = ("ffn_in", "residual")
 
 
 class Threshold(nnx.Variable):
@@ -29,12 +32,15 @@ class Threshold(nnx.Variable):
 
 class Predictor(nnx.Module):
     """logits = up(relu(down(x))): d_model -> rank -> n_ff. A neuron is predicted active when its
-    logit exceeds the calibrated threshold."""
+    logit exceeds the calibrated threshold. `reads` (one of INPUTS, not a weight) says which input x is."""
 
-    def __init__(self, d_model: int, n_ff: int, rank: int, *, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, n_ff: int, rank: int, *, rngs: nnx.Rngs, reads: str = "ffn_in"):
+        if reads not in INPUTS:
+            raise ValueError(f"unknown predictor input {reads!r} (known: {', '.join(INPUTS)})")
         self.down = nnx.Linear(d_model, rank, use_bias=False, rngs=rngs)
         self.up = nnx.Linear(rank, n_ff, rngs=rngs)
         self.threshold = Threshold(jnp.zeros((), jnp.float32))
+        self.reads = reads
 
     @property
     def rank(self) -> int:

@@ -1,4 +1,5 @@
-"""Command line: `pjinfer generate | chat | serve | perplexity | bench | eval | profile | train-predictors | solve`.
+"""Command line: `pjinfer generate | chat | serve | perplexity | bench | eval | profile | train-predictors | solve |
+import-powerinfer`.
 
 Every subcommand defaults to the embedded model (SmolLM2-135M-Instruct)."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""`pjinfer profile`, `calibrate`, `train-predictors` and `solve`: the offline pipeline's stages, each adding
-its part to a sparse bundle."""
+"""`pjinfer profile`, `calibrate`, `train-predictors`, `solve` and `import-powerinfer`: the offline pipeline's
+stages, each adding its part to a sparse bundle."""
 from __future__ import annotations
 
 from pjinfer.cli import common
@@ -39,6 +39,14 @@ def add_commands(command) -> None:
     p.add_argument("--cpu-bandwidth", type=float, default=12e9, help="bytes/s of the CPU's cold-neuron kernels")
     p.add_argument("--device-bandwidth", type=float, default=2e12, help="bytes/s of the accelerator's memory")
     p.add_argument("--sync-us", type=float, default=20.0, help="one host-accelerator synchronisation, microseconds")
+
+    p = command("import-powerinfer", cmd_import_powerinfer,
+                "a PowerInfer GGUF's own predictors (and its neuron placement, when it has one) as a bundle's "
+                "predictors and placement stages")
+    p.add_argument("--bundle", required=True, help="bundle directory (created if absent)")
+    p.add_argument("--gpu-index", help="PowerInfer's GPU index (gpu_idx / gpu_bucket tensors) to take the placement "
+                                       "from (default: MODEL.generated.gpuidx beside the model when it exists, else "
+                                       "the model file's own gpu_idx tensors)")
 
 
 def cmd_profile(args):
@@ -91,3 +99,13 @@ def cmd_solve(args):
     common.check_bundle(args, args.bundle)
     stages.run_solve(common.load(args), args.bundle, device_memory=device_memory, kv_tokens=args.kv_tokens,
                       batch=args.batch, hardware=hardware)
+
+
+def cmd_import_powerinfer(args):
+    from pathlib import Path
+
+    from pjinfer.load.loader import default_model_path
+    from pjinfer.offline import powerinfer
+
+    powerinfer.run_import(Path(args.model) if args.model else default_model_path(), args.bundle,
+                          gpu_index=args.gpu_index)

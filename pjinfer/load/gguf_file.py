@@ -5,7 +5,8 @@ the default model's 49k-token vocabulary and merges. Here numeric arrays are one
 string array one pass over its bytes (tens of ms). Tensor data is never copied: ``Tensor.data`` is a view of
 the file's memory map (uint8 [rows, row bytes] for block-quantized types, the element type otherwise), so the
 pages are read when used and shared with the page cache. The format: github.com/ggml-org/ggml docs/gguf.md
-(version 2 and 3: little-endian, 64-bit counts).
+(version 2 and 3: little-endian, 64-bit counts). PowerInfer's converters and its GPU-index writer overwrite the
+magic with "PWRI" and leave the rest a GGUF; such a file reads the same, with `powerinfer` set.
 """
 from __future__ import annotations
 
@@ -16,12 +17,16 @@ from pathlib import Path
 import numpy as np
 
 MAGIC = b"GGUF"
+POWERINFER_MAGIC = b"PWRI"   # SJTU-IPADS/PowerInfer: convert.py, powerinfer-py/powerinfer/export_split.py
 # Metadata value types -> numpy dtypes (8 = string, 9 = array are handled apart).
 _SCALARS = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
             7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 T_STRING, T_ARRAY = 8, 9
 # Tensor types with a plain element type; every other one is read as raw blocks.
 _PLAIN = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64, 28: np.float64}
+# PowerInfer's ggml numbered its integer types 16-18 (its gguf-py: I8 = 16, I16 = 17, I32 = 18; llama.cpp later
+# moved them to 24-26 and gave 16-18 to IQ types), so its GPU index stores gpu_idx as type 18: a PWRI file reads so.
+_POWERINFER_PLAIN = {16: np.int8, 17: np.int16, 18: np.int32}
 
 
 class GGUFError(ValueError):
@@ -96,7 +101,7 @@ class _Cursor:
 
 class GGUFFile:
     """fields: metadata key -> value (str, int, float, bool, list of str, or numpy array for long numeric
-    arrays); tensors: list of Tensor in file order."""
+    arrays); tensors: list of Tensor in file order; powerinfer: the file carries PowerInfer's magic."""
 
     def __init__(self, path: str | Path):
         import gguf  # block sizes of the quantized types
@@ -104,8 +109,10 @@ class GGUFFile:
         path = Path(path)
         self.mmap = np.memmap(path, dtype=np.uint8, mode="r")
         cur = _Cursor(memoryview(self.mmap))
-        if bytes(self.mmap[:4]) != MAGIC:
+        magic = bytes(self.mmap[:4])
+        if magic not in (MAGIC, POWERINFER_MAGIC):
             raise GGUFError("no GGUF magic")
+        self.powerinfer = magic == POWERINFER_MAGIC
         cur.pos = 4
         version = cur.take("I")
         if version not in (2, 3):
@@ -123,10 +130,11 @@ class GGUFFile:
         align = int(self.fields.get("general.alignment", 32))
         start = -(-cur.pos // align) * align
         self.tensors = []
+        plain = _PLAIN | (_POWERINFER_PLAIN if self.powerinfer else {})
         for name, ne, kind, offset in infos:
             shape = tuple(int(n) for n in reversed(ne))
-            if kind in _PLAIN:
-                dtype = np.dtype(_PLAIN[kind])
+            if kind in plain:
+                dtype = np.dtype(plain[kind])
                 nbytes, view_shape = int(np.prod(shape)) * dtype.itemsize, shape
             else:
                 try:

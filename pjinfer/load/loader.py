@@ -49,6 +49,12 @@ LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_
 def layer_types(path: str | os.PathLike | None = None) -> set[str] | None:
     """The ggml type names of the layer matrices of the GGUF at `path` (default: the embedded model), or None for
     an HF directory or a file the loader will refuse. Reads the header only."""
+    found = _layer_tensors(path)
+    return None if found is None else {kind for name, kind in found if name in LAYER_MATRICES}
+
+
+def _layer_tensors(path) -> set[tuple[str, str]] | None:
+    """{(name within the layer, ggml type name)} of the GGUF's blk.N tensors, or None (see layer_types)."""
     import gguf
 
     from pjinfer.load.gguf_file import GGUFError, GGUFFile
@@ -60,8 +66,8 @@ def layer_types(path: str | os.PathLike | None = None) -> set[str] | None:
         reader = GGUFFile(path)
     except (GGUFError, ValueError, OSError):
         return None
-    return {gguf.GGMLQuantizationType(t.type).name for t in reader.tensors
-            if t.name.startswith("blk.") and t.name.split(".")[2] in LAYER_MATRICES}
+    return {(t.name.split(".")[2], gguf.GGMLQuantizationType(t.type).name) for t in reader.tensors
+            if t.name.startswith("blk.") and t.name.split(".")[2] in LAYER_MATRICES + ("ffn_down_t",)}
 
 
 def stored_format(path: str | os.PathLike | None = None) -> str | None:
@@ -70,9 +76,10 @@ def stored_format(path: str | os.PathLike | None = None) -> str | None:
     (float or other block types, HF directories, or a file the loader will refuse). Reads the header only."""
     from cpu_offload.blocks import BY_NAME
 
-    kinds = layer_types(path)
-    if not kinds:
-        return None
+    found = _layer_tensors(path)
+    kinds = {kind for name, kind in found or () if name in LAYER_MATRICES}
+    if not kinds or any(name == "ffn_down_t" for name, _ in found):
+        return None  # PowerInfer's transposed down matrix: no host kernel reads it as stored
     if kinds == {"Q4_1"}:
         return "q4_1"
     return "gguf" if kinds <= set(BY_NAME) else None
@@ -97,8 +104,16 @@ def load(path: str | os.PathLike | None = None, *, progress=None, keep_q4_1: boo
 
 # ---------------------------------------------------------------- GGUF
 GGML_Q4_1, GGML_Q8_0 = 3, 8
-# general.architecture values read; Qwen2 runs as the Llama family with q/k/v biases (ModelConfig arch "llama").
-GGUF_ARCHITECTURES = ("llama", "qwen2")
+# general.architecture values read; Qwen2 runs as the Llama family with q/k/v biases (ModelConfig arch "llama"),
+# Bamboo (PowerInfer's) as the Llama family with relu(gate) * relu(up) (dReLU).
+GGUF_ARCHITECTURES = ("llama", "qwen2", "bamboo")
+# PowerInfer's per-layer tensors beside the model's (SJTU-IPADS/PowerInfer convert.py, convert-hf-to-powerinfer-gguf.py,
+# powerinfer-py/powerinfer/export_split.py): the activation predictor blk.N.fc1.weight [rank, d_model] and
+# blk.N.fc2.weight [d_ff, rank] (numpy order), and the neuron placement blk.N.gpu_idx (int32 [d_ff], 1 = on the
+# GPU) with blk.N.gpu_bucket (int32, the sorted indices of those neurons). The model loader skips them;
+# pjinfer.load.powerinfer reads them. Such a file stores blk.N.ffn_down_t.weight ([d_ff, d_model]) instead of ffn_down.
+PREDICTOR_TENSORS = ("fc1.weight", "fc2.weight")
+PLACEMENT_TENSORS = ("gpu_idx", "gpu_bucket")
 
 
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -117,6 +132,10 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
     if arch not in GGUF_ARCHITECTURES:
         raise ConfigError(f"unsupported GGUF architecture {arch!r} in {path.name} "
                           f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
+    # PowerInfer runs a file with predictors through its ReLU graph (relu(gate) * up for llama; Bamboo's
+    # relu(gate) * relu(up) with or without them); a plain llama file is SwiGLU.
+    sparse = any(t.name.endswith(".fc1.weight") for t in reader.tensors)
+    activation = "drelu" if arch == "bamboo" else "reglu" if sparse and arch == "llama" else "swiglu"
     a = arch  # metadata keys are prefixed by the architecture's name
     n_heads = int(field(f"{a}.attention.head_count"))
     d_model = int(field(f"{a}.embedding_length"))
@@ -132,7 +151,7 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
         n_kv_heads=int(field(f"{a}.attention.head_count_kv", n_heads)),
         head_dim=int(field(f"{a}.rope.dimension_count", d_model // n_heads)),
         d_ff=int(field(f"{a}.feed_forward_length")),
-        activation="swiglu",
+        activation=activation,
         max_seq_len=int(field(f"{a}.context_length")),
         norm_eps=float(field(f"{a}.attention.layer_norm_rms_epsilon")),
         rope_theta=float(field(f"{a}.rope.freq_base", 10000.0)),
@@ -154,23 +173,42 @@ def _gguf_tokenizer(reader, config: ModelConfig) -> Tokenizer:
         add_bos=bool(field("tokenizer.ggml.add_bos_token", False)))
 
 
+def open_gguf(path: Path, what: str = "model"):
+    """The GGUFFile at `path` (metadata and memory-mapped tensors); a missing or unreadable file is refused in
+    one line that calls it `what`."""
+    from pjinfer.load.gguf_file import GGUFError, GGUFFile
+
+    if not path.is_file():
+        raise ConfigError(f"{what} not found: {path}")
+    try:
+        return GGUFFile(path)
+    except (GGUFError, ValueError, OSError) as e:
+        raise ConfigError(f"cannot read {what} {path}: it is truncated or not a GGUF file ({e})") from None
+
+
+def gguf_header(path: Path):
+    """(reader, config) of the GGUF model at `path`, no weight read yet. A file that is not a GGUF, or whose
+    architecture pjinfer cannot run, is refused in one line."""
+    reader = open_gguf(path)
+    return reader, _gguf_config(reader, path)
+
+
 def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks: bool = False):
     import sys
 
-    from pjinfer.load.gguf_file import GGUFError, GGUFFile
-
-    try:
-        reader = GGUFFile(path)
-    except (GGUFError, ValueError, OSError) as e:
-        raise ConfigError(f"cannot read GGUF file {path}: it is truncated or not a GGUF model ({e})") from None
-    config = _gguf_config(reader, path)
+    reader, config = gguf_header(path)
+    tokenizer = _gguf_tokenizer(reader, config)   # an unsupported tokenizer is refused before any weight is read
     arch = reader.fields.get("general.architecture")
     names = {"token_embd.weight": "embed", "output.weight": "lm_head", "output_norm.weight": "final_norm.scale"}
     per_layer = {"attn_norm.weight": "attn_norm.scale", "ffn_norm.weight": "ffn_norm.scale",
                  "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv", "attn_output.weight": "wo",
-                 "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down_t"}
+                 "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down_t",
+                 "ffn_down_t.weight": "w_down_t"}
     if arch == "qwen2":
         per_layer |= {"attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv"}
+    if keep_q4_1 and any(t.name.endswith(".ffn_down_t.weight") for t in reader.tensors):
+        raise ConfigError(f"{path.name} stores PowerInfer's transposed ffn_down_t, which no host kernel reads as "
+                          "stored; run it with --weights float32 or int8")
     weights = {}
     dequantized = set()  # types of layer matrices made float32 although Q4_1 blocks were asked for
     if progress:
@@ -178,6 +216,8 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks
     for n, t in enumerate(reader.tensors):
         if t.name.startswith("blk."):
             _, i, rest = t.name.split(".", 2)
+            if rest in PREDICTOR_TENSORS + PLACEMENT_TENSORS:
+                continue  # PowerInfer's predictor and placement: pjinfer.load.powerinfer
             if rest not in per_layer:
                 raise ConfigError(f"unexpected tensor {t.name} in {path.name}")
             name = f"layers.{i}.{per_layer[rest]}"
@@ -185,15 +225,15 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks
             name = names[t.name]
         else:
             continue  # e.g. rope_freqs: not used by this architecture
-        weights[name] = _gguf_weight(t, name, config, path, permuted=arch == "llama", keep_q4_1=keep_q4_1,
-                                     keep_blocks=keep_blocks, dequantized=dequantized)
+        weights[name] = _gguf_weight(t, name, config, path, permuted=arch in ("llama", "bamboo"),
+                                     keep_q4_1=keep_q4_1, keep_blocks=keep_blocks, dequantized=dequantized)
         if progress:
             progress(n + 1, len(reader.tensors))
     if dequantized:
         print(f"pjinfer: layer matrices of type {', '.join(sorted(dequantized))} are dequantized at load and "
               + ("stored as Q8_0 (no host kernel reads that type)" if keep_blocks else
                  "re-quantized to Q4_1 (--weights q4_1 reads Q4_1 blocks only)"), file=sys.stderr)
-    return config, weights, _gguf_tokenizer(reader, config)
+    return config, weights, tokenizer
 
 
 def _gguf_weight(t, name: str, config: ModelConfig, path: Path, *, permuted: bool, keep_q4_1: bool,
@@ -224,7 +264,7 @@ def _gguf_weight(t, name: str, config: ModelConfig, path: Path, *, permuted: boo
         raise ConfigError(f"cannot decode tensor {t.name} in {path.name}: {e}") from None
     if keep_q4_1 and t.name.startswith("blk.") and w.ndim == 2:
         dequantized.add(gguf.GGMLQuantizationType(t.type).name)
-    if name.endswith(".w_down_t"):
+    if t.name.endswith(".ffn_down.weight"):  # [d, d_ff] as llama.cpp stores it; PowerInfer's ffn_down_t is [d_ff, d]
         return np.ascontiguousarray(w.T)
     return _unpermute_rope(w, heads) if rope_rows else w
 

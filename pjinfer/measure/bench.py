@@ -181,8 +181,9 @@ def breakdown(engine: Engine, *, cache_len: int = 256, repeats: int = 20) -> dic
     # Real inputs: each layer's FFN input for the last of 32 tokens of real text (a sparse FFN's work
     # depends on what its predictor sees).
     text = jnp.asarray(bench_prompt(engine, 32))[None]
-    _, ffn_inputs = nnx.merge(graphdef, state).forward_sequence(text, capture=True)
+    _, ffn_inputs, residuals = nnx.merge(graphdef, state).forward_sequence(text, capture=True, residuals=True)
     xs = [x[:, -1:] for x in ffn_inputs]
+    rs = [r[:, -1:] for r in residuals]
     x = xs[0]
 
     @jax.jit
@@ -191,13 +192,13 @@ def breakdown(engine: Engine, *, cache_len: int = 256, repeats: int = 20) -> dic
         return [layer.attn(layer.attn_norm(x), pos, k, v)[0] for layer, k, v in zip(model.layers, cache.k, cache.v)]
 
     @jax.jit
-    def ffn(state, xs):
+    def ffn(state, xs, rs):
         # Chained through a zero-weighted dependency so the layers run one after another, as in a step
         # (independent calls could overlap, and CPU-side sparse layers would then contend for threads).
         model = nnx.merge(graphdef, state)
         y = jnp.zeros_like(xs[0])
-        for layer, x in zip(model.layers, xs):
-            y = layer.ffn(x + 0.0 * y)
+        for layer, x, r in zip(model.layers, xs, rs):
+            y = layer.ffn(x + 0.0 * y, residual=r)
         return y
 
     @jax.jit
@@ -217,7 +218,7 @@ def breakdown(engine: Engine, *, cache_len: int = 256, repeats: int = 20) -> dic
             times.append(time.perf_counter() - t)
         return 1000 * statistics.median(times)
 
-    parts = {"attention_ms": ms(attention, state, x, cache), "ffn_ms": ms(ffn, state, xs),
+    parts = {"attention_ms": ms(attention, state, x, cache), "ffn_ms": ms(ffn, state, xs, rs),
              "head_ms": ms(head, state, x), "step_ms": ms(step, state, jnp.int32(7), cache)}
     parts["other_ms"] = parts["step_ms"] - parts["attention_ms"] - parts["ffn_ms"] - parts["head_ms"]
     return parts

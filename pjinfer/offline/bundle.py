@@ -5,7 +5,7 @@
                            predictor training data (train_inputs.npy float16, train_labels.npy
                            packed bits), which only `train-predictors` reads, and locality.png,
                            the activation-frequency figure
-    DIR/predictors/        orbax: one predictor state per layer
+    DIR/predictors/        orbax: one predictor state per layer (trained, or imported from a PowerInfer GGUF)
     DIR/placement/         orbax: which neurons are hot (live on the accelerator)
     DIR/thresholds/        orbax: input-sparsity thresholds [layers, 4] for --weights q4_1 (pjinfer.offline.teal)
 
@@ -103,7 +103,8 @@ class Bundle:
         return thresholds
 
     def predictors(self, config) -> list:
-        """One trained train.predictor.Predictor per layer, as the predictors stage stored them."""
+        """One train.predictor.Predictor per layer, as the predictors stage stored them (trained by
+        `train-predictors`, or imported from a PowerInfer file by `import-powerinfer`: the record's "reads")."""
         from flax import nnx
 
         from train.predictor import Predictor
@@ -111,7 +112,8 @@ class Bundle:
         record, tree = self.require("predictors"), self.load_stage("predictors")
         out = []
         for l, rank in enumerate(record["ranks"]):
-            predictor = Predictor(config.d_model, config.d_ff, rank, rngs=nnx.Rngs(0))
+            predictor = Predictor(config.d_model, config.d_ff, rank, rngs=nnx.Rngs(0),
+                                  reads=record.get("reads", "ffn_in"))
             state = nnx.state(predictor)
             nnx.replace_by_pure_dict(state, tree[str(l)])
             nnx.update(predictor, state)

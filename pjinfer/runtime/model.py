@@ -321,7 +321,9 @@ class FFN(nnx.Module):
         """Per-neuron activations [..., d_ff]."""
         return neurons(self.activation, x, value(self.w_gate), self.w_up[...], value(self.b_up))
 
-    def __call__(self, x):
+    def __call__(self, x, residual=None):
+        """x [..., d]: the FFN's input. residual (the stream before the FFN's norm) is for a sparse FFN's
+        predictor (pjinfer.runtime.sparse); every neuron here is computed, so it is not read."""
         act = sparsify_input(self.neurons(sparsify_input(x, self.t_in)), self.t_down)
         out = jnp.einsum("...f,fd->...d", act, self.w_down_t[...])
         return out if self.b_down is None else out + self.b_down[...]
@@ -342,11 +344,12 @@ class Block(nnx.Module):
         return self.attn_norm, self.attn, self.ffn_norm, self.ffn
 
     def __call__(self, x, start, k_cache, v_cache):
-        """Returns the block's output, the FFN's input (what predictors see) and the updated cache."""
+        """Returns the block's output, the FFN's inputs (what predictors see: its normalized input and the
+        residual stream before the norm) and the updated cache."""
         h, k_cache, v_cache = self.attn(self.attn_norm(x), start, k_cache, v_cache)
         x = x + h
         ffn_in = self.ffn_norm(x)
-        return x + self.ffn(ffn_in), ffn_in, k_cache, v_cache
+        return x + self.ffn(ffn_in, residual=x), (ffn_in, x), k_cache, v_cache
 
     def decode(self, x, pos, k_cache, v_cache):
         """One token: x [1, 1, d] at position pos -> (output [1, 1, d], updated cache arrays)."""
@@ -386,7 +389,7 @@ class Transformer(nnx.Module):
         """tokens [B, T] at positions start..start+T-1 -> final hidden states [B, T, d], updated cache.
         cache None: a whole sequence from position 0 that keeps nothing (returns None for the cache).
 
-        With capture=True also returns every layer's FFN input [B, T, d] (for the profiler)."""
+        With capture=True also returns every layer's FFN inputs (FFN input, residual), each [B, T, d]."""
         x = embedding_rows(self.embed, tokens)
         if self.pos_embed is not None:
             x = x + jax.lax.dynamic_slice_in_dim(self.pos_embed[...], start, tokens.shape[1])[None]
@@ -414,11 +417,15 @@ class Transformer(nnx.Module):
             vs.append(v)
         return self.head.decode(self.final_norm(x)[0, 0]), KVCache(k=ks, v=vs)
 
-    def forward_sequence(self, tokens, *, capture: bool = False):
+    def forward_sequence(self, tokens, *, capture: bool = False, residuals: bool = False):
         """A whole sequence [B, T] from position 0, no cache allocated: the final hidden states [B, T, d], and
-        with capture=True also every layer's FFN input (scoring and profiling)."""
-        hidden, _, *ffn_inputs = self(tokens, 0, None, capture=capture)
-        return (hidden, ffn_inputs[0]) if capture else hidden
+        with capture=True also every layer's FFN input (scoring and profiling), and with residuals=True as well
+        every layer's residual stream before the FFN's norm (what a PowerInfer predictor reads)."""
+        hidden, _, *captured = self(tokens, 0, None, capture=capture)
+        if not capture:
+            return hidden
+        ffn_inputs = [f for f, _ in captured[0]]
+        return (hidden, ffn_inputs, [r for _, r in captured[0]]) if residuals else (hidden, ffn_inputs)
 
     def logits(self, hidden):
         """hidden [..., d] -> logits [..., vocab] (the sequence path: prefill, scoring)."""

@@ -39,8 +39,9 @@ class Index(nnx.Variable):
 
 
 class SparseFFN(nnx.Module):
-    """Replaces a layer's FFN. `predictor`: a trained train.predictor.Predictor; None (every neuron
-    active: the exactness check against dense); or the layer's dense FFN, whose exact activity is the
+    """Replaces a layer's FFN. `predictor`: a train.predictor.Predictor (trained by pjinfer, reading the FFN's
+    input, or imported from a PowerInfer file, reading the residual stream before the FFN's norm); None (every
+    neuron active: the exactness check against dense); or the layer's dense FFN, whose exact activity is the
     oracle for the ReLU family (active = non-zero)."""
 
     def __init__(self, ffn: FFN, *, layer: int, hot: np.ndarray, predictor, cold: ColdFFN, hot_backend: str):
@@ -59,18 +60,23 @@ class SparseFFN(nnx.Module):
                                                             rows(ffn.b_up))
         self.b_down = ffn.b_down
 
-    def active(self, x):
-        """x [N, d] -> predicted active neurons [N, F]."""
+    def active(self, x, residual=None):
+        """x [N, d] (the FFN's input), residual [N, d] (the stream before its norm) -> predicted active neurons
+        [N, F]."""
         if self.predictor is None:
             return jnp.ones((x.shape[0], self.hot_ids.shape[0] + self.cold_ids.shape[0]), bool)
         if isinstance(self.predictor, FFN):
             return self.predictor.neurons(x) != 0
+        if self.predictor.reads == "residual":
+            if residual is None:
+                raise ConfigError(f"layer {self.layer}: its predictor reads the residual stream, which was not given")
+            return self.predictor.active(residual)
         return self.predictor.active(x)
 
-    def __call__(self, x):
+    def __call__(self, x, residual=None):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        active = self.active(x)
+        active = self.active(x, None if residual is None else residual.reshape(-1, shape[-1]))
         y = jnp.zeros_like(x)
         if self.hot_ids.shape[0] and x.shape[0] == 1:
             ids, count = _compact(active[:, self.hot_ids[...]])
@@ -140,5 +146,7 @@ def skipped_share(engine, ids) -> float:
 @partial(jax.jit, static_argnames=("graphdef",))
 def _predicted_density(graphdef, state, tokens):
     model = nnx.merge(graphdef, state)
-    _, inputs = model.forward_sequence(tokens, capture=True)
-    return jnp.stack([layer.ffn.active(x.reshape(-1, x.shape[-1])).mean() for layer, x in zip(model.layers, inputs)])
+    _, inputs, residuals = model.forward_sequence(tokens, capture=True, residuals=True)
+    flat = lambda x: x.reshape(-1, x.shape[-1])
+    return jnp.stack([layer.ffn.active(flat(x), flat(r)).mean()
+                      for layer, x, r in zip(model.layers, inputs, residuals)])
