@@ -14,19 +14,18 @@ neuron skipping for the ReLU family). pjinfer.runtime.model applies the same rul
 prefill and scoring compute the model the decode computes, on ``dequantized(weights)``.
 
 One layer, under the ffi lock (host_decode's helpers for norms, RoPE, attention and the head):
-    h = rmsnorm(x) * attn_norm; active(h, T_ATTN)            caller thread
-    qkv = sum_active h_i Wqkv[:, i]                         team: input blocks split (stage QKV), caller adds
+    h = rmsnorm(x) * attn_norm; active(h, T_ATTN)            caller thread (active inputs and their blocks)
+    qkv = sum_active h_i Wqkv[:, i]                         team: row tiles split (stage QKV)
     rope, cache write (float16); attention                  as host_decode (ATTN: attention.py)
-    active(att, T_O); x += sum_active att_i Wo[:, i]        team: input blocks split (O), caller adds
+    active(att, T_O); o = sum_active att_i Wo[:, i]         team: row tiles split (O); caller: x += o
     h = rmsnorm(x) * ffn_norm; active(h, T_FFN)
-    gate | up = sum_active h_i Wgu[:, i]                    team: input blocks split (GATE_UP)
-    a = act(gate, up)                                       team: partials added, neurons split (ACT)
-    active(a, T_DOWN); x += sum_active a_i Wdown[:, i]      team: input blocks split (DOWN), caller adds
-Splitting the inputs (not the outputs) lets each thread stream whole columns; each thread sums into its own row
-of a partial-output scratch.
+    gate | up = sum_active h_i Wgu[:, i]                    team: row tiles split (GATE_UP)
+    a = act(gate, up)                                       team: neurons split (ACT)
+    active(a, T_DOWN); down = sum_active a_i Wdown[:, i]    team: row tiles split (DOWN); caller: x += down
+Each thread computes whole rows (q4_sparse.tile_share), so there are no partial sums to add.
 
 The header keeps host_decode's slots (so its ``_dims``, ``_scratch``, ``_run`` and ``_head`` work on it) and adds
-the thresholds, the active-index scratch and the partial outputs. Lifetime: like HostDecoder, the header is never freed.
+the thresholds and the active-index scratch (q4_sparse.active's idx, then q4_sparse.segments' seg). Lifetime: like HostDecoder, the header is never freed.
 """
 from __future__ import annotations
 
@@ -46,32 +45,32 @@ from numba import carray, cfunc, njit, types  # noqa: E402
 
 TARGET_NAME = "pjinfer_sparse_decode"
 MAGIC = 0x706A7370_0001  # "pjsp" + 1
-# float32 [layers, 4] thresholds; int32 active-index scratch [max(d, H hd, F)]; float32 partial outputs
-# [team size, widest output]; the widest output, max(d, (H + 2 KV) hd, 2 F). Slots below 21 are host_decode's.
-H_THRESH, H_IDX, H_PARTIAL, H_WIDEST = 21, 22, 23, 24
+# float32 [layers, 4] thresholds; int32 active-index scratch [widest + widest / 32 + 1], widest = max(d, H hd, F):
+# idx, then seg (q4_sparse.active, q4_sparse.segments). Slots below 21 are host_decode's.
+H_THRESH, H_IDX = 21, 22
 HEADER_WIDTH = 32
 T_ATTN, T_O, T_FFN, T_DOWN = range(4)
 # Layer table slots: per matrix three (q4_sparse.relayout's nib, d, m), then the norm scales.
 L_QKV, L_O, L_GATE_UP, L_DOWN = 0, 3, 6, 9
 L_ATTN_NORM, L_FFN_NORM = 12, 13
 L_WIDTH = 14
-K_COUNT, K_THREADS = 6, 7  # task slots: how many inputs the current stage reads; the team's size
-ST_ACT = 6  # stage: add the gate/up partials and apply the activation, neurons split
+K_COUNT, K_THREADS = 6, 7  # task slots: how many blocks with an active input the current stage reads; team size
+ST_ACT = 6  # stage: the activation, neurons split
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
 
 @njit(**NOJIT)
-def _matvec(header, layer, slot, cols, x, count, y, acc, tid, n):
-    """Thread tid's share (input blocks) of y = W x over the active inputs (the first count of the index scratch)
-    for the layer's matrix in slot; W [len(y), cols] in q4_sparse.relayout's arrays."""
+def _matvec(header, layer, slot, cols, x, nseg, y, tid, n):
+    """Thread tid's share (row tiles) of y = W x over the active inputs (the index scratch's idx and its first
+    nseg + 1 seg entries) for the layer's matrix in slot; W [len(y), cols] in q4_sparse.relayout's arrays."""
     table = load_i64(header + 8 * H_TABLE) + 8 * (L_WIDTH * layer + slot)
     out = y.shape[0]
-    nib = carray(ptr_u8(load_i64(table)), (cols, out // 2))
+    nib = carray(ptr_u8(load_i64(table)), (cols * out // 2,))
     d = carray(ptr_u16(load_i64(table + 8)), (cols // BLOCK, out))
     m = carray(ptr_u16(load_i64(table + 16)), (cols // BLOCK, out))
-    b0, b1 = hd.thread_share(cols // BLOCK, tid, n, 1)
-    q4_sparse.matvec(nib, d, m, _idx(header, cols), count, x, y, acc, b0, b1)
+    t0, t1 = q4_sparse.tile_share(out, tid, n)
+    q4_sparse.matvec(nib, d, m, _idx(header, cols), _seg(header, cols), nseg, x, y, t0, t1)
 
 
 @njit(**NOJIT)
@@ -80,33 +79,22 @@ def _idx(header, n):
 
 
 @njit(**NOJIT)
+def _seg(header, cols):
+    """q4_sparse.segments' scratch for an input of cols: after the idx part of the index scratch."""
+    d, nh, nkv, hd_, ff = hd.dims(header)
+    return carray(ptr_i32(load_i64(header + 8 * H_IDX) + 4 * max(d, nh * hd_, ff)), (cols // BLOCK + 1,))
+
+
+@njit(**NOJIT)
 def _threshold(header, layer, k):
     return carray(ptr_f32(load_i64(header + 8 * H_THRESH) + 16 * layer), (4,))[k]
 
 
 @njit(**NOJIT)
-def _partials(header, n, width):
-    """The team's partial outputs: thread t's sums in row t, [n, width] of the [team size, widest] scratch."""
-    return carray(ptr_f32(load_i64(header + 8 * H_PARTIAL)), (n, load_i64(header + 8 * H_WIDEST)))[:, :width]
-
-
-@njit(**NOJIT)
-def _acc(header, tid, width):
-    """Thread tid's accumulator scratch (q4_sparse.matvec's acc), right after the partial outputs."""
-    widest = load_i64(header + 8 * H_WIDEST)
-    team_size = load_i64(load_i64(header + 8 * H_TASK) + 8 * K_THREADS)
-    return carray(ptr_f32(load_i64(header + 8 * H_PARTIAL) + 4 * widest * (team_size + tid)), (width,))
-
-
-@njit(**NOJIT)
-def _sum_partials(header, y, accumulate):
-    """y (+)= the sum of the team's partial outputs of y's length."""
-    parts = _partials(header, load_i64(load_i64(header + 8 * H_TASK) + 8 * K_THREADS), y.shape[0])
-    for j in range(y.shape[0]):
-        t = parts[0, j]
-        for r in range(1, parts.shape[0]):
-            t += parts[r, j]
-        y[j] = y[j] + t if accumulate else t
+def _add(x, y):
+    """x += y."""
+    for j in range(x.shape[0]):
+        x[j] += y[j]
 
 
 def _stage_py(header, tid, n):
@@ -116,30 +104,22 @@ def _stage_py(header, tid, n):
     count = load_i64(task + 8 * K_COUNT)
     d, nh, nkv, hd_, ff = hd.dims(header)
     h, qkv, att, o, gate, up, down, scores = hd.scratch(header)
-    # The matrix stages split the input blocks: each thread streams its own columns into its own partial y.
+    # The matrix stages split the row tiles: each thread writes its own rows of the output.
     if stage == ST_QKV:
-        nq = qkv.shape[0]
-        _matvec(header, layer, L_QKV, d, h, count, _partials(header, n, nq)[tid], _acc(header, tid, nq), tid, n)
+        _matvec(header, layer, L_QKV, d, h, count, qkv, tid, n)
     elif stage == ST_ATTN:
         hd.attend_stage(header, tid, n)
     elif stage == ST_O:
-        _matvec(header, layer, L_O, nh * hd_, att, count, _partials(header, n, d)[tid], _acc(header, tid, d), tid, n)
-    elif stage == ST_GATE_UP:
-        _matvec(header, layer, L_GATE_UP, d, h, count, _partials(header, n, 2 * ff)[tid], _acc(header, tid, 2 * ff),
-                tid, n)
+        _matvec(header, layer, L_O, nh * hd_, att, count, o, tid, n)
+    elif stage == ST_GATE_UP:   # gate and up are adjacent in the scratch: one matrix [2 F, d]
+        _matvec(header, layer, L_GATE_UP, d, h, count, hd.f32_view(gate.ctypes.data, 2 * ff), tid, n)
     elif stage == ST_ACT:
-        parts = _partials(header, n, 2 * ff)
         code = load_i64(header + 8 * hd.H_ACT)
         lo, hi = hd.thread_share(ff, tid, n, 16)
         for i in range(lo, hi):
-            g = parts[0, i]
-            u = parts[0, ff + i]
-            for r in range(1, n):
-                g += parts[r, i]
-                u += parts[r, ff + i]
-            gate[i] = act(g, u, code)
+            gate[i] = act(gate[i], up[i], code)
     elif stage == ST_DOWN:
-        _matvec(header, layer, L_DOWN, ff, gate, count, _partials(header, n, d)[tid], _acc(header, tid, d), tid, n)
+        _matvec(header, layer, L_DOWN, ff, gate, count, down, tid, n)
     elif stage == ST_HEAD:
         vocab = load_i64(header + 8 * H_VOCAB)
         w = hd.i8_view(load_i64(header + 8 * hd.H_HEAD), vocab, d)
@@ -155,9 +135,10 @@ _stage = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True,
 
 @njit(**NOJIT)
 def _sparse_run(header, stage, x, layer, k):
-    """Find x's active inputs for threshold k of the layer, then run the stage on the team."""
-    store_i64(load_i64(header + 8 * H_TASK) + 8 * K_COUNT,
-              q4_sparse.active(x, _threshold(header, layer, k), _idx(header, x.shape[0])))
+    """Find x's active inputs and their blocks for threshold k of the layer, then run the stage on the team."""
+    idx = _idx(header, x.shape[0])
+    n = q4_sparse.active(x, _threshold(header, layer, k), idx)
+    store_i64(load_i64(header + 8 * H_TASK) + 8 * K_COUNT, q4_sparse.segments(idx, n, _seg(header, x.shape[0])))
     hd.run_stage(header, stage)
 
 
@@ -173,18 +154,17 @@ def _layer(header, layer, pos, x, k_ptr, v_ptr):
 
     hd.rmsnorm(x, hd.f32_view(load_i64(table + 8 * L_ATTN_NORM), d), eps, h)
     _sparse_run(header, ST_QKV, h, layer, T_ATTN)
-    _sum_partials(header, qkv, False)
     inv_freq = hd.f32_view(load_i64(header + 8 * H_INV_FREQ), hd_ // 2)
     hd.rope(qkv[:nh * hd_], nh, hd_, inv_freq, pos)
     hd.rope(qkv[nh * hd_:(nh + nkv) * hd_], nkv, hd_, inv_freq, pos)
     hd.attend(header, pos, k_ptr, v_ptr)
     _sparse_run(header, ST_O, att, layer, T_O)
-    _sum_partials(header, x, True)
+    _add(x, o)
     hd.rmsnorm(x, hd.f32_view(load_i64(table + 8 * L_FFN_NORM), d), eps, h)
     _sparse_run(header, ST_GATE_UP, h, layer, T_FFN)
     hd.run_stage(header, ST_ACT)
     _sparse_run(header, ST_DOWN, gate, layer, T_DOWN)
-    _sum_partials(header, x, True)
+    _add(x, down)
 
 
 @njit(**NOJIT)
@@ -300,10 +280,8 @@ class SparseHostDecoder(decoder.HostDecoder):
         header[[H_TABLE, hd.H_HEAD, hd.H_HEAD_SCALES, H_INV_FREQ, hd.H_SCRATCH, H_TASK, hd.H_TEAM]] = [
             self._hold(table), self._hold(head_q), self._hold(head_s), self._hold(inv_freq),
             self._hold(scratch), self._hold(task), self.team.address]
-        widest_out = max(c.d_model, nqkv, 2 * c.d_ff)
-        header[[H_THRESH, H_IDX, H_PARTIAL, H_WIDEST]] = [  # partial outputs, then accumulators, per thread
-            self._hold(thresholds), self._hold(np.zeros(widest, np.int32)),
-            self._hold(np.zeros((2 * self.team.size, widest_out), np.float32)), widest_out]
+        header[[H_THRESH, H_IDX]] = [self._hold(thresholds),
+                                     self._hold(np.zeros(widest + widest // BLOCK + 1, np.int32))]
         header[[hd.H_STAGE, H_RUNTIME]] = [_stage.address, RUNTIME_ADDR]
         header[hd.H_FORMAT] = hd.F_Q4_1
         header[H_MAGIC] = MAGIC
