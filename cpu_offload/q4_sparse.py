@@ -143,7 +143,8 @@ def _emit_block_inputs(builder, col, stride, idx, k0, k1, x, acc_lo, acc_hi, sx,
         xv = splat(builder, xi)
         p = builder.add(col, builder.mul(i, stride))
         if PREFETCH_AHEAD:
-            _emit_prefetch(builder, col, stride, idx, builder.add(k0, builder.add(loop.index, I64(PREFETCH_AHEAD))), last)
+            ahead = builder.add(k0, builder.add(loop.index, I64(PREFETCH_AHEAD)))
+            _emit_prefetch(builder, col, stride, idx, ahead, last)
         for g in range(len(acc_lo)):
             q_lo, q_hi = _emit_nibbles(builder, builder.add(p, I64(16 * g)), permute)
             builder.store(builder.call(fma, [q_lo, xv, builder.load(acc_lo[g])]), acc_lo[g])

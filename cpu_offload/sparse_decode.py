@@ -25,7 +25,8 @@ One layer, under the ffi lock (host_decode's helpers for norms, RoPE, attention 
 Each thread computes whole rows (q4_sparse.tile_share), so there are no partial sums to add.
 
 The header keeps host_decode's slots (so its ``_dims``, ``_scratch``, ``_run`` and ``_head`` work on it) and adds
-the thresholds and the active-index scratch (q4_sparse.active's idx, then q4_sparse.segments' seg). Lifetime: like HostDecoder, the header is never freed.
+the thresholds and the active-index scratch (q4_sparse.active's idx, then q4_sparse.segments' seg). Lifetime:
+like HostDecoder, the header is never freed.
 """
 from __future__ import annotations
 
