@@ -222,6 +222,23 @@ def attend(header, pos, k_ptr, v_ptr):
     attention.merge(pos, load_i64(load_i64(header + 8 * H_TEAM) + 8 * team.C_SIZE), scores, att.reshape((nh, hd)))
 
 
+@njit(**NOJIT)
+def head_share(header, h, tid, n):
+    """Thread tid's share (rows in fours) of the logits at the task's K_OUT = the output head times h [d]: int8
+    rows, or GGUF blocks of the type in H_HEAD_KIND (quants.py)."""
+    d, vocab = h.shape[0], load_i64(header + 8 * H_VOCAB)
+    logits = f32_view(load_i64(load_i64(header + 8 * H_TASK) + 8 * K_OUT), vocab)
+    lo, hi = thread_share(vocab, tid, n, 4)
+    kind = load_i64(header + 8 * H_HEAD_KIND)
+    if kind:
+        quants.gemv(kind, carray(ptr_u8(load_i64(header + 8 * H_HEAD)), (vocab, quants.row_bytes(kind, d))), h, logits,
+                    lo, hi)
+    else:
+        w = i8_view(load_i64(header + 8 * H_HEAD), vocab, d)
+        s = f32_view_2d(load_i64(header + 8 * H_HEAD_SCALES), vocab, d // QBLOCK)
+        int8.gemv(w, s, h, logits, lo, hi)
+
+
 def _stage_py(header, tid, n):
     task = load_i64(header + 8 * H_TASK)
     stage = load_i64(task + 8 * K_STAGE)
@@ -251,16 +268,8 @@ def _stage_py(header, tid, n):
         lo, hi = thread_share(d, tid, n, 4)
         _matvec(header, layer, L_DOWN, d, gate, down, lo, hi)
     elif stage == ST_HEAD:
-        vocab = load_i64(header + 8 * H_VOCAB)
-        lo, hi = thread_share(vocab, tid, n, 4)
-        kind = load_i64(header + 8 * H_HEAD_KIND)
-        if kind:  # GGUF blocks (quants.py)
-            blocks = carray(ptr_u8(load_i64(header + 8 * H_HEAD)), (vocab, quants.row_bytes(kind, d)))
-            quants.gemv(kind, blocks, h, f32_view(load_i64(task + 8 * K_OUT), vocab), lo, hi)
-        else:
-            w = i8_view(load_i64(header + 8 * H_HEAD), vocab, d)
-            s = f32_view_2d(load_i64(header + 8 * H_HEAD_SCALES), vocab, d // QBLOCK)
-            int8.gemv(w, s, h, f32_view(load_i64(task + 8 * K_OUT), vocab), lo, hi)
+        head_share(header, h, tid, n)
+
 
 
 ffi.purge_stale_cache("host_decode", attention, kernels, ffi, int8, q4, quants, tables, team, vector_ir)

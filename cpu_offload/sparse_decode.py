@@ -24,7 +24,8 @@ One layer, under the ffi lock (host_decode's helpers for norms, RoPE, attention 
     active(a, T_DOWN); down = sum_active a_i Wdown[:, i]    team: row tiles split (DOWN); caller: x += down
 Each thread computes whole rows (q4_sparse.tile_share), so there are no partial sums to add.
 
-The header keeps host_decode's slots (so its ``_dims``, ``_scratch``, ``_run`` and ``_head`` work on it) and adds
+The header keeps host_decode's slots (so its ``dims``, ``scratch``, ``run_stage``, ``run_head`` and ``head_share`` work
+on it; the head is int8, H_HEAD_KIND 0) and adds
 the thresholds and the active-index scratch (q4_sparse.active's idx, then q4_sparse.segments' seg). Lifetime:
 like HostDecoder, the header is never freed.
 """
@@ -47,8 +48,8 @@ from numba import carray, cfunc, njit, types  # noqa: E402
 TARGET_NAME = "pjinfer_sparse_decode"
 MAGIC = 0x706A7370_0001  # "pjsp" + 1
 # float32 [layers, 4] thresholds; int32 active-index scratch [widest + widest / 32 + 1], widest = max(d, H hd, F):
-# idx, then seg (q4_sparse.active, q4_sparse.segments). Slots below 21 are host_decode's.
-H_THRESH, H_IDX = 21, 22
+# idx, then seg (q4_sparse.active, q4_sparse.segments). Slots below hd.H_WIDTH are host_decode's.
+H_THRESH, H_IDX = hd.H_WIDTH, hd.H_WIDTH + 1
 HEADER_WIDTH = 32
 T_ATTN, T_O, T_FFN, T_DOWN = range(4)
 # Layer table slots: per matrix three (q4_sparse.relayout's nib, d, m), then the norm scales.
@@ -122,11 +123,7 @@ def _stage_py(header, tid, n):
     elif stage == ST_DOWN:
         _matvec(header, layer, L_DOWN, ff, gate, count, down, tid, n)
     elif stage == ST_HEAD:
-        vocab = load_i64(header + 8 * H_VOCAB)
-        w = hd.i8_view(load_i64(header + 8 * hd.H_HEAD), vocab, d)
-        s = hd.f32_view_2d(load_i64(header + 8 * hd.H_HEAD_SCALES), vocab, d // kernels.QBLOCK)
-        lo, hi = hd.thread_share(vocab, tid, n, 4)
-        int8.gemv(w, s, h, hd.f32_view(load_i64(task + 8 * hd.K_OUT), vocab), lo, hi)
+        hd.head_share(header, h, tid, n)
 
 
 ffi.purge_stale_cache("sparse_decode", attention, kernels, ffi, int8, q4, q4_sparse, tables, team, hd, vector_ir)

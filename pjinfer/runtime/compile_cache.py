@@ -38,9 +38,11 @@ def trim_after_compiles() -> None:
     (glibc's malloc_trim): glibc keeps it otherwise, and what each executable leaves adds up in peak RSS
     (docs/performance.md, "Memory"). Once per process; nothing to do where the C library is not glibc."""
     global _trimming
+    if _trimming:
+        return
     name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(name) if name else None
-    if _trimming or libc is None or not hasattr(libc, "malloc_trim"):
+    if libc is None or not hasattr(libc, "malloc_trim"):
         return
 
     def trim(event: str, duration: float, **kwargs):
