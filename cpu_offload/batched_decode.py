@@ -14,8 +14,8 @@ executable serves every mix of live requests. Empty slots (pos < 0) cost nothing
 slots into a compact batch of nt tokens, runs the layer on them and scatters x back.
 
 One layer, under the ffi lock, stages as in host_decode (the team splits rows, or (token, head) pairs for ATTN):
-every per-token operation (RMSNorm, RoPE, the cache write, attention, the activation, the residual adds, the
-prepared GEMV input) is host_decode's own function applied to that token, and the GEMMs give each token the
+every per-token operation (RMSNorm, RoPE, the cache write, attention, the activation, the residual adds) is
+host_decode's own function applied to that token, and the GEMMs give each token the
 single-token GEMV's result bit for bit (q4_gemm). A token's output therefore does not depend on what else is in
 the batch, and equals HostDecoder's (tests/test_batched_decode.py checks both on the real model).
 
@@ -37,8 +37,8 @@ from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_
                   load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i32, ptr_u8, ptr_u16, store_i64, unlock)
 from .host_decode import (F_Q4_1, H_EPS, H_FORMAT, H_HEAD, H_HEAD_SCALES, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS,
                           H_RUNTIME, H_STAGE, H_TABLE, H_TASK, H_TEAM, H_VOCAB, H_WIDTH, L_ATTN_NORM, L_DOWN,
-                          L_FFN_NORM, L_GATE, L_K, L_O, L_Q, L_UP, L_V, L_WIDTH, ST_ATTN, ST_DOWN, ST_GATE_UP,
-                          ST_HEAD, ST_O, ST_QKV, cache_rows, dims, f32_view, int8_matrix, rmsnorm, rope, thread_share)
+                          L_FFN_NORM, L_GATE, L_K, L_O, L_Q, L_QKV_BIAS, L_UP, L_V, L_WIDTH, ST_ATTN, ST_DOWN,
+                          ST_GATE_UP, ST_HEAD, ST_O, ST_QKV, cache_rows, dims, f32_view, int8_matrix, rmsnorm, rope, thread_share)
 from .kernels import act
 
 
@@ -46,9 +46,11 @@ TARGET_NAME = "pjinfer_host_decode_batch"
 MAGIC = 0x706A626174_0001  # "pjbat" + 1
 
 # Slots after host_decode's header (a copy of the HostDecoder's, with its own task, scratch, stage and magic).
-(B_MB, B_PSIZE, B_X, B_H, B_QKV, B_ATT, B_O, B_GATE, B_UP, B_DOWN, B_XP, B_SCORES, B_SLOTS, B_POS,
- B_IDENT) = range(H_WIDTH, H_WIDTH + 15)
-WIDTH = H_WIDTH + 16
+(B_MB, B_X, B_H, B_QKV, B_ATT, B_O, B_GATE, B_UP, B_DOWN, B_SCORES, B_SLOTS, B_POS, B_IDENT, B_SEQS,
+ B_SPAN) = range(H_WIDTH, H_WIDTH + 15)
+WIDTH = H_WIDTH + 15
+# Per compact token t: B_SLOTS its row of x (and of the logits), B_POS its position, B_SEQS its sequence in the
+# cache ([B, S, KV, hd] caches: the row itself; the prompt form: 0). B_SPAN: the positions the scores scratch holds.
 # Task slots.
 K_STAGE, K_LAYER, K_NT, K_KCACHE, K_VCACHE, K_S, K_OUT = range(7)
 
@@ -70,28 +72,21 @@ def _i64s(header, slot):
 
 @njit(**NOJIT)
 def _bscratch(header):
-    """x [MB, d], h [MB, d], qkv [MB, (H + 2 KV) hd], att [MB, H hd], o [MB, d], gate, up [MB, F], down [MB, d],
-    xp [MB, q4.prepared_size(widest)]."""
+    """x [MB, d], h [MB, d], qkv [MB, (H + 2 KV) hd], att [MB, H hd], o [MB, d], gate, up [MB, F], down [MB, d]."""
     d, nh, nkv, hd, ff = dims(header)
     return (_rows(header, B_X, d), _rows(header, B_H, d), _rows(header, B_QKV, (nh + 2 * nkv) * hd),
             _rows(header, B_ATT, nh * hd), _rows(header, B_O, d), _rows(header, B_GATE, ff),
-            _rows(header, B_UP, ff), _rows(header, B_DOWN, d), _rows(header, B_XP, load_i64(header + 8 * B_PSIZE)))
+            _rows(header, B_UP, ff), _rows(header, B_DOWN, d))
 
 
 @njit(**NOJIT)
-def _prepare(header, x, xp):
-    if load_i64(header + 8 * H_FORMAT) == F_Q4_1:
-        q4.prepare(x, xp)
-
-
-@njit(**NOJIT)
-def _matmul(header, layer, slot, rows, x, xp, y, nt, lo, hi):
-    """y[t, lo:hi] = rows lo..hi-1 of the layer's matrix in slot times x[t], t < nt (Q4_1: xp[t] = prepare(x[t]))."""
+def _matmul(header, layer, slot, rows, x, y, nt, lo, hi):
+    """y[t, lo:hi] = rows lo..hi-1 of the layer's matrix in slot times x[t], t < nt."""
     cols = x.shape[1]
     if load_i64(header + 8 * H_FORMAT) == F_Q4_1:
         blocks = carray(ptr_u8(load_i64(load_i64(header + 8 * H_TABLE) + 8 * (L_WIDTH * layer + slot))),
                         (rows, q4.row_bytes(cols)))
-        q4_gemm.gemm(blocks, xp, y, nt, lo, hi)
+        q4_gemm.gemm(blocks, x, y, nt, lo, hi)
     else:
         w, s = int8_matrix(header, layer, slot, rows, cols)
         q4_gemm.gemm_int8(w, s, x, y, _i64s(header, B_IDENT), nt, lo, hi)
@@ -103,26 +98,26 @@ def _stage_py(header, tid, n):
     layer = load_i64(task + 8 * K_LAYER)
     nt = load_i64(task + 8 * K_NT)
     d, nh, nkv, hd, ff = dims(header)
-    x, h, qkv, att, o, gate, up, down, xp = _bscratch(header)
+    x, h, qkv, att, o, gate, up, down = _bscratch(header)
     if stage == ST_QKV:
         lo, hi = thread_share(qkv.shape[1], tid, n, 4)
         nq, nk = nh * hd, nkv * hd
         for slot, r0, r1 in ((L_Q, 0, nq), (L_K, nq, nq + nk), (L_V, nq + nk, nq + 2 * nk)):
             a, b = max(lo, r0), min(hi, r1)
             if a < b:
-                _matmul(header, layer, slot, r1 - r0, h, xp, qkv[:, r0:r1], nt, a - r0, b - r0)
+                _matmul(header, layer, slot, r1 - r0, h, qkv[:, r0:r1], nt, a - r0, b - r0)
     elif stage == ST_ATTN:
         # A token's attention is the single decoder's: every share of its team (attention.share) in turn, then
         # their merge, so the float operations are the same whatever the batch; the team splits the tokens.
         s_len = load_i64(task + 8 * K_S)
-        slots, poss = _i64s(header, B_SLOTS), _i64s(header, B_POS)
+        seqs, poss = _i64s(header, B_SEQS), _i64s(header, B_POS)
         scores = carray(ptr_f32(load_i64(header + 8 * B_SCORES)),
-                        (load_i64(header + 8 * B_MB) * nh, load_i64(header + 8 * H_MAXLEN)))
+                        (load_i64(header + 8 * B_MB) * nh, load_i64(header + 8 * B_SPAN)))
         shares = load_i64(load_i64(header + 8 * H_TEAM) + 8 * team.C_SIZE)
         lo, hi = thread_share(nt, tid, n, 1)
         for i in range(lo, hi):
             pos = poss[i]
-            base = 2 * slots[i] * s_len * nkv * hd
+            base = 2 * seqs[i] * s_len * nkv * hd
             kc = carray(ptr_u16(load_i64(task + 8 * K_KCACHE) + base), (pos + 1, nkv, hd))
             vc = carray(ptr_u16(load_i64(task + 8 * K_VCACHE) + base), (pos + 1, nkv, hd))
             q, out, sc = qkv[i, :nh * hd].reshape((nh, hd)), att[i].reshape((nh, hd)), scores[i * nh:(i + 1) * nh]
@@ -131,18 +126,18 @@ def _stage_py(header, tid, n):
             attention.merge(pos, shares, sc, out)
     elif stage == ST_O:
         lo, hi = thread_share(d, tid, n, 4)
-        _matmul(header, layer, L_O, d, att, xp, o, nt, lo, hi)
+        _matmul(header, layer, L_O, d, att, o, nt, lo, hi)
     elif stage == ST_GATE_UP:
         lo, hi = thread_share(ff, tid, n, 4)
-        _matmul(header, layer, L_GATE, ff, h, xp, gate, nt, lo, hi)
-        _matmul(header, layer, L_UP, ff, h, xp, up, nt, lo, hi)
+        _matmul(header, layer, L_GATE, ff, h, gate, nt, lo, hi)
+        _matmul(header, layer, L_UP, ff, h, up, nt, lo, hi)
         code = load_i64(header + 8 * host_decode.H_ACT)
         for t in range(nt):
             for i in range(lo, hi):
                 gate[t, i] = act(gate[t, i], up[t, i], code)
     elif stage == ST_DOWN:
         lo, hi = thread_share(d, tid, n, 4)
-        _matmul(header, layer, L_DOWN, d, gate, xp, down, nt, lo, hi)
+        _matmul(header, layer, L_DOWN, d, gate, down, nt, lo, hi)
     elif stage == ST_HEAD:
         vocab = load_i64(header + 8 * H_VOCAB)
         w = host_decode.i8_view(load_i64(header + 8 * H_HEAD), vocab, d)
@@ -163,8 +158,8 @@ def _layer(header, layer, nt, k_ptr, v_ptr, s_len):
     token's slot and position. Each token's operations are host_decode.run_layer's, in its order."""
     d, nh, nkv, hd, ff = dims(header)
     eps = np.float32(carray(ptr_f64(header + 8 * H_EPS), (1,))[0])
-    x, h, qkv, att, o, gate, up, down, xp = _bscratch(header)
-    slots, poss = _i64s(header, B_SLOTS), _i64s(header, B_POS)
+    x, h, qkv, att, o, gate, up, down = _bscratch(header)
+    seqs, poss = _i64s(header, B_SEQS), _i64s(header, B_POS)
     table = load_i64(header + 8 * H_TABLE) + 8 * L_WIDTH * layer
     task = load_i64(header + 8 * H_TASK)
     store_i64(task + 8 * K_LAYER, layer)
@@ -176,30 +171,29 @@ def _layer(header, layer, nt, k_ptr, v_ptr, s_len):
     ffn_norm = f32_view(load_i64(table + 8 * L_FFN_NORM), d)
     for t in range(nt):
         rmsnorm(x[t], attn_norm, eps, h[t])
-        _prepare(header, h[t], xp[t])
     host_decode.run_stage(header, ST_QKV)
     inv_freq = f32_view(load_i64(header + 8 * H_INV_FREQ), hd // 2)
     kv = nkv * hd
+    bias = load_i64(table + 8 * L_QKV_BIAS)
     for t in range(nt):
+        if bias != 0:
+            b = f32_view(bias, qkv.shape[1])
+            for j in range(qkv.shape[1]):
+                qkv[t, j] += b[j]
         pos = poss[t]
         rope(qkv[t, :nh * hd], nh, hd, inv_freq, pos)
         rope(qkv[t, nh * hd:(nh + nkv) * hd], nkv, hd, inv_freq, pos)
-        row = 2 * (slots[t] * s_len + pos) * kv
+        row = 2 * (seqs[t] * s_len + pos) * kv
         attention.store(qkv[t, nh * hd:nh * hd + kv], qkv[t, nh * hd + kv:nh * hd + 2 * kv],
                         carray(ptr_u16(k_ptr + row), (nkv, hd)), carray(ptr_u16(v_ptr + row), (nkv, hd)))
     host_decode.run_stage(header, ST_ATTN)
-    for t in range(nt):
-        _prepare(header, att[t], xp[t])
     host_decode.run_stage(header, ST_O)
     for t in range(nt):
         xt, ot = x[t], o[t]
         for j in range(d):
             xt[j] += ot[j]
         rmsnorm(xt, ffn_norm, eps, h[t])
-        _prepare(header, h[t], xp[t])
     host_decode.run_stage(header, ST_GATE_UP)
-    for t in range(nt):
-        _prepare(header, gate[t], xp[t])
     host_decode.run_stage(header, ST_DOWN)
     for t in range(nt):
         xt, dt = x[t], down[t]
@@ -208,9 +202,12 @@ def _layer(header, layer, nt, k_ptr, v_ptr, s_len):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The handler. Two call forms, told apart by their operand count:
+# The handler. Three call forms, told apart by their operand count:
 # - layer: (layer i32 [], pos i32 [MB], x f32 [MB * d elements], k f16 [MB, S, KV, hd], v like k)
 #          -> (x f32 like the operand, k, v), k and v aliased to operands 3 and 4;
+# - prompt: (layer i32 [], start i32 [], count i32 [], x f32 [MB * d elements], k f16 [S, KV, hd] (any leading 1s),
+#           v like k) -> (x, k, v), k and v aliased to operands 4 and 5: rows 0..count-1 of x are one sequence's
+#           tokens at positions start..start+count-1 (count <= MB), the other rows are passed through;
 # - head:  (hidden f32 [MB * d elements], pos i32 [MB]) -> logits f32 [MB * vocab elements].
 # A slot with pos < 0 is empty: its x is passed through, its logits are zeros.
 
@@ -218,14 +215,13 @@ def _layer(header, layer, nt, k_ptr, v_ptr, s_len):
 def _gather(header, b_pos, mb, limit):
     """Stores the live slots and their positions (compact); returns their count, or -1 when a position >= limit."""
     pos = carray(ptr_i32(load_i64(b_pos + BUF_DATA)), (mb,))
-    slots, poss = _i64s(header, B_SLOTS), _i64s(header, B_POS)
+    slots, poss, seqs = _i64s(header, B_SLOTS), _i64s(header, B_POS), _i64s(header, B_SEQS)
     nt = 0
     for b in range(mb):
         if pos[b] >= 0:
             if pos[b] >= limit:
                 return -1
-            slots[nt] = b
-            poss[nt] = pos[b]
+            slots[nt], poss[nt], seqs[nt] = b, pos[b], b
             nt += 1
     return nt
 
@@ -258,6 +254,20 @@ def _execute_head(header, api, args, rets, mb, d):
 
 
 @njit(**NOJIT)
+def _run(header, nt, layer, x_in, x_out, k_ptr, v_ptr, s_len):
+    """The layer for the nt rows gathered in B_SLOTS / B_POS (x_in row slots[t] is token t), under the lock."""
+    x, slots = _bscratch(header)[0], _i64s(header, B_SLOTS)
+    x_out[:, :] = x_in
+    for t in range(nt):
+        x[t, :] = x_out[slots[t]]
+    env = team.enter()
+    _layer(header, layer, nt, k_ptr, v_ptr, s_len)
+    team.leave(env)
+    for t in range(nt):
+        x_out[slots[t], :] = x[t]
+
+
+@njit(**NOJIT)
 def _execute(frame, api):
     header = find_table_attr(frame)
     if header == 0 or load_i64(header + 8 * H_MAGIC) != MAGIC:
@@ -268,47 +278,55 @@ def _execute(frame, api):
     mb = load_i64(header + 8 * B_MB)
     if nargs == 2 and nrets == 1:
         return _execute_head(header, api, args, rets, mb, d)
-    if nargs != 5 or nrets != 3:
+    if not (nargs == 5 or nargs == 6) or nrets != 3:
         return make_error(api, ERRC_INVALID_ARGUMENT,
-                          cstr("pjinfer_host_decode_batch: expected 5 operands and 3 results, or 2 and 1"))
-    b_layer, b_pos, b_x = load_i64(args), load_i64(args + 8), load_i64(args + 16)
-    b_k, b_v = load_i64(args + 24), load_i64(args + 32)
+                          cstr("pjinfer_host_decode_batch: expected 5 or 6 operands and 3 results, or 2 and 1"))
+    prompt = nargs == 6
+    b_layer, b_x = load_i64(args), load_i64(args + 8 * (nargs - 3))
+    b_k, b_v = load_i64(args + 8 * (nargs - 2)), load_i64(args + 8 * (nargs - 1))
     r_x, r_k, r_v = load_i64(rets), load_i64(rets + 8), load_i64(rets + 16)
-    if (load_i32(b_layer + BUF_DTYPE) != DT_S32 or load_i32(b_pos + BUF_DTYPE) != DT_S32
-            or load_i32(b_x + BUF_DTYPE) != DT_F32 or load_i32(b_k + BUF_DTYPE) != DT_F16
-            or load_i32(b_v + BUF_DTYPE) != DT_F16 or load_i32(r_x + BUF_DTYPE) != DT_F32
-            or buffer_numel(b_layer, False) != 1 or buffer_numel(b_pos, False) != mb
+    ok = True
+    for i in range(1, nargs - 3):
+        ok = ok and load_i32(load_i64(args + 8 * i) + BUF_DTYPE) == DT_S32
+        ok = ok and buffer_numel(load_i64(args + 8 * i), False) == (1 if prompt else mb)
+    if (not ok or load_i32(b_layer + BUF_DTYPE) != DT_S32 or load_i32(b_x + BUF_DTYPE) != DT_F32
+            or load_i32(b_k + BUF_DTYPE) != DT_F16 or load_i32(b_v + BUF_DTYPE) != DT_F16
+            or load_i32(r_x + BUF_DTYPE) != DT_F32 or buffer_numel(b_layer, False) != 1
             or buffer_numel(b_x, False) != mb * d or buffer_numel(r_x, False) != mb * d):
         return make_error(api, ERRC_INVALID_ARGUMENT, cstr(
-            "pjinfer_host_decode_batch: layer form is (int32 [], int32 [B], f32 [B, d], f16 cache, f16 cache)"))
+            "pjinfer_host_decode_batch: layer form is (int32 [], int32 [B], f32 [B, d], f16 cache, f16 cache), "
+            "prompt form (int32 [], int32 [], int32 [], f32 [B, d], f16 cache, f16 cache)"))
     rows = cache_rows(b_k, nkv, hd)
-    s_len = rows // mb
-    if (rows < mb or rows % mb or cache_rows(b_v, nkv, hd) != rows or s_len > load_i64(header + 8 * H_MAXLEN)):
+    s_len = rows if prompt else rows // mb
+    if (rows < mb or (not prompt and rows % mb) or cache_rows(b_v, nkv, hd) != rows
+            or s_len > load_i64(header + 8 * H_MAXLEN)):
         return make_error(api, ERRC_INVALID_ARGUMENT, cstr(
-            "pjinfer_host_decode_batch: caches must be [B, S, kv_heads, head_dim], S at most the model's context"))
+            "pjinfer_host_decode_batch: caches must be [B, S, kv_heads, head_dim] ([S, ...] for a prompt), S at "
+            "most the model's context"))
     k_ptr, v_ptr = load_i64(b_k + BUF_DATA), load_i64(b_v + BUF_DATA)
     if load_i64(r_k + BUF_DATA) != k_ptr or load_i64(r_v + BUF_DATA) != v_ptr:
         return make_error(api, ERRC_INVALID_ARGUMENT,
-                          cstr("pjinfer_host_decode_batch: the caches must be aliased to results 2 and 3"))
+                          cstr("pjinfer_host_decode_batch: the caches must be aliased to the results"))
     layer = carray(ptr_i32(load_i64(b_layer + BUF_DATA)), (1,))[0]
     if layer < 0 or layer >= load_i64(header + 8 * H_NLAYERS):
         return make_error(api, ERRC_OUT_OF_RANGE, cstr("pjinfer_host_decode_batch: layer index out of range"))
     x_in = carray(ptr_f32(load_i64(b_x + BUF_DATA)), (mb, d))
     x_out = carray(ptr_f32(load_i64(r_x + BUF_DATA)), (mb, d))
     lock(load_i64(header + 8 * H_RUNTIME))
-    nt = _gather(header, b_pos, mb, s_len)
+    if prompt:
+        start = carray(ptr_i32(load_i64(load_i64(args + 8) + BUF_DATA)), (1,))[0]
+        nt = carray(ptr_i32(load_i64(load_i64(args + 16) + BUF_DATA)), (1,))[0]
+        if start < 0 or nt < 0 or nt > mb or start + nt > min(s_len, load_i64(header + 8 * B_SPAN)):
+            nt = -1
+        slots, poss, seqs = _i64s(header, B_SLOTS), _i64s(header, B_POS), _i64s(header, B_SEQS)
+        for t in range(max(nt, 0)):
+            slots[t], poss[t], seqs[t] = t, start + t, 0
+    else:
+        nt = _gather(header, load_i64(args + 8), mb, min(s_len, load_i64(header + 8 * B_SPAN)))
     if nt < 0:
         unlock(load_i64(header + 8 * H_RUNTIME))
         return make_error(api, ERRC_OUT_OF_RANGE, cstr("pjinfer_host_decode_batch: a position outside the cache"))
-    x, slots = _bscratch(header)[0], _i64s(header, B_SLOTS)
-    x_out[:, :] = x_in
-    for t in range(nt):
-        x[t, :] = x_out[slots[t]]
-    env = team.enter()
-    _layer(header, layer, nt, k_ptr, v_ptr, s_len)
-    team.leave(env)
-    for t in range(nt):
-        x_out[slots[t], :] = x[t]
+    _run(header, nt, layer, x_in, x_out, k_ptr, v_ptr, s_len)
     unlock(load_i64(header + 8 * H_RUNTIME))
     return 0
 
@@ -331,24 +349,26 @@ _HEADERS: list[np.ndarray] = []  # every header ever made; never freed (executab
 class BatchDecoder:
     """A HostDecoder's model stepped for up to max_batch tokens at once (see the module docstring)."""
 
-    def __init__(self, host, max_batch: int):
+    def __init__(self, host, max_batch: int, *, span: int | None = None):
+        """span: the positions it attends over (default the model's context; the scores scratch is max_batch x
+        heads x span floats): a decoder for prompts of at most max_batch tokens from position 0 needs max_batch."""
         if max_batch < 1:
             raise ConfigError(f"max batch must be >= 1, got {max_batch}")
         c = host.config
         self.host, self.config, self.max_batch = host, c, int(max_batch)
+        self.span = c.max_seq_len if span is None else min(int(span), c.max_seq_len)
         header = np.zeros(WIDTH, np.int64)
         header[:H_WIDTH] = np.frombuffer(ctypes.string_at(host.address, 8 * H_WIDTH), np.int64)
-        widest = max(c.d_model, c.n_heads * c.head_dim, c.d_ff)
-        psize = q4.prepared_size(widest)
         nqkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
         mb = self.max_batch
         f32 = lambda cols: np.zeros((mb, cols), np.float32)  # noqa: E731
         self._keep = [f32(c.d_model), f32(c.d_model), f32(nqkv), f32(c.n_heads * c.head_dim), f32(c.d_model),
-                      f32(c.d_ff), f32(c.d_ff), f32(c.d_model), f32(psize),
-                      np.zeros((mb * c.n_heads, c.max_seq_len), np.float32),
-                      np.zeros(mb, np.int64), np.zeros(mb, np.int64), np.arange(mb, dtype=np.int64)]
-        header[B_X:B_IDENT + 1] = [a.ctypes.data for a in self._keep]
-        header[[B_MB, B_PSIZE]] = [mb, psize]
+                      f32(c.d_ff), f32(c.d_ff), f32(c.d_model),
+                      np.zeros((mb * c.n_heads, self.span), np.float32),
+                      np.zeros(mb, np.int64), np.zeros(mb, np.int64), np.arange(mb, dtype=np.int64),
+                      np.zeros(mb, np.int64)]
+        header[B_X:B_SEQS + 1] = [a.ctypes.data for a in self._keep]
+        header[[B_MB, B_SPAN]] = [mb, self.span]
         self._task = np.zeros(8, np.int64)
         header[[H_TASK, H_STAGE]] = [self._task.ctypes.data, _stage.address]
         header[H_MAGIC] = MAGIC
@@ -374,6 +394,25 @@ class BatchDecoder:
         call = jax.ffi.ffi_call(TARGET_NAME, result, input_output_aliases={3: 1, 4: 2})
         return call(jnp.int32(layer), pos.astype(jnp.int32), x.astype(jnp.float32), k_cache, v_cache,
                     table=np.int64(self.address))
+
+    def prompt(self, layer: int, x, start, count, k_cache, v_cache):
+        """Layer `layer` for one sequence's tokens: rows 0..count-1 of x [B, ..., d] at positions
+        start..start+count-1 (count <= B, start + count <= span), caches [S, KV, hd] (leading 1s allowed) ->
+        (x out, caches with those positions written). Each token attends to the positions before it, the prompt's
+        own included, and gets the single-token decoder's numbers."""
+        import jax
+        import jax.numpy as jnp
+
+        c = self.config
+        if not 0 <= int(layer) < c.n_layers:
+            raise ConfigError(f"layer {layer} out of range [0, {c.n_layers})")
+        if x.size != self.max_batch * c.d_model:
+            raise ConfigError(f"x must be [{self.max_batch}, {c.d_model}], got {x.shape}")
+        result = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                  jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+        call = jax.ffi.ffi_call(TARGET_NAME, result, input_output_aliases={4: 1, 5: 2})
+        return call(jnp.int32(layer), jnp.asarray(start, jnp.int32), jnp.asarray(count, jnp.int32),
+                    x.astype(jnp.float32), k_cache, v_cache, table=np.int64(self.address))
 
     def head(self, hidden, pos):
         """hidden [B, d] -> logits [B, vocab] (int8 head; zeros where pos < 0)."""

@@ -216,9 +216,8 @@ class HostDecoder:
         inv_freq = (1.0 / (np.float32(c.rope_theta) ** (np.arange(0, c.head_dim, 2, dtype=np.float32)
                                                         / np.float32(c.head_dim)))).astype(np.float32)
         nqkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
-        widest = max(c.d_model, c.n_heads * c.head_dim, c.d_ff)
         scratch = np.zeros(3 * c.d_model + nqkv + c.n_heads * c.head_dim + 2 * c.d_ff
-                           + c.n_heads * c.max_seq_len + q4.prepared_size(widest), np.float32)
+                           + c.n_heads * c.max_seq_len, np.float32)
         header = np.zeros(H_WIDTH, np.int64)
         header[[H_NLAYERS, H_D, H_HEADS, H_KV, H_HD, H_FF, H_VOCAB, H_ACT, H_MAXLEN]] = [
             c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size,

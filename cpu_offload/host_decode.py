@@ -24,7 +24,7 @@ position ``pos`` in place.
 
 Matrices are stored one row per output (a stored w_down_t is [d, d_ff], untransposed: pjinfer.runtime.model's rule for
 quantized matrices), so every stage is a GEMV over contiguous rows: ``int8.gemv`` takes four rows at a time against one pass over x;
-``q4.gemv`` takes one row at a time against x prepared once per stage by the caller thread (``_prepare``).
+``q4.gemv`` takes one row at a time, dequantizing each block in registers.
 
 Supported: the Llama family (RMSNorm, RoPE, grouped-query attention, gated FFN, no biases but Qwen2's q/k/v ones)
 with d_model, n_heads*head_dim and d_ff multiples of 64. Anything else is refused with a ConfigError-style ValueError.
@@ -127,7 +127,7 @@ def dims(header):
 @njit(**NOJIT)
 def scratch(header):
     """The float32 working vectors: h [d], qkv [(H + 2 KV) hd], att [H hd], o [d], gate [F], up [F], down [d],
-    scores [H, max_len], then (Q4_1 only) the prepared GEMV input xp [q4.prepared_size(max(d, H hd, F))]."""
+    scores [H, max_len]."""
     d, nh, nkv, hd, ff = dims(header)
     base = load_i64(header + 8 * H_SCRATCH)
     nqkv = (nh + 2 * nkv) * hd
@@ -142,20 +142,6 @@ def scratch(header):
 
 
 @njit(**NOJIT)
-def _prepared(header, cols):
-    """The Q4_1 GEMV input scratch, sized for an input of cols: right after scratch's last view."""
-    scores = scratch(header)[7]
-    return f32_view(scores.ctypes.data + 4 * scores.size, q4.prepared_size(cols))
-
-
-@njit(**NOJIT)
-def _prepare(header, x):
-    """Q4_1 layers read their input through q4.prepare's form: done once per input vector, by the caller."""
-    if load_i64(header + 8 * H_FORMAT) == F_Q4_1:
-        q4.prepare(x, _prepared(header, x.shape[0]))
-
-
-@njit(**NOJIT)
 def int8_matrix(header, layer, slot, rows, cols):
     table = load_i64(header + 8 * H_TABLE) + 8 * L_WIDTH * layer
     return (i8_view(load_i64(table + 8 * slot), rows, cols),
@@ -164,15 +150,15 @@ def int8_matrix(header, layer, slot, rows, cols):
 
 @njit(**NOJIT)
 def _matvec(header, layer, slot, rows, x, y, lo, hi):
-    """y[lo:hi] = rows lo..hi-1 of the layer's matrix in slot times x (Q4_1: x prepared by _prepare; another
-    block type: its ggml type number in the slot after the blocks, quants.gemv)."""
+    """y[lo:hi] = rows lo..hi-1 of the layer's matrix in slot times x (Q4_1, or another block type: its ggml type
+    number in the slot after the blocks, quants.gemv)."""
     cols = x.shape[0]
     if load_i64(header + 8 * H_FORMAT) == F_Q4_1:
         entry = load_i64(header + 8 * H_TABLE) + 8 * (L_WIDTH * layer + slot)
         kind = load_i64(entry + 8)
         if kind == 0:
             blocks = carray(ptr_u8(load_i64(entry)), (rows, q4.row_bytes(cols)))
-            q4.gemv(blocks, _prepared(header, cols), y, lo, hi)
+            q4.gemv(blocks, x, y, lo, hi)
         else:
             quants.gemv(kind, carray(ptr_u8(load_i64(entry)), (rows, quants.row_bytes(kind, cols))), x, y, lo, hi)
     else:
@@ -296,7 +282,6 @@ def run_layer(header, layer, pos, x, k_ptr, v_ptr):
     store_i64(task + 8 * K_LAYER, layer)
 
     rmsnorm(x, f32_view(load_i64(table + 8 * L_ATTN_NORM), d), eps, h)
-    _prepare(header, h)
     run_stage(header, ST_QKV)
     bias = load_i64(table + 8 * L_QKV_BIAS)
     if bias != 0:
@@ -307,14 +292,11 @@ def run_layer(header, layer, pos, x, k_ptr, v_ptr):
     rope(qkv[:nh * hd], nh, hd, inv_freq, pos)
     rope(qkv[nh * hd:(nh + nkv) * hd], nkv, hd, inv_freq, pos)
     attend(header, pos, k_ptr, v_ptr)
-    _prepare(header, att)
     run_stage(header, ST_O)
     for j in range(d):
         x[j] += o[j]
     rmsnorm(x, f32_view(load_i64(table + 8 * L_FFN_NORM), d), eps, h)
-    _prepare(header, h)
     run_stage(header, ST_GATE_UP)
-    _prepare(header, gate)
     run_stage(header, ST_DOWN)
     for j in range(d):
         x[j] += down[j]

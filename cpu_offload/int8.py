@@ -27,24 +27,28 @@ PREFETCH_ROWS = 16   # rows ahead (one thread streamed 2.6x faster from DRAM wit
 ROWS = 4             # rows per pass over x
 
 
-def emit_rows_dot(builder, ws, ss, nb, x):
+def emit_rows_dot(builder, ws, ss, nb, xs):
     """LLVM IR for the dots of len(ws) int8 rows (their weights at addresses ws, their float32 scales at ss) with
-    the float32 input at address x, nb blocks of 64; returns the float32 results."""
+    each of the float32 inputs at addresses xs, nb blocks of 64; returns the float32 results, [row][input]. A
+    row's weights are converted to floats once for all the inputs; every (row, input) pair takes the same float
+    operations in the same order whatever the other rows and inputs are, so gemv (4 rows, 1 input) and the
+    batched head (1 row, several inputs, q4_gemm.gemm_int8) give the same bits."""
     fma = vector_intrinsic(builder, "llvm.fma", 3)
-    acc = [cgutils.alloca_once_value(builder, ZERO16) for _ in ws]
+    acc = [[cgutils.alloca_once_value(builder, ZERO16) for _ in xs] for _ in ws]
     with cgutils.for_range(builder, nb) as loop:
         b = loop.index
         base = builder.mul(b, I64(QBLOCK))
-        xs = [load(builder, builder.add(x, builder.mul(builder.add(base, I64(16 * c)), I64(4))), V16F, 4)
-              for c in range(QBLOCK // 16)]
         for i, w in enumerate(ws):
-            block = ZERO16
-            for c, xv in enumerate(xs):
-                wv = builder.sitofp(load(builder, builder.add(w, builder.add(base, I64(16 * c))), V16I8, 1), V16F)
-                block = builder.call(fma, [wv, xv, block])
+            wvs = [builder.sitofp(load(builder, builder.add(w, builder.add(base, I64(16 * c))), V16I8, 1), V16F)
+                   for c in range(QBLOCK // 16)]
             scale = splat(builder, load(builder, builder.add(ss[i], builder.mul(b, I64(4))), F32, 4))
-            builder.store(builder.call(fma, [block, scale, builder.load(acc[i])]), acc[i])
-    return [hsum(builder, builder.load(a)) for a in acc]
+            for t, x in enumerate(xs):
+                block = ZERO16
+                for c, wv in enumerate(wvs):
+                    xv = load(builder, builder.add(x, builder.mul(builder.add(base, I64(16 * c)), I64(4))), V16F, 4)
+                    block = builder.call(fma, [wv, xv, block])
+                builder.store(builder.call(fma, [block, scale, builder.load(acc[i][t])]), acc[i][t])
+    return [[hsum(builder, builder.load(a)) for a in row] for row in acc]
 
 
 @intrinsic
@@ -59,7 +63,7 @@ def _rows_dot(typingctx, w, w_stride, s, s_stride, nb, x, y, n):
         w, w_stride, s, s_stride, nb, x, y, _ = args
         ws = [builder.add(w, builder.mul(w_stride, I64(i))) for i in range(count)]
         ss = [builder.add(s, builder.mul(s_stride, I64(i))) for i in range(count)]
-        for i, total in enumerate(emit_rows_dot(builder, ws, ss, nb, x)):
+        for i, (total,) in enumerate(emit_rows_dot(builder, ws, ss, nb, [x])):
             builder.store(total, builder.inttoptr(builder.add(y, I64(4 * i)), F32.as_pointer()), align=4)
         return context.get_dummy_value()
     return types.void(w, w_stride, s, s_stride, nb, x, y, n), codegen

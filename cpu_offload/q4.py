@@ -9,17 +9,18 @@ Q4_1 tensor therefore holds a q of 0 and a q of 15, and re-quantizing the float3
 gives back the file's bytes (tests/test_real_model.py checks it on the default model): for a Q4_1 GGUF the 4-bit
 decode is the file's own model, not a further approximation.
 
-The GEMV. Per block, with c = q_lo + 16 q_hi the stored byte and q_hi = floor(c / 16):
-
-    q_lo . x_lo + q_hi . x_hi = c . x_lo + q_hi . (x_hi - 16 x_lo)
-
-so a block is one byte-to-float conversion, a floor and two FMAs on 16 lanes, with no nibble masking
-(``emit_rows_dot``; the conversion is shared when several inputs read the row, q4_gemm).
-``prepare(x, xp)`` computes x_lo, x_hi - 16 x_lo and the block sums of x once per input vector, and
-``gemv(q, xp, y, lo, hi)`` gives y[r] = sum over blocks of d (c . x_lo + q_hi . x2) + m sum(x_block).
+The GEMV dequantizes in registers and takes the dot in float32. Per block, shared by every input that reads the
+row: the 16 bytes as q_lo and q_hi, 16 floats each (``emit_nibbles``: a widening, a vpermps, a shift and a
+conversion on AVX-512), and the block's weights w = d q + m as two FMAs (w_lo for elements 0..15, w_hi for
+16..31); per input: two FMAs of those weights with the input's two halves of the block, into two accumulators;
+one horizontal sum per input at the end (``emit_rows_dot``). The input is x itself, as the caller holds it: no
+preparation pass. With one input this takes about the operations of the former form (c . x_lo + q_hi . (x_hi -
+16 x_lo), then d and a scalar m . sum(x) chain per block) and runs as fast; with 8 inputs (q4_gemm) it is 1.6x
+faster, and every weight is its dequantized value, so the dot does not cancel large terms (about 8x closer to
+float64 than that form on random rows).
 ``_row_dot`` is written as LLVM vector IR because Numba's autovectorizer turned the same loop into byte-by-byte
-inserts (2.4 G weights/s on one thread here); the IR form streams 11-14 G weights/s (`/tmp` microbenchmark over
-30 x [3072, 576], the int8 GEMV did 12.6 in the same run), at 0.6 the bytes.
+inserts (2.4 G weights/s on one thread here); the IR form streams about 16 G weights/s on one thread
+(`/tmp` microbenchmark over 40 x [1536, 576]).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import ffi, kernels, vector_ir  # noqa: E402
-from .vector_ir import F32, I64, V16F, V16I8, ZERO16, hsum, load, splat, strict, vector_intrinsic  # noqa: E402
+from .vector_ir import F32, I64, V16F, V16I8, V16I32, ZERO16, hsum, load, splat, strict, vector_intrinsic  # noqa: E402
 from .qtensor import dequantize_q4_1  # noqa: E402
 from .kernels import prefetch  # noqa: E402
 
@@ -45,8 +46,6 @@ BLOCK = 32          # weights per block
 BLOCK_BYTES = 20    # float16 d, float16 m, 16 bytes of nibbles
 PREFETCH_ROWS = 8   # rows ahead to prefetch (8 measured 13.9 G weights/s on one thread, 16: 12.4, 32: 12.1)
 
-_F0 = np.float32(0.0)
-_SIXTEEN = np.float32(16.0)
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
 
@@ -84,91 +83,82 @@ def dequantize(blocks: np.ndarray, cols: int) -> np.ndarray:
     return dequantize_q4_1(blocks, cols)
 
 
-@njit(**_JIT)
-def prepared_size(cols):
-    """float32 elements ``prepare`` writes for an input of ``cols``: x_lo, x_hi - 16 x_lo, block sums."""
-    return cols + cols // BLOCK
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The kernel.
 
 
 
-def emit_rows_dot(builder, row, nb, xls, x2s, xss):
-    """LLVM IR for the dots of one Q4_1 row (nb blocks at address row) with len(xls) prepared inputs (addresses of
-    each one's x_lo, x2 and block sums); returns the float32 results. The single-token GEMV (``_row_dot``) and the
-    batched one (``q4_gemm``) both emit this, so a token's result is the same in both.
+def _has_avx512f() -> bool:
+    """Whether Numba compiles for a CPU with AVX-512F (its vpermps picks 16 floats by 4-bit index)."""
+    from numba.core import config
+    from numba.core.codegen import get_host_cpu_features
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
+    return "+avx512f" in features.split(",")
 
-    Per block, shared by the tokens: the byte-to-float conversion c, q_hi and the broadcast d; per token: the block
-    dot as c x_lo + q_hi x2 (a multiply and an FMA), one FMA of d into the accumulator, m times the block sum into
-    a scalar chain; finally one horizontal sum per token. (Multiplying d into c and q_hi once per block and
-    keeping two accumulators per token measured no faster batched, and 1.5x slower with 8 tokens: spills.)"""
-    floor = vector_intrinsic(builder, "llvm.floor", 1)
+
+PERMUTE = _has_avx512f()
+
+
+def emit_nibbles(builder, addr, permute=PERMUTE):
+    """IR: the 16 bytes at addr as (low nibbles, high nibbles), 16 float32 each (exact small integers). With
+    AVX-512, the low nibbles are a vpermps of the floats 0..15 by each byte (it reads an index's low 4 bits)."""
+    z = builder.zext(load(builder, addr, V16I8, 1), V16I32)
+    hi = builder.sitofp(builder.lshr(z, ir.Constant(V16I32, [4] * 16)), V16F)
+    if permute:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F, V16I32]),
+                                            "llvm.x86.avx512.permvar.sf.512")
+        return builder.call(fn, [ir.Constant(V16F, [float(v) for v in range(16)]), z]), hi
+    return builder.sitofp(builder.and_(z, ir.Constant(V16I32, [15] * 16)), V16F), hi
+
+
+def emit_rows_dot(builder, row, nb, xs):
+    """LLVM IR for the dots of one Q4_1 row (nb blocks at address row) with len(xs) float32 inputs (their
+    addresses); returns the float32 results. The single-token GEMV (``_row_dot``) and the batched one
+    (``q4_gemm``) both emit this, so a token's result is the same in both: per input, the same operations in the
+    same order whatever the other inputs are (``vector_ir.strict``)."""
     fma = vector_intrinsic(builder, "llvm.fma", 3)
-    acc = [cgutils.alloca_once_value(builder, ZERO16) for _ in xls]             # sum of d * block dot
-    macc = [cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0)) for _ in xls]  # sum of m * block sum
-    sixteenth = ir.Constant(V16F, [1.0 / 16] * 16)
+    acc_lo = [cgutils.alloca_once_value(builder, ZERO16) for _ in xs]   # elements 0..15 of every block
+    acc_hi = [cgutils.alloca_once_value(builder, ZERO16) for _ in xs]   # elements 16..31
     with cgutils.for_range(builder, nb) as loop:
         b = loop.index
         p = builder.add(row, builder.mul(b, I64(BLOCK_BYTES)))
-        d = builder.fpext(load(builder, p, ir.HalfType(), 1), F32)
-        m = builder.fpext(load(builder, builder.add(p, I64(2)), ir.HalfType(), 1), F32)
-        c = builder.uitofp(load(builder, builder.add(p, I64(4)), V16I8, 1), V16F)
-        q_hi = builder.call(floor, [strict(builder.fmul(c, sixteenth))])
-        d16 = splat(builder, d)
-        off = builder.mul(b, I64(64))  # 16 floats of x_lo / x2 per block
-        for t in range(len(xls)):
-            dot = builder.call(fma, [q_hi, load(builder, builder.add(x2s[t], off), V16F, 4),
-                                     strict(builder.fmul(c, load(builder, builder.add(xls[t], off), V16F, 4)))])
-            builder.store(builder.call(fma, [dot, d16, builder.load(acc[t])]), acc[t])
-            s = load(builder, builder.add(xss[t], builder.mul(b, I64(4))), F32, 4)
-            builder.store(strict(builder.fadd(strict(builder.fmul(m, s)), builder.load(macc[t]))), macc[t])
-    return [strict(builder.fadd(hsum(builder, builder.load(acc[t])), builder.load(macc[t]))) for t in range(len(xls))]
+        d = splat(builder, builder.fpext(load(builder, p, ir.HalfType(), 1), F32))
+        m = splat(builder, builder.fpext(load(builder, builder.add(p, I64(2)), ir.HalfType(), 1), F32))
+        q_lo, q_hi = emit_nibbles(builder, builder.add(p, I64(4)))
+        w_lo = builder.call(fma, [d, q_lo, m])
+        w_hi = builder.call(fma, [d, q_hi, m])
+        off = builder.mul(b, I64(4 * BLOCK))   # bytes of the block's 32 input floats
+        for t, x in enumerate(xs):
+            at = builder.add(x, off)
+            builder.store(builder.call(fma, [w_lo, load(builder, at, V16F, 4), builder.load(acc_lo[t])]), acc_lo[t])
+            builder.store(builder.call(fma, [w_hi, load(builder, builder.add(at, I64(64)), V16F, 4),
+                                             builder.load(acc_hi[t])]), acc_hi[t])
+    return [hsum(builder, strict(builder.fadd(builder.load(acc_lo[t]), builder.load(acc_hi[t]))))
+            for t in range(len(xs))]
 
 
 @intrinsic
-def _row_dot(typingctx, row, nb, xl, x2, xs):
-    """float32 dot of one Q4_1 row (nb blocks at address row) with a prepared input (addresses of x_lo, x2 and
-    the block sums). Integer addresses, no bounds checks: the caller owns the shapes."""
-    if not all(isinstance(a, types.Integer) for a in (row, nb, xl, x2, xs)):
+def _row_dot(typingctx, row, nb, x):
+    """float32 dot of one Q4_1 row (nb blocks at address row) with the float32 input at address x. Integer
+    addresses, no bounds checks: the caller owns the shapes."""
+    if not all(isinstance(a, types.Integer) for a in (row, nb, x)):
         return None
 
     def codegen(context, builder, sig, args):
-        row, nb, xl, x2, xs = args
-        return emit_rows_dot(builder, row, nb, [xl], [x2], [xs])[0]
-    return types.float32(types.int64, types.int64, types.int64, types.int64, types.int64), codegen
-
-
-@njit(fastmath=False, cache=True, nogil=True)
-def prepare(x, xp):
-    """xp[:cols] <- x_lo and x_hi - 16 x_lo per block (16 + 16 floats), xp[cols:cols + cols/32] <- block sums.
-    Without fastmath, so each block sum is added in one order wherever this is compiled (see ``strict``)."""
-    cols = x.shape[0]
-    half = cols // 2
-    for b in range(cols // BLOCK):
-        total = _F0
-        for j in range(16):
-            lo = x[b * BLOCK + j]
-            hi = x[b * BLOCK + 16 + j]
-            xp[b * 16 + j] = lo
-            xp[half + b * 16 + j] = hi - _SIXTEEN * lo
-            total += lo + hi
-        xp[cols + b] = total
+        row, nb, x = args
+        return emit_rows_dot(builder, row, nb, [x])[0]
+    return types.float32(types.int64, types.int64, types.int64), codegen
 
 
 @njit(**_JIT)
-def gemv(q, xp, y, lo, hi):
-    """y[r] = row r of the Q4_1 matrix q [rows, row_bytes(cols)] dotted with x, for r in [lo, hi); xp =
-    prepare(x). Each row's bytes must be contiguous (quantize's are). Rows PREFETCH_ROWS ahead are prefetched
+def gemv(q, x, y, lo, hi):
+    """y[r] = row r of the Q4_1 matrix q [rows, row_bytes(cols)] dotted with x (float32 [cols], contiguous), for r
+    in [lo, hi). Each row's bytes must be contiguous (quantize's are). Rows PREFETCH_ROWS ahead are prefetched
     line by line."""
     nb = q.shape[1] // BLOCK_BYTES
-    cols = nb * BLOCK
-    base = xp.ctypes.data
-    xl, x2, xs = base, base + 4 * (cols // 2), base + 4 * cols
     rows = q.ctypes.data
     for r in range(lo, hi):
         if r + PREFETCH_ROWS < hi:
             for j in range(0, q.shape[1], 64):
                 prefetch(q, r + PREFETCH_ROWS, j)
-        y[r] = _row_dot(rows + r * q.strides[0], nb, xl, x2, xs)
+        y[r] = _row_dot(rows + r * q.strides[0], nb, x.ctypes.data)

@@ -43,7 +43,7 @@ from numba.extending import intrinsic  # noqa: E402
 
 from . import ffi, q4, vector_ir  # noqa: E402
 from .q4 import BLOCK, BLOCK_BYTES  # noqa: E402
-from .vector_ir import F32, I32, I64, V16F, V16I8, ZERO16, load, splat, strict, vector_intrinsic  # noqa: E402
+from .vector_ir import F32, I32, I64, V16F, ZERO16, load, splat, strict, vector_intrinsic  # noqa: E402
 
 ffi.purge_stale_cache("q4_sparse", q4, vector_ir)
 
@@ -94,30 +94,6 @@ def dequantize(nib: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray((q * f32(d)[blk] + f32(m)[blk]).T)
 
 
-def _has_avx512f() -> bool:
-    """Whether Numba compiles for a CPU with AVX-512F (its vpermps picks 16 floats by 4-bit index)."""
-    from numba.core import config
-    from numba.core.codegen import get_host_cpu_features
-    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
-    return "+avx512f" in features.split(",")
-
-
-PERMUTE = _has_avx512f()
-_V16I = ir.VectorType(I32, 16)
-
-
-def _emit_nibbles(builder, addr, permute):
-    """IR: the 16 bytes at addr as (low nibbles, high nibbles), 16 float32 each (exact small integers). With
-    AVX-512, the low nibbles are a vpermps of the floats 0..15 by each byte (it reads an index's low 4 bits)."""
-    z = builder.zext(load(builder, addr, V16I8, 1), _V16I)
-    hi = builder.sitofp(builder.lshr(z, ir.Constant(_V16I, [4] * 16)), V16F)
-    if permute:
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F, _V16I]),
-                                            "llvm.x86.avx512.permvar.sf.512")
-        return builder.call(fn, [ir.Constant(V16F, [float(v) for v in range(16)]), z]), hi
-    return builder.sitofp(builder.and_(z, ir.Constant(_V16I, [15] * 16)), V16F), hi
-
-
 def _emit_prefetch(builder, col, stride, idx, k, last):
     """IR: prefetch the tile's column of active input idx[min(k, last)] (its first line)."""
     k = builder.select(builder.icmp_signed("<", k, last), k, last)
@@ -130,7 +106,7 @@ def _emit_prefetch(builder, col, stride, idx, k, last):
 
 def _emit_block_inputs(builder, col, stride, idx, k0, k1, x, acc_lo, acc_hi, sx, last, permute):
     """IR: for the active inputs idx[k0:k1] (one block), acc_lo[g] += x_i q_lo and acc_hi[g] += x_i q_hi over the
-    tile's groups (the column's nibbles, ``_emit_nibbles``), sx += x_i; returns the block's index."""
+    tile's groups (the column's nibbles, ``q4.emit_nibbles``), sx += x_i; returns the block's index."""
     fma = vector_intrinsic(builder, "llvm.fma", 3)
     for a in (*acc_lo, *acc_hi):
         builder.store(ZERO16, a)
@@ -146,7 +122,7 @@ def _emit_block_inputs(builder, col, stride, idx, k0, k1, x, acc_lo, acc_hi, sx,
             ahead = builder.add(k0, builder.add(loop.index, I64(PREFETCH_AHEAD)))
             _emit_prefetch(builder, col, stride, idx, ahead, last)
         for g in range(len(acc_lo)):
-            q_lo, q_hi = _emit_nibbles(builder, builder.add(p, I64(16 * g)), permute)
+            q_lo, q_hi = q4.emit_nibbles(builder, builder.add(p, I64(16 * g)), permute)
             builder.store(builder.call(fma, [q_lo, xv, builder.load(acc_lo[g])]), acc_lo[g])
             builder.store(builder.call(fma, [q_hi, xv, builder.load(acc_hi[g])]), acc_hi[g])
     first = load(builder, builder.add(idx, builder.mul(k0, I64(4))), I32, 4)
@@ -197,7 +173,7 @@ def _make_tile(groups: int, permute: bool):
     return tile
 
 
-_tile1, _tile2, _tile3, _tile4 = (_make_tile(g, PERMUTE) for g in range(1, TILE_GROUPS + 1))
+_tile1, _tile2, _tile3, _tile4 = (_make_tile(g, q4.PERMUTE) for g in range(1, TILE_GROUPS + 1))
 
 
 @njit(**_JIT)

@@ -14,6 +14,7 @@ from numba.core import cgutils
 F32, I32, I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
 V16F = ir.VectorType(F32, 16)
 V16I8 = ir.VectorType(ir.IntType(8), 16)
+V16I32 = ir.VectorType(I32, 16)
 ZERO16 = ir.Constant(V16F, [0.0] * 16)
 
 

@@ -8,6 +8,7 @@ import tempfile
 import numpy as np
 import pytest
 
+from cpu_offload.qtensor import dequantize_q4_1
 from pjinfer.config import ModelConfig
 
 _CACHE_HOME = None
@@ -39,20 +40,12 @@ def tiny_config(arch: str = "llama", activation: str = "swiglu", **changes) -> M
 def q4_dot_tolerance(blocks: np.ndarray, cols: int, x: np.ndarray) -> np.ndarray:
     """Absolute error bound [nt, rows] of cpu_offload.q4's float32 dot of Q4_1 rows with inputs x [nt, cols].
 
-    The kernel computes each block as d (c . x_lo + q_hi . (x_hi - 16 x_lo)) + m sum(x), with c the stored byte (up
-    to 255): its rounding scales with those terms' magnitudes, not with the result, which can cancel to near zero.
-    Bound: (blocks + 8) float32 epsilons of the summed magnitudes (a chain of nb vector adds, a 16-lane tree)."""
+    The kernel rounds each weight d q + m once (an FMA), then sums w x in two chains of FMAs over the blocks and
+    a 16-lane tree: its rounding scales with sum |w x|, not with the result, which can cancel to near zero.
+    Bound: (blocks + 8) float32 epsilons of that sum."""
     x = np.atleast_2d(np.asarray(x, np.float64))
-    rows, nb = blocks.shape[0], cols // 32
-    b = np.ascontiguousarray(blocks).reshape(rows, nb, 20)
-    d = np.abs(np.ascontiguousarray(b[..., 0:2]).view(np.float16).astype(np.float64))[..., 0]
-    m = np.abs(np.ascontiguousarray(b[..., 2:4]).view(np.float16).astype(np.float64))[..., 0]
-    c = b[..., 4:].astype(np.float64)                                           # [rows, nb, 16]
-    xb = x.reshape(len(x), nb, 2, 16)
-    x_lo, x2 = np.abs(xb[:, :, 0]), np.abs(xb[:, :, 1] - 16 * xb[:, :, 0])      # [nt, nb, 16]
-    terms = np.einsum("rbj,tbj->trb", c, x_lo) + np.einsum("rbj,tbj->trb", np.floor(c / 16), x2)
-    mag = (terms * d).sum(-1) + np.abs(xb.sum((2, 3))) @ m.T
-    return (nb + 8) * 2.0 ** -23 * mag + 1e-30
+    w = np.abs(dequantize_q4_1(blocks, cols).astype(np.float64))                 # [rows, cols]
+    return (cols // 32 + 8) * 2.0 ** -23 * (np.abs(x) @ w.T) + 1e-30
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> dict:

@@ -32,18 +32,17 @@ def test_q4_gemm_matches_float64_numpy_and_the_gemv_bit_for_bit(rows, cols, nt):
     blocks = q4.quantize(w)
     x = rng.standard_normal((nt, cols)).astype(np.float32)
     want = x.astype(np.float64) @ q4.dequantize(blocks, cols).astype(np.float64).T       # [nt, rows]
-    xp = np.full((nt + 2, q4.prepared_size(cols) + 7), np.nan, np.float32)               # wider rows than needed
-    for t in range(nt):
-        q4.prepare(x[t], xp[t])
+    xs = np.full((nt + 2, cols + 7), np.nan, np.float32)                                 # wider rows than needed
+    xs[:nt, :cols] = x
     for lo, hi in [(0, rows), (0, 0), (rows // 2, rows), (1 % rows, max(1 % rows, rows - 1))]:
         y = np.full((nt + 1, rows), np.nan, np.float32)                                  # poisoned, one row spare
-        q4_gemm.gemm(blocks, xp, y, nt, lo, hi)
+        q4_gemm.gemm(blocks, xs, y, nt, lo, hi)
         err = np.abs(y[:nt, lo:hi] - want[:, lo:hi])
         assert (err <= q4_dot_tolerance(blocks, cols, x)[:, lo:hi]).all(), f"seed {seed}: max error {err.max()}"
         assert np.isnan(y[:, :lo]).all() and np.isnan(y[:, hi:]).all() and np.isnan(y[nt]).all(), seed
         for t in range(nt):
             single = np.full(rows, np.nan, np.float32)
-            q4.gemv(blocks, xp[t], single, lo, hi)
+            q4.gemv(blocks, x[t], single, lo, hi)
             np.testing.assert_array_equal(_bits(y[t, lo:hi]), _bits(single[lo:hi]), err_msg=f"seed {seed}")
 
 
@@ -70,9 +69,21 @@ def test_int8_gemm_matches_float64_numpy_and_the_gemv_bit_for_bit(rows, cols, nt
 
 
 # ------------------------------------------------------------------------------------------------ whole steps
-def _single_steps(host, config, tokens_per_slot, cache_len):
+def _weights(config, bias: bool):
+    """random_weights, with Qwen2's q, k and v biases when bias."""
+    w = random_weights(config)
+    if bias:
+        rng = np.random.default_rng(1)
+        q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+        for l in range(config.n_layers):
+            for name, n in (("bq", q), ("bk", kv), ("bv", kv)):
+                w[f"layers.{l}.{name}"] = (0.1 * rng.standard_normal(n)).astype(np.float32)
+    return w
+
+
+def _single_steps(host, weights, config, tokens_per_slot, cache_len):
     """Per request: logits [T, vocab] and final caches of HostDecoder's one-token steps (the single path)."""
-    emb = np.asarray(host.dequantized(random_weights(config))["embed"])   # only for x; the same for both paths
+    emb = np.asarray(host.dequantized(weights)["embed"])   # only for x; the same for both paths
     out = []
     for tokens in tokens_per_slot:
         k = [jnp.zeros((1, cache_len, config.n_kv_heads, config.head_dim), jnp.float16)] * config.n_layers
@@ -87,16 +98,17 @@ def _single_steps(host, config, tokens_per_slot, cache_len):
     return emb, out
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "int8"])
-def test_batch_step_equals_single_steps_bit_for_bit_with_empty_slots(fmt):
+@pytest.mark.parametrize("fmt,bias", [("q4_1", False), ("int8", False), ("q4_1", True)])
+def test_batch_step_equals_single_steps_bit_for_bit_with_empty_slots(fmt, bias):
     config = tiny_config(d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=192, tie_embeddings=True)
-    host = decoder.HostDecoder(config, random_weights(config), fmt)
+    weights = _weights(config, bias)
+    host = decoder.HostDecoder(config, weights, fmt)
     batch = bd.BatchDecoder(host, 4)
     seed, rng = _fresh_rng()
     live = [0, 2, 3]                                   # slot 1 stays empty throughout
     steps, cache_len = 6, 16
     tokens = rng.integers(0, config.vocab_size, (len(live), steps))
-    emb, single = _single_steps(host, config, tokens, cache_len)
+    emb, single = _single_steps(host, weights, config, tokens, cache_len)
     layer = jax.jit(batch.layer, static_argnums=0, donate_argnums=(3, 4))
     head = jax.jit(batch.head)
     shape = (4, cache_len, config.n_kv_heads, config.head_dim)
@@ -123,6 +135,40 @@ def test_batch_step_equals_single_steps_bit_for_bit_with_empty_slots(fmt):
     assert np.isnan(np.asarray(k[0])[1]).all()        # the empty slot's cache was never written
 
 
+@pytest.mark.parametrize("fmt,bias", [("q4_1", False), ("int8", True)])
+@pytest.mark.parametrize("count", [0, 1, 5, 8])
+def test_prompt_rows_equal_single_steps_bit_for_bit(fmt, bias, count):
+    """The prompt form: a sequence's tokens as the rows of one call per layer give each token what the one-token
+    decoder gives it (cache rows and the last token's logits); rows past count come back unchanged."""
+    config = tiny_config(d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=192, tie_embeddings=True)
+    weights = _weights(config, bias)
+    host = decoder.HostDecoder(config, weights, fmt)
+    rows = bd.BatchDecoder(host, 8, span=8)
+    seed, rng = _fresh_rng()
+    cache_len = 16
+    tokens = rng.integers(0, config.vocab_size, (1, count))
+    emb = np.asarray(host.dequantized(weights)["embed"])
+    single = _single_steps(host, weights, config, tokens, cache_len)[1] if count else None
+    shape = (1, cache_len, config.n_kv_heads, config.head_dim)
+    k = [jnp.full(shape, jnp.nan, jnp.float16) for _ in range(config.n_layers)]
+    v = [jnp.full(shape, jnp.nan, jnp.float16) for _ in range(config.n_layers)]
+    x = np.full((8, config.d_model), 7.0, np.float32)
+    x[:count] = emb[tokens[0]]
+    x = jnp.asarray(x)
+    prompt = jax.jit(rows.prompt, static_argnums=0, donate_argnums=(4, 5))
+    for l in range(config.n_layers):
+        x, k[l], v[l] = prompt(l, x, jnp.int32(0), jnp.int32(count), k[l], v[l])
+    np.testing.assert_array_equal(np.asarray(x)[count:], 7.0)
+    if count:
+        logits = np.asarray(jax.jit(host.head)(x[count - 1]))
+        np.testing.assert_array_equal(_bits(logits), _bits(single[0][0][-1]), err_msg=f"seed {seed}")
+    for l in range(config.n_layers):
+        if count:
+            np.testing.assert_array_equal(_bits(np.asarray(k[l])[0, :count]), _bits(single[0][1][l][:count]))
+            np.testing.assert_array_equal(_bits(np.asarray(v[l])[0, :count]), _bits(single[0][2][l][:count]))
+        assert np.isnan(np.asarray(k[l])[0, count:]).all() and np.isnan(np.asarray(v[l])[0, count:]).all()
+
+
 def test_batch_refuses_positions_past_the_cache_and_bad_shapes():
     config = tiny_config(d_model=64, n_heads=2, n_kv_heads=1, head_dim=32, d_ff=128)
     batch = bd.BatchDecoder(decoder.HostDecoder(config, random_weights(config), "q4_1"), 2)
@@ -134,6 +180,11 @@ def test_batch_refuses_positions_past_the_cache_and_bad_shapes():
         batch.layer(0, jnp.ones((3, 64)), jnp.zeros(3, jnp.int32), k, k)
     with pytest.raises(ValueError, match="max batch"):
         bd.BatchDecoder(batch.host, 0)
+    rows = bd.BatchDecoder(batch.host, 2, span=2)
+    prompt = jax.jit(lambda s, n, x, k, v: rows.prompt(0, x, s, n, k, v))
+    for start, count in [(0, 3), (1, 2), (-1, 1), (0, -1)]:   # more rows than it has, past its span, negative
+        with pytest.raises(Exception, match="position outside the cache"):
+            jax.block_until_ready(prompt(jnp.int32(start), jnp.int32(count), x, k[:1], k[:1]))
 
 
 # ------------------------------------------------------------------------------------------------ real model
@@ -166,6 +217,42 @@ def test_real_model_batch_equals_engine_stream_for_every_request(q4_engine):
                     got[i].append(states[i].token)
         assert [got[i] for i in range(len(slots))] == want[:len(slots)]
     assert batch.widest == 8
+
+
+def test_real_model_host_prompt_matches_xla_prefill(q4_engine):
+    """Prompts of at most PROMPT_ROWS tokens prefill on the host (Engine.prompt_rows): the last token's logits and
+    every cache row agree with XLA's prefill of the same 4-bit values to rounding, and pick the same token."""
+    from flax import nnx
+
+    from pjinfer.load import data
+    from pjinfer.runtime import host
+    from pjinfer.runtime.model import KVCache
+
+    e = q4_engine
+    ids = e.tokenizer.encode(data.wiki_eval_text(), add_special=False)
+    rows = e.prompt_rows(host.PROMPT_ROWS)
+    assert rows is not None and e.prompt_rows(host.PROMPT_ROWS + 1) is None
+
+    @jax.jit
+    def both(state, tokens, n):
+        model = nnx.merge(e.graphdef, state)
+        got = host.prefill(model, rows, tokens, n, KVCache.create(e.config, 1, 128))
+        hidden, cache = model(tokens, 0, KVCache.create(e.config, 1, 128))
+        return got, (model.logits(jax.lax.dynamic_index_in_dim(hidden[0], n - 1, keepdims=False)), cache)
+
+    for n in (1, 5, 37, host.PROMPT_ROWS):
+        tokens = jnp.asarray(np.asarray(ids[:host.PROMPT_ROWS], np.int32)[None])
+        (got, got_cache), (want, want_cache) = both(e.state, tokens, jnp.int32(n))
+        got, want = np.asarray(got), np.asarray(want)
+        # Rounding (as test_real_model's host step against XLA's), carried through the layers by float16 cache
+        # rows a step apart: measured up to 2^-12 of the largest logit, and 1.2e-3 of a cache layer's largest value.
+        # A real fault is far larger (an attention scale of 1/sqrt(65) for 1/sqrt(64) moves the logits ~1e-2).
+        assert np.abs(got - want).max() < 2.0 ** -10 * np.abs(want).max(), n
+        assert int(np.argmax(got)) == int(np.argmax(want)), n
+        for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
+            a, b = np.asarray(a[0], np.float32), np.asarray(b[0], np.float32)
+            assert np.abs(a[:n] - b[:n]).max() <= 2.0 ** -8 * np.abs(b[:n]).max(), n
+            assert not a[n:].any()                                   # the rest of the cache is untouched
 
 
 def test_engines_that_cannot_batch_say_why(engine):
