@@ -25,7 +25,6 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from pjinfer.runtime import generate as gen
 from pjinfer.runtime.model import KVCache, embedding_rows
@@ -69,12 +68,12 @@ def _grow(pool: KVCache, length):
     return KVCache(k=[pad(p) for p in pool.k], v=[pad(p) for p in pool.v])
 
 
-@partial(jax.jit, static_argnames=("graphdef", "decoder", "mode"), donate_argnames=("pool",))
-def _step(graphdef, state, decoder, tokens, pos, pool, keys, params, recent, greedy, *, mode):
+@partial(jax.jit, static_argnames=("graph", "decoder", "mode"), donate_argnames=("pool",))
+def _step(graph, state, decoder, tokens, pos, pool, keys, params, recent, greedy, *, mode):
     """tokens, pos [B] (pos -1: empty slot), keys [B, 2] key data, params: Sampling.params() stacked [B] each,
     recent [B, window], greedy [B] -> (next tokens [B], pool, keys [B, 2]). mode "greedy": every live slot is
     greedy (argmax only); "mixed": sample every slot, greedy ones take the argmax."""
-    model = nnx.merge(graphdef, state)
+    model = graph.merge(state)
     x = embedding_rows(model.embed, tokens[:, None])                       # [B, 1, d]
     ks, vs = [], []
     for l, (k, v) in enumerate(zip(pool.k, pool.v)):
@@ -136,7 +135,7 @@ class Batch:
             greedy[s.slot] = s.sampling.greedy
         mode = "greedy" if greedy.all() else "mixed"
         e = self.engine
-        out, self.pool, keys = _step(e.graphdef, e.state, self.decoder, jnp.asarray(tokens), jnp.asarray(pos),
+        out, self.pool, keys = _step(e.graph, e.state, self.decoder, jnp.asarray(tokens), jnp.asarray(pos),
                                      self.pool, jnp.asarray(keys), tuple(jnp.asarray(p) for p in params),
                                      jnp.asarray(recent), jnp.asarray(greedy), mode=mode)
         out, keys = np.asarray(out), np.asarray(keys)

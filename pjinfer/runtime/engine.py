@@ -153,6 +153,14 @@ class Engine:
         self.bundle = bundle
 
     @property
+    def graph(self) -> gen.Graph:
+        """self.graphdef as the jitted functions' static argument (made again when graphdef is replaced)."""
+        graph = getattr(self, "_graph", None)
+        if graph is None or graph.graphdef is not self.graphdef:
+            graph = self._graph = gen.Graph(self.graphdef)
+        return graph
+
+    @property
     def path(self) -> str:
         """Which engine runs, in words: the weights, and the sparse rule when a bundle is in use."""
         if self.bundle is None:
@@ -178,6 +186,21 @@ class Engine:
         ids = list(self.tokenizer.eos_ids if stop_ids is None else stop_ids)[:gen.MAX_STOP_IDS]
         return jnp.array(ids + [-1] * (gen.MAX_STOP_IDS - len(ids)), jnp.int32)
 
+    def prompt_rows(self, padded_len: int):
+        """Where a prompt padded to padded_len tokens runs: the dense host decoder's prompt decoder (a
+        BatchDecoder of PROMPT_ROWS rows, made on first use) when the engine decodes in batches (batch.unsupported)
+        and the prompt fits it, else None: XLA (pjinfer.runtime.host.prefill says why)."""
+        from pjinfer.runtime import batch
+
+        if padded_len > pjinfer_host.PROMPT_ROWS or batch.unsupported(self) is not None:
+            return None
+        rows = getattr(self, "_prompt_rows", None)
+        if rows is None or rows.host is not self.host:
+            from cpu_offload.batched_decode import BatchDecoder
+
+            rows = self._prompt_rows = BatchDecoder(self.host, pjinfer_host.PROMPT_ROWS, span=pjinfer_host.PROMPT_ROWS)
+        return rows
+
     def pad_prompt(self, prompt_ids, padded_len):
         tokens = np.zeros((1, padded_len), np.int32)
         tokens[0, :len(prompt_ids)] = prompt_ids
@@ -188,9 +211,9 @@ class Engine:
         key (default: sampling.seed's)."""
         padded = min(gen.bucket(len(prompt_ids), gen.MIN_PROMPT_BUCKET), cache_len)
         key = jax.random.key(sampling.seed) if key is None else key
-        return gen.prefill(self.graphdef, self.state, self.pad_prompt(prompt_ids, padded),
+        return gen.prefill(self.graph, self.state, self.pad_prompt(prompt_ids, padded),
                            jnp.int32(len(prompt_ids)), key, sampling.params(), cache_len=cache_len,
-                           greedy=sampling.greedy)
+                           greedy=sampling.greedy, rows=self.prompt_rows(padded))
 
     def generate(self, prompt_ids, *, max_new_tokens: int = 64, sampling: Sampling = Sampling(),
                  stop_ids=None, cache_len: int | None = None) -> list[int]:
@@ -201,9 +224,9 @@ class Engine:
         cache_len = planned if cache_len is None else max(cache_len, planned)
         stops = self.stop_tokens(stop_ids)
         out, n = gen.generate_tokens(
-            self.graphdef, self.state, self.pad_prompt(prompt_ids, padded), jnp.int32(len(prompt_ids)),
+            self.graph, self.state, self.pad_prompt(prompt_ids, padded), jnp.int32(len(prompt_ids)),
             jax.random.key(sampling.seed), sampling.params(), jnp.int32(max_new_tokens), stops,
-            cache_len=cache_len, greedy=sampling.greedy)
+            cache_len=cache_len, greedy=sampling.greedy, rows=self.prompt_rows(padded))
         ids = np.asarray(out)[:int(n)].tolist()  # slice on the host: a device slice compiles per length
         return ids[:-1] if ids and ids[-1] in np.asarray(stops).tolist() else ids
 
@@ -225,7 +248,7 @@ class Engine:
                 return
             key, sub = jax.random.split(key)
             recent = np.append(recent[1:], np.int32(value))
-            token, cache = gen.decode_step(self.graphdef, self.state, token, jnp.int32(len(prompt_ids) + n),
+            token, cache = gen.decode_step(self.graph, self.state, token, jnp.int32(len(prompt_ids) + n),
                                            cache, sub, params, recent, greedy=sampling.greedy)
 
     # ------------------------------------------------------------ scoring
@@ -235,7 +258,7 @@ class Engine:
         tokens = np.asarray(tokens, np.int32)
         if tokens.shape[1] > self.config.max_seq_len:
             raise ConfigError(f"{tokens.shape[1]} tokens exceed the model's context of {self.config.max_seq_len}")
-        logp, greedy = gen.token_logprobs(self.graphdef, self.state, jnp.asarray(tokens))
+        logp, greedy = gen.token_logprobs(self.graph, self.state, jnp.asarray(tokens))
         return (np.asarray(logp), np.asarray(greedy)) if with_greedy else np.asarray(logp)
 
     def perplexity(self, ids, *, windows: int, window_len: int) -> tuple[float, int]:

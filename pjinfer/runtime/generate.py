@@ -2,7 +2,7 @@
 
 Shapes are bucketed so a handful of executables serve every request: the prompt is padded to a
 power of two (at least 16) and the cache to a power of two (at least 256) that holds prompt plus
-new tokens. Each function takes the model split into (graphdef, state): graphdef is static, state
+new tokens. Each function takes the model split into (graph, state): graph (a `Graph`) is static, state
 is a pytree of weights, so nothing recompiles when the values change.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pjinfer.runtime import host
 from pjinfer.runtime.model import KVCache
 from pjinfer.runtime.sampling import push_recent, recent_window, sample
 
@@ -21,43 +22,65 @@ MIN_CACHE_BUCKET = 256
 MAX_STOP_IDS = 8
 
 
+class Graph:
+    """A model's nnx graphdef as a jit static argument, hashed once. jit hashes its static arguments on every
+    call, and flax's GraphDef hashes its whole node tree each time (1.4 ms for the default model: a quarter of a
+    decode step)."""
+    __slots__ = ("graphdef", "_hash")
+
+    def __init__(self, graphdef):
+        self.graphdef, self._hash = graphdef, hash(graphdef)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, Graph) and self.graphdef == other.graphdef)
+
+    def merge(self, state):
+        return nnx.merge(self.graphdef, state)
+
+
 def bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
-def _prefill(model, tokens, length, cache_len):
-    """tokens [1, Tp] (padded), length = real prompt length -> logits of the last real token, cache."""
+def _prefill(model, tokens, length, cache_len, rows):
+    """tokens [1, Tp] (padded), length = real prompt length -> logits of the last real token, cache. rows: None
+    (XLA) or the host's prompt decoder (pjinfer.runtime.host.prefill)."""
     cache = KVCache.create(model.config, 1, cache_len)
+    if rows is not None:
+        return host.prefill(model, rows, tokens, length, cache)
     hidden, cache = model(tokens, 0, cache)
     last = jax.lax.dynamic_index_in_dim(hidden[0], length - 1, keepdims=False)
     return model.logits(last), cache
 
 
-@partial(jax.jit, static_argnames=("graphdef", "cache_len", "greedy"))
-def prefill(graphdef, state, tokens, length, key, params, *, cache_len, greedy):
-    """Run the prompt and sample the first new token."""
-    logits, cache = _prefill(nnx.merge(graphdef, state), tokens, length, cache_len)
+@partial(jax.jit, static_argnames=("graph", "cache_len", "greedy", "rows"))
+def prefill(graph, state, tokens, length, key, params, *, cache_len, greedy, rows=None):
+    """Run the prompt (on the host when `rows` is its prompt decoder) and sample the first new token."""
+    logits, cache = _prefill(graph.merge(state), tokens, length, cache_len, rows)
     return sample(logits, key, params, greedy, recent_window(tokens[0], length)), cache
 
 
-@partial(jax.jit, static_argnames=("graphdef", "greedy"), donate_argnames=("cache",))
-def decode_step(graphdef, state, token, pos, cache, key, params, recent, *, greedy):
+@partial(jax.jit, static_argnames=("graph", "greedy"), donate_argnames=("cache",))
+def decode_step(graph, state, token, pos, cache, key, params, recent, *, greedy):
     """Feed `token` at position `pos`, sample the next one; the cache is updated in place. `recent` is the
     repetition penalty's window of the ids before the next one (sampling.recent_window, `token` included)."""
-    logits, cache = nnx.merge(graphdef, state).decode(token, pos, cache)
+    logits, cache = graph.merge(state).decode(token, pos, cache)
     return sample(logits, key, params, greedy, recent), cache
 
 
-@partial(jax.jit, static_argnames=("graphdef", "cache_len", "greedy"))
-def generate_tokens(graphdef, state, tokens, length, key, params, max_new, stop_ids, *, cache_len, greedy):
-    """Prefill, then a lax.while_loop of decode steps until max_new tokens or a stop id.
+@partial(jax.jit, static_argnames=("graph", "cache_len", "greedy", "rows"))
+def generate_tokens(graph, state, tokens, length, key, params, max_new, stop_ids, *, cache_len, greedy, rows=None):
+    """Prefill (as `prefill`), then a lax.while_loop of decode steps until max_new tokens or a stop id.
 
     Returns (ids [cache_len], count): the first `count` ids are the generated ones (a final stop id
     included).
     """
-    model = nnx.merge(graphdef, state)
+    model = graph.merge(state)
     key, sub = jax.random.split(key)
-    logits, cache = _prefill(model, tokens, length, cache_len)
+    logits, cache = _prefill(model, tokens, length, cache_len, rows)
     recent = recent_window(tokens[0], length)
     first = sample(logits, sub, params, greedy, recent)
     out = jnp.zeros((cache_len,), jnp.int32).at[0].set(first)
@@ -79,11 +102,11 @@ def generate_tokens(graphdef, state, tokens, length, key, params, max_new, stop_
     return out, n
 
 
-@partial(jax.jit, static_argnames=("graphdef",))
-def token_logprobs(graphdef, state, tokens):
+@partial(jax.jit, static_argnames=("graph",))
+def token_logprobs(graph, state, tokens):
     """tokens [B, T] -> (log p(tokens[:, t] | tokens[:, :t]), whether tokens[:, t] is the argmax) for
     t = 1..T-1, both [B, T-1]."""
-    model = nnx.merge(graphdef, state)
+    model = graph.merge(state)
     hidden = model.forward_sequence(tokens)
     logp = jax.nn.log_softmax(model.logits(hidden[:, :-1]).astype(jnp.float32), axis=-1)
     target = tokens[:, 1:]
