@@ -31,9 +31,9 @@ from numba import carray, cfunc, njit, types
 
 from pjinfer.config import ConfigError
 
-from . import attention, ffi, host_decode, int8, kernels, q4, q4_gemm, team, vector_ir
+from . import attention, ffi, host_decode, int8, kernels, q4, q4_gemm, tables, team, vector_ir
 from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F16, DT_F32, DT_S32,
-                  ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, buffer_numel, cstr, find_table_attr, load_i32,
+                  ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, buffer_numel, cstr, load_i32,
                   load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i32, ptr_u8, ptr_u16, store_i64, unlock)
 from .host_decode import (F_Q4_1, H_EPS, H_FORMAT, H_HEAD, H_HEAD_SCALES, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS,
                           H_RUNTIME, H_STAGE, H_TABLE, H_TASK, H_TEAM, H_VOCAB, H_WIDTH, L_ATTN_NORM, L_DOWN,
@@ -147,7 +147,7 @@ def _stage_py(header, tid, n):
         q4_gemm.gemm_int8(w, s, h, out, _i64s(header, B_SLOTS), nt, lo, hi)
 
 
-ffi.purge_stale_cache("batched_decode", attention, kernels, ffi, int8, q4, q4_gemm, host_decode, team, vector_ir)
+ffi.purge_stale_cache("batched_decode", attention, kernels, ffi, int8, q4, q4_gemm, host_decode, tables, team, vector_ir)
 
 _stage = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True, cache=True)(_stage_py)
 
@@ -269,7 +269,7 @@ def _run(header, nt, layer, x_in, x_out, k_ptr, v_ptr, s_len):
 
 @njit(**NOJIT)
 def _execute(frame, api):
-    header = find_table_attr(frame)
+    header = tables.find_table(frame)
     if header == 0 or load_i64(header + 8 * H_MAGIC) != MAGIC:
         return make_error(api, ERRC_INVALID_ARGUMENT, cstr("pjinfer_host_decode_batch: 'table' is not a BatchDecoder"))
     nargs, nrets = load_i64(frame + CF_NARGS), load_i64(frame + CF_NRETS)
@@ -374,6 +374,7 @@ class BatchDecoder:
         header[H_MAGIC] = MAGIC
         _HEADERS.append(header)
         self.address = int(header.ctypes.data)
+        self.table = tables.register_table(self.address)  # what the calls pass (an index, see tables.TABLES)
         ffi.register(TARGET_NAME, _handler)
 
     # ------------------------------------------------------------ calls from inside jit
@@ -393,7 +394,7 @@ class BatchDecoder:
                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
         call = jax.ffi.ffi_call(TARGET_NAME, result, input_output_aliases={3: 1, 4: 2})
         return call(jnp.int32(layer), pos.astype(jnp.int32), x.astype(jnp.float32), k_cache, v_cache,
-                    table=np.int64(self.address))
+                    table=np.int64(self.table))
 
     def prompt(self, layer: int, x, start, count, k_cache, v_cache):
         """Layer `layer` for one sequence's tokens: rows 0..count-1 of x [B, ..., d] at positions
@@ -412,7 +413,7 @@ class BatchDecoder:
                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
         call = jax.ffi.ffi_call(TARGET_NAME, result, input_output_aliases={4: 1, 5: 2})
         return call(jnp.int32(layer), jnp.asarray(start, jnp.int32), jnp.asarray(count, jnp.int32),
-                    x.astype(jnp.float32), k_cache, v_cache, table=np.int64(self.address))
+                    x.astype(jnp.float32), k_cache, v_cache, table=np.int64(self.table))
 
     def head(self, hidden, pos):
         """hidden [B, d] -> logits [B, vocab] (int8 head; zeros where pos < 0)."""
@@ -423,5 +424,5 @@ class BatchDecoder:
         if hidden.shape != (self.max_batch, c.d_model):
             raise ConfigError(f"hidden must be [{self.max_batch}, {c.d_model}], got {hidden.shape}")
         call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((self.max_batch, c.vocab_size), jnp.float32))
-        return call(hidden.astype(jnp.float32), pos.astype(jnp.int32), table=np.int64(self.address))
+        return call(hidden.astype(jnp.float32), pos.astype(jnp.int32), table=np.int64(self.table))
 
