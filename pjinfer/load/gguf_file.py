@@ -11,6 +11,7 @@ magic with "PWRI" and leave the rest a GGUF; such a file reads the same, with `p
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import struct
 from pathlib import Path
 
@@ -107,7 +108,9 @@ class GGUFFile:
         import gguf  # block sizes of the quantized types
 
         path = Path(path)
-        self.mmap = np.memmap(path, dtype=np.uint8, mode="r")
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.mmap = np.frombuffer(self._map, np.uint8)
         cur = _Cursor(memoryview(self.mmap))
         magic = bytes(self.mmap[:4])
         if magic not in (MAGIC, POWERINFER_MAGIC):
@@ -151,3 +154,13 @@ class GGUFFile:
                 raise GGUFError(f"the file ends inside tensor {name}")
             data = self.mmap[lo:lo + nbytes].view(dtype).reshape(view_shape)
             self.tensors.append(Tensor(name, kind, shape, data))
+
+    def release(self, tensor: Tensor) -> None:
+        """Drop the pages of a tensor that has been copied (re-laid, converted) from this process's resident
+        memory (madvise DONTNEED on the whole pages inside it). Its data stays readable: a later read faults the
+        pages in again from the page cache. Pages shared with a neighbouring tensor are kept."""
+        lo = tensor.data.ctypes.data - self.mmap.ctypes.data
+        start = -(-lo // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (lo + tensor.data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)

@@ -227,6 +227,8 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks
             continue  # e.g. rope_freqs: not used by this architecture
         weights[name] = _gguf_weight(t, name, config, path, permuted=arch in ("llama", "bamboo"),
                                      keep_q4_1=keep_q4_1, keep_blocks=keep_blocks, dequantized=dequantized)
+        if not _aliases(weights[name], t.data):
+            reader.release(t)   # a copy was made: the file's pages of it need not stay resident
         if progress:
             progress(n + 1, len(reader.tensors))
     if dequantized:
@@ -234,6 +236,12 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks
               + ("stored as Q8_0 (no host kernel reads that type)" if keep_blocks else
                  "re-quantized to Q4_1 (--weights q4_1 reads Q4_1 blocks only)"), file=sys.stderr)
     return config, weights, tokenizer
+
+
+def _aliases(weight, data: np.ndarray) -> bool:
+    """Whether a loaded weight (an array, or a quantized matrix holding arrays) is a view of the file's data."""
+    arrays = [weight] if isinstance(weight, np.ndarray) else list(vars(weight).values())
+    return any(isinstance(a, np.ndarray) and np.may_share_memory(a, data) for a in arrays)
 
 
 def _gguf_weight(t, name: str, config: ModelConfig, path: Path, *, permuted: bool, keep_q4_1: bool,
