@@ -29,49 +29,38 @@ GROUP = 8     # tokens per pass over a row: 8 (Q4_1: 16) accumulators of 16 floa
 _f32, _i32, _i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
 
 
-def _make_rows_dot(nt: int):
-    """The intrinsic dot of one Q4_1 row (nb blocks at address row) with nt float32 inputs: token t's input
-    starts at x + t * x_stride bytes, its result is stored at y + t * y_stride bytes. Integer addresses, no bounds
-    checks: the caller owns the shapes."""
+def _by_count(builder, k, emit) -> None:
+    """IR: emit(n) for the n in 1..GROUP that equals k (an i64 known at run time); another k does nothing."""
+    end = builder.append_basic_block("count_end")
+    switch = builder.switch(k, end)
+    for n in range(1, GROUP + 1):
+        block = builder.append_basic_block(f"count_{n}")
+        switch.add_case(_i64(n), block)
+        builder.position_at_end(block)
+        emit(n)
+        builder.branch(end)
+    builder.position_at_end(end)
 
-    @intrinsic
-    def rows_dot(typingctx, row, nb, x, x_stride, y, y_stride):
-        if not all(isinstance(a, types.Integer) for a in (row, nb, x, x_stride, y, y_stride)):
-            return None
 
-        def codegen(context, builder, sig, args):
-            row, nb, x, x_stride, y, y_stride = args
-            xs = [builder.add(x, builder.mul(x_stride, _i64(t))) for t in range(nt)]
+@intrinsic
+def _rows_dot(typingctx, k, row, nb, x, x_stride, y, y_stride):
+    """The dots of one Q4_1 row (nb blocks at address row) with k (1..GROUP) float32 inputs: token t's input
+    starts at x + t * x_stride bytes, its result is stored at y + t * y_stride bytes. Integer addresses, no
+    bounds checks: the caller owns the shapes."""
+    if not all(isinstance(a, types.Integer) for a in (k, row, nb, x, x_stride, y, y_stride)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        k, row, nb, x, x_stride, y, y_stride = args
+
+        def emit(n):
+            xs = [builder.add(x, builder.mul(x_stride, _i64(t))) for t in range(n)]
             for t, total in enumerate(q4.emit_rows_dot(builder, row, nb, xs)):
                 addr = builder.add(y, builder.mul(y_stride, _i64(t)))
                 builder.store(total, builder.inttoptr(addr, _f32.as_pointer()), align=4)
-            return context.get_dummy_value()
-        return types.void(types.int64, types.int64, types.int64, types.int64, types.int64, types.int64), codegen
-    return rows_dot
-
-
-_dot1, _dot2, _dot3, _dot4, _dot5, _dot6, _dot7, _dot8 = (_make_rows_dot(n) for n in range(1, GROUP + 1))
-
-
-@njit(nogil=True, cache=True)
-def _rows_dot(k, row, nb, x, x_stride, y, y_stride):
-    """k (1..GROUP) tokens against one row."""
-    if k == 8:
-        _dot8(row, nb, x, x_stride, y, y_stride)
-    elif k == 7:
-        _dot7(row, nb, x, x_stride, y, y_stride)
-    elif k == 6:
-        _dot6(row, nb, x, x_stride, y, y_stride)
-    elif k == 5:
-        _dot5(row, nb, x, x_stride, y, y_stride)
-    elif k == 4:
-        _dot4(row, nb, x, x_stride, y, y_stride)
-    elif k == 3:
-        _dot3(row, nb, x, x_stride, y, y_stride)
-    elif k == 2:
-        _dot2(row, nb, x, x_stride, y, y_stride)
-    elif k == 1:
-        _dot1(row, nb, x, x_stride, y, y_stride)
+        _by_count(builder, k, emit)
+        return context.get_dummy_value()
+    return types.void(*[types.int64] * 7), codegen
 
 
 @njit(fastmath=True, cache=True, nogil=True)
@@ -94,51 +83,26 @@ def gemm(q, x, y, nt, lo, hi):
                       y.ctypes.data + g * ys + 4 * r, ys)
 
 
-def _make_int8_dot(nt: int):
-    """The intrinsic dot of one int8 row (weights at w, nb blocks of 64, float32 scales at s) with nt float32
+@intrinsic
+def _int8_dot(typingctx, k, w, s, nb, x, x_stride, y, y_stride, y_rows):
+    """The dots of one int8 row (weights at w, nb blocks of 64, float32 scales at s) with k (1..GROUP) float32
     inputs: token t's input at x + t * x_stride bytes, its result stored at y + y_rows[t] * y_stride bytes
     (y_rows: the address of int64s)."""
+    if not all(isinstance(a, types.Integer) for a in (k, w, s, nb, x, x_stride, y, y_stride, y_rows)):
+        return None
 
-    @intrinsic
-    def int8_dot(typingctx, w, s, nb, x, x_stride, y, y_stride, y_rows):
-        if not all(isinstance(a, types.Integer) for a in (w, s, nb, x, x_stride, y, y_stride, y_rows)):
-            return None
+    def codegen(context, builder, sig, args):
+        k, w, s, nb, x, x_stride, y, y_stride, y_rows = args
 
-        def codegen(context, builder, sig, args):
-            w, s, nb, x, x_stride, y, y_stride, y_rows = args
-            xs = [builder.add(x, builder.mul(x_stride, _i64(t))) for t in range(nt)]
+        def emit(n):
+            xs = [builder.add(x, builder.mul(x_stride, _i64(t))) for t in range(n)]
             for t, total in enumerate(int8.emit_rows_dot(builder, [w], [s], nb, xs)[0]):
                 out = vector_ir.load(builder, builder.add(y_rows, _i64(8 * t)), _i64, 8)
                 addr = builder.add(y, builder.mul(y_stride, out))
                 builder.store(total, builder.inttoptr(addr, _f32.as_pointer()), align=4)
-            return context.get_dummy_value()
-        return types.void(*[types.int64] * 8), codegen
-    return int8_dot
-
-
-_i8dot1, _i8dot2, _i8dot3, _i8dot4, _i8dot5, _i8dot6, _i8dot7, _i8dot8 = (_make_int8_dot(n)
-                                                                          for n in range(1, GROUP + 1))
-
-
-@njit(nogil=True, cache=True)
-def _int8_dot(k, w, s, nb, x, x_stride, y, y_stride, y_rows):
-    """k (1..GROUP) tokens against one int8 row."""
-    if k == 8:
-        _i8dot8(w, s, nb, x, x_stride, y, y_stride, y_rows)
-    elif k == 7:
-        _i8dot7(w, s, nb, x, x_stride, y, y_stride, y_rows)
-    elif k == 6:
-        _i8dot6(w, s, nb, x, x_stride, y, y_stride, y_rows)
-    elif k == 5:
-        _i8dot5(w, s, nb, x, x_stride, y, y_stride, y_rows)
-    elif k == 4:
-        _i8dot4(w, s, nb, x, x_stride, y, y_stride, y_rows)
-    elif k == 3:
-        _i8dot3(w, s, nb, x, x_stride, y, y_stride, y_rows)
-    elif k == 2:
-        _i8dot2(w, s, nb, x, x_stride, y, y_stride, y_rows)
-    elif k == 1:
-        _i8dot1(w, s, nb, x, x_stride, y, y_stride, y_rows)
+        _by_count(builder, k, emit)
+        return context.get_dummy_value()
+    return types.void(*[types.int64] * 9), codegen
 
 
 @njit(fastmath=True, cache=True, nogil=True)
