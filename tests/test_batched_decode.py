@@ -263,6 +263,23 @@ def test_engines_that_cannot_batch_say_why(engine):
         Batch(engine, 4)
 
 
+def test_gguf_blocks_neither_batch_nor_prefill_on_the_host(tmp_path):
+    """--weights gguf (other block types, read by quants.gemv) runs the host decoder too, but the batched kernels
+    read Q4_1 and int8 only: no batching, and its prompts prefill in XLA."""
+    import gguf
+
+    from pjinfer.runtime.batch import unsupported
+    from pjinfer.runtime.engine import Engine
+    from tests.test_gguf_loader import write_tiny_gguf
+
+    config = tiny_config(d_model=64, n_heads=4, head_dim=16, d_ff=128, vocab_size=262)   # the writer's vocabulary
+    path = tmp_path / "q8.gguf"
+    write_tiny_gguf(path, config, random_weights(config), quantize=True)          # Q8_0 layers and head
+    e = Engine.load(path, weights="gguf")
+    assert e.host is not None and "--weights q4_1 or int8" in unsupported(e)
+    assert e.prompt_rows(16) is None
+
+
 def test_decode_handlers_compute_in_one_floating_point_environment():
     """team.enter sets FTZ/DAZ (what XLA's threads compute with) whatever the thread had; leave gives it back."""
     from numba import njit

@@ -36,7 +36,9 @@ def unsupported(engine) -> str | None:
     from cpu_offload.decoder import HostDecoder
 
     host = engine.host
-    if type(host) is not HostDecoder or engine.bundle is not None:
+    # --weights gguf is HostDecoder too, but its blocks (and head) are other types: the batched kernels read Q4_1
+    # and int8 only.
+    if type(host) is not HostDecoder or engine.bundle is not None or engine.weights_format not in ("q4_1", "int8"):
         return (f"batched decode runs the dense host decode (--weights q4_1 or int8, no bundle); this engine runs "
                 f"{engine.path}")
     return None
