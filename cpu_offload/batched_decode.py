@@ -38,7 +38,8 @@ from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_
 from .host_decode import (F_Q4_1, H_EPS, H_FORMAT, H_HEAD, H_HEAD_SCALES, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS,
                           H_RUNTIME, H_STAGE, H_TABLE, H_TASK, H_TEAM, H_VOCAB, H_WIDTH, L_ATTN_NORM, L_DOWN,
                           L_FFN_NORM, L_GATE, L_K, L_O, L_Q, L_QKV_BIAS, L_UP, L_V, L_WIDTH, ST_ATTN, ST_DOWN,
-                          ST_GATE_UP, ST_HEAD, ST_O, ST_QKV, cache_rows, dims, f32_view, int8_matrix, rmsnorm, rope, thread_share)
+                          ST_GATE_UP, ST_HEAD, ST_O, ST_QKV, cache_rows, dims, f32_view, int8_matrix, rmsnorm, rope,
+                          thread_share)
 from .kernels import act
 
 
@@ -147,7 +148,8 @@ def _stage_py(header, tid, n):
         q4_gemm.gemm_int8(w, s, h, out, _i64s(header, B_SLOTS), nt, lo, hi)
 
 
-ffi.purge_stale_cache("batched_decode", attention, kernels, ffi, int8, q4, q4_gemm, host_decode, tables, team, vector_ir)
+ffi.purge_stale_cache("batched_decode", attention, kernels, ffi, int8, q4, q4_gemm, host_decode, tables, team,
+                      vector_ir)
 
 _stage = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True, cache=True)(_stage_py)
 
