@@ -37,8 +37,8 @@ from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_
                   load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i32, ptr_u8, ptr_u16, store_i64, unlock)
 from .host_decode import (F_Q4_1, H_EPS, H_FORMAT, H_HEAD, H_HEAD_SCALES, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS,
                           H_RUNTIME, H_STAGE, H_TABLE, H_TASK, H_TEAM, H_VOCAB, H_WIDTH, L_ATTN_NORM, L_DOWN,
-                          L_FFN_NORM, L_GATE, L_K, L_O, L_Q, L_QKV_BIAS, L_UP, L_V, L_WIDTH, ST_ATTN, ST_DOWN,
-                          ST_GATE_UP, ST_HEAD, ST_O, ST_QKV, cache_rows, dims, f32_view, int8_matrix, rmsnorm, rope,
+                          L_FFN_NORM, L_GATE, L_K, L_O, L_Q, L_UP, L_V, L_WIDTH, ST_ATTN, ST_DOWN,
+                          ST_GATE_UP, ST_HEAD, ST_O, ST_QKV, add_qkv_bias, cache_rows, dims, f32_view, int8_matrix, rmsnorm, rope,
                           thread_share)
 from .kernels import act
 
@@ -176,12 +176,8 @@ def _layer(header, layer, nt, k_ptr, v_ptr, s_len):
     host_decode.run_stage(header, ST_QKV)
     inv_freq = f32_view(load_i64(header + 8 * H_INV_FREQ), hd // 2)
     kv = nkv * hd
-    bias = load_i64(table + 8 * L_QKV_BIAS)
     for t in range(nt):
-        if bias != 0:
-            b = f32_view(bias, qkv.shape[1])
-            for j in range(qkv.shape[1]):
-                qkv[t, j] += b[j]
+        add_qkv_bias(table, qkv[t])
         pos = poss[t]
         rope(qkv[t, :nh * hd], nh, hd, inv_freq, pos)
         rope(qkv[t, nh * hd:(nh + nkv) * hd], nkv, hd, inv_freq, pos)
@@ -383,26 +379,26 @@ class BatchDecoder:
     def layer(self, layer: int, x, pos, k_cache, v_cache):
         """Layer `layer` for the batch: x [B, ..., d] (B * d elements), pos int32 [B] (-1: empty slot), caches
         [B, S, KV, hd] -> (x out, caches with each live slot's position written, in place when XLA donates)."""
-        import jax
         import jax.numpy as jnp
 
-        c = self.config
-        if not 0 <= int(layer) < c.n_layers:
-            raise ConfigError(f"layer {layer} out of range [0, {c.n_layers})")
-        if x.size != self.max_batch * c.d_model or pos.shape != (self.max_batch,):
-            raise ConfigError(f"x must be [{self.max_batch}, {c.d_model}] and pos [{self.max_batch}], got "
+        if pos.shape != (self.max_batch,):
+            raise ConfigError(f"x must be [{self.max_batch}, {self.config.d_model}] and pos [{self.max_batch}], got "
                               f"{x.shape} and {pos.shape}")
-        result = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-                  jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
-        call = jax.ffi.ffi_call(TARGET_NAME, result, input_output_aliases={3: 1, 4: 2})
-        return call(jnp.int32(layer), pos.astype(jnp.int32), x.astype(jnp.float32), k_cache, v_cache,
-                    table=np.int64(self.table))
+        return self._layer_call(layer, (pos.astype(jnp.int32),), x, k_cache, v_cache)
 
     def prompt(self, layer: int, x, start, count, k_cache, v_cache):
         """Layer `layer` for one sequence's tokens: rows 0..count-1 of x [B, ..., d] at positions
         start..start+count-1 (count <= B, start + count <= span), caches [S, KV, hd] (leading 1s allowed) ->
         (x out, caches with those positions written). Each token attends to the positions before it, the prompt's
         own included, and gets the single-token decoder's numbers."""
+        import jax.numpy as jnp
+
+        return self._layer_call(layer, (jnp.asarray(start, jnp.int32), jnp.asarray(count, jnp.int32)), x, k_cache,
+                                v_cache)
+
+    def _layer_call(self, layer: int, ints, x, k_cache, v_cache):
+        """The handler's layer or prompt form (told apart by its operand count): (layer, *ints, x, k, v) -> (x
+        out, k, v), the caches aliased to the last two operands."""
         import jax
         import jax.numpy as jnp
 
@@ -413,9 +409,9 @@ class BatchDecoder:
             raise ConfigError(f"x must be [{self.max_batch}, {c.d_model}], got {x.shape}")
         result = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
-        call = jax.ffi.ffi_call(TARGET_NAME, result, input_output_aliases={4: 1, 5: 2})
-        return call(jnp.int32(layer), jnp.asarray(start, jnp.int32), jnp.asarray(count, jnp.int32),
-                    x.astype(jnp.float32), k_cache, v_cache, table=np.int64(self.table))
+        k_at = 2 + len(ints)
+        call = jax.ffi.ffi_call(TARGET_NAME, result, input_output_aliases={k_at: 1, k_at + 1: 2})
+        return call(jnp.int32(layer), *ints, x.astype(jnp.float32), k_cache, v_cache, table=np.int64(self.table))
 
     def head(self, hidden, pos):
         """hidden [B, d] -> logits [B, vocab] (int8 head; zeros where pos < 0)."""

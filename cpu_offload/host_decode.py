@@ -272,6 +272,16 @@ def run_stage(header, stage):
 
 
 @njit(**NOJIT)
+def add_qkv_bias(table, qkv):
+    """qkv [(H + 2 KV) hd] += the layer's q/k/v biases (Qwen2; `table` the layer's row of the weight table)."""
+    bias = load_i64(table + 8 * L_QKV_BIAS)
+    if bias != 0:
+        b = f32_view(bias, qkv.shape[0])
+        for j in range(qkv.shape[0]):
+            qkv[j] += b[j]
+
+
+@njit(**NOJIT)
 def run_layer(header, layer, pos, x, k_ptr, v_ptr):
     """One decoder layer for one token, x [d] updated in place; caches [S, KV, hd] written at pos."""
     d, nh, nkv, hd, ff = dims(header)
@@ -283,11 +293,7 @@ def run_layer(header, layer, pos, x, k_ptr, v_ptr):
 
     rmsnorm(x, f32_view(load_i64(table + 8 * L_ATTN_NORM), d), eps, h)
     run_stage(header, ST_QKV)
-    bias = load_i64(table + 8 * L_QKV_BIAS)
-    if bias != 0:
-        b = f32_view(bias, qkv.shape[0])
-        for j in range(qkv.shape[0]):
-            qkv[j] += b[j]
+    add_qkv_bias(table, qkv)
     inv_freq = f32_view(load_i64(header + 8 * H_INV_FREQ), hd // 2)
     rope(qkv[:nh * hd], nh, hd, inv_freq, pos)
     rope(qkv[nh * hd:(nh + nkv) * hd], nkv, hd, inv_freq, pos)
