@@ -22,7 +22,7 @@ run: setup
 	$(VENV)/bin/pjinfer generate --prompt "Once upon a time, in a small village by the sea," --max-new-tokens 48
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 # A check that the suite can fail: deliberate faults, one at a time in a temporary copy (tests/mutants.py).
 mutants: setup

@@ -178,7 +178,9 @@ def _execute(frame, api):
         if err != 0:
             return err
         lock(load_i64(header + 8 * H_RUNTIME))
+        env = team.enter()
         hd.run_head(header, hd.f32_view(x_ptr, load_i64(header + 8 * hd.H_D)), out_ptr)
+        team.leave(env)
         unlock(load_i64(header + 8 * H_RUNTIME))
         return 0
     if nargs != 5 or nrets != 3:
@@ -188,7 +190,9 @@ def _execute(frame, api):
     if err != 0:
         return err
     lock(load_i64(header + 8 * H_RUNTIME))
+    env = team.enter()      # the dense decoder's floating-point environment (FTZ/DAZ, as XLA computes)
     _layer(header, layer, pos, hd.f32_view(x_ptr, load_i64(header + 8 * hd.H_D)), k_ptr, v_ptr)
+    team.leave(env)
     unlock(load_i64(header + 8 * H_RUNTIME))
     return 0
 

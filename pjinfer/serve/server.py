@@ -23,6 +23,7 @@ import json
 import logging
 import secrets
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Literal
@@ -87,6 +88,30 @@ class ChatRequest(_Common):
 
 
 # ---------------------------------------------------------------- the app
+class _Guard:
+    """ASGI middleware that refuses, before any handler runs, a /v1/ request without the API key (when one is set)
+    and a body whose Content-Length is over the limit (a chunked body is measured as it is read, in Server._parse).
+    Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would pass every streamed chunk through an extra
+    task and memory stream."""
+
+    def __init__(self, app, server: "Server"):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            request = Request(scope)
+            try:
+                if request.url.path.startswith("/v1/"):
+                    self.server.check_key(request)
+                length = request.headers.get("content-length")
+                if length is not None and length.isdigit() and int(length) > self.server.max_body_bytes:
+                    raise ApiError(413, f"request body over {self.server.max_body_bytes} bytes")
+            except ApiError as e:
+                await e.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class Server:
     """Holds the engine's scheduler and builds the FastAPI app. `name` is the model id clients send."""
 
@@ -97,6 +122,7 @@ class Server:
         self.default_chat_tokens = default_chat_tokens
         self.scheduler = Scheduler(engine, max_active=max_active)
         self.created = int(time.time())
+        self._box: _Outbox | None = None
         self.app = self._build()
 
     def _build(self) -> FastAPI:
@@ -116,17 +142,7 @@ class Server:
             log.exception("unexpected error")
             return ApiError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
 
-        @app.middleware("http")
-        async def guard(request: Request, call_next):
-            try:
-                if request.url.path.startswith("/v1/"):
-                    self._check_key(request)
-                length = request.headers.get("content-length")
-                if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-                    raise ApiError(413, f"request body over {self.max_body_bytes} bytes")
-            except ApiError as e:
-                return e.response()
-            return await call_next(request)
+        app.add_middleware(_Guard, server=self)
 
         @app.get("/health")
         async def health():
@@ -164,7 +180,7 @@ class Server:
         return app
 
     # ------------------------------------------------------------ pieces of a request
-    def _check_key(self, request: Request) -> None:
+    def check_key(self, request: Request) -> None:
         if self.api_key is None:
             return
         given = request.headers.get("authorization", "")
@@ -209,8 +225,8 @@ class Server:
         except ConfigError as e:
             raise ApiError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        job = Job(ids, max_tokens, sampling, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), stops=stops,
+        events = asyncio.Queue()
+        job = Job(ids, max_tokens, sampling, self._outbox().sender(events), stops=stops,
                   stop_ids=() if body.ignore_eos else None)
         try:
             self.scheduler.submit(job)
@@ -256,12 +272,49 @@ class Server:
         finally:
             job.cancelled.set()      # the client went away: the scheduler drops the job at its next turn
 
+    def _outbox(self) -> "_Outbox":
+        """The running event loop's outbox (one per loop: tests may serve the same Server from several loops)."""
+        loop = asyncio.get_running_loop()
+        if self._box is None or self._box.loop is not loop:
+            self._box = _Outbox(loop)
+        return self._box
+
     def _log(self, rid: str, job: Job) -> None:
         ttft = (job.first_token or job.finished) - job.submitted
         decode = job.finished - job.first_token if job.first_token else 0.0
         rate = (job.completion_tokens - 1) / decode if job.completion_tokens > 1 and decode > 0 else 0.0
         log.info("%s prompt %d tokens, completion %d tokens, first token %.3f s, %.1f tok/s, finish %s", rid,
                  len(job.prompt_ids), job.completion_tokens, ttft, rate, job.finish_reason)
+
+
+class _Outbox:
+    """Carries the scheduler thread's events to the requests' queues on the event loop. A batched step emits one
+    event per request; the loop is woken once for all the events that arrive before it runs (one
+    call_soon_threadsafe, not one per event), and each queue receives its events in the order they were sent."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self._pending, self._lock = loop, [], threading.Lock()
+
+    def sender(self, events: asyncio.Queue):
+        """A Job.emit for the request whose events go to `events`: thread-safe, never blocks."""
+        return lambda event: self._put(events, event)
+
+    def _put(self, events: asyncio.Queue, event: tuple) -> None:
+        with self._lock:
+            self._pending.append((events, event))
+            wake = len(self._pending) == 1
+        if wake:
+            try:
+                self.loop.call_soon_threadsafe(self._deliver)
+            except RuntimeError:      # the loop is closed: nobody is left to read these events
+                with self._lock:
+                    self._pending.clear()
+
+    def _deliver(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for events, event in pending:
+            events.put_nowait(event)
 
 
 class _Reply:
