@@ -50,3 +50,27 @@ def test_stream_decoder_flushes_the_held_back_tail(engine):
     decoder = StreamDecoder(tok, stops=["\n\nUser:"])
     shown = "".join(decoder.push(i) for i in tok.encode("Sure.\n\nUse"))
     assert decoder.stop is None and shown == "Sure" and shown + decoder.flush() == "Sure.\n\nUse"
+
+
+def test_stream_decoder_decodes_a_short_window_and_its_pieces_add_up_to_the_whole_decode(engine):
+    from pjinfer.load import data
+
+    tok = engine.tokenizer
+    text = data.wiki_eval_text()[:4000] + " naïve 🙂 emoji 世界 Grüße " + data.wiki_eval_text()[4000:6000]
+    ids = tok.encode(text)
+    lengths = []
+
+    class Counted:
+        """The real tokenizer, recording how many ids each decode reads."""
+        def decode(self, some, **kwargs):
+            lengths.append(len(some))
+            return tok.decode(some, **kwargs)
+
+    decoder = StreamDecoder(Counted())
+    shown = ""
+    for n, i in enumerate(ids, 1):
+        shown += decoder.push(i)
+        if n % 50 == 0 or n > len(ids) - 20:
+            assert tok.decode(ids[:n]).startswith(shown) and "\ufffd" not in shown
+    assert len(ids) > 1000 and shown + decoder.flush() == tok.decode(ids) == decoder.text
+    assert max(lengths) <= 8    # a window of the newest ids, whatever the length so far

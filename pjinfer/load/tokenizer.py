@@ -100,7 +100,12 @@ class StreamDecoder:
     """Turns a growing list of ids into text pieces without splitting a multi-byte character, and ends the text
     before the first of `stops` (strings): once one appears, `stop` names it and `text` is cut before it. Text
     that could still be the start of a stop string is held back from `push` until it cannot; `flush` returns it
-    when the stream ends for another reason."""
+    when the stream ends for another reason.
+
+    Each push decodes a short window of the newest ids, not the whole list (which made a long reply quadratic):
+    the window starts at the ids before the last piece, so a decoder that treats the first token specially
+    (a stripped leading space) treats both decodes the same, and the new text is what the window adds to them.
+    The window restarts only where the text so far was whole, so the pieces add up to decode(ids)."""
 
     def __init__(self, tokenizer: Tokenizer, stops=()):
         self.tokenizer = tokenizer
@@ -110,16 +115,21 @@ class StreamDecoder:
         self.text = ""             # everything decoded so far (cut at a stop string)
         self.emitted = 0           # characters of `text` returned by push/flush
         self.stop: str | None = None
+        self._start = 0            # the window: ids[_start:], of which ids[_start:_read] are already in `text`
+        self._read = 0
+        self._head = ""            # decode(ids[_start:_read])
 
     def push(self, token_id: int) -> str:
         """The new text that is safe to show after `token_id` (empty once a stop string has been seen)."""
         if self.stop is not None:
             return ""
         self.ids.append(token_id)
-        full = self.tokenizer.decode(self.ids)
-        if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-            return ""
-        self.text = full
+        window = self.tokenizer.decode(self.ids[self._start:])
+        if window.endswith("\ufffd") or len(window) <= len(self._head):
+            return ""              # an incomplete UTF-8 sequence (wait for the next token), or no new text yet
+        self.text += window[len(self._head):]
+        self._start, self._read = self._read, len(self.ids)
+        self._head = self.tokenizer.decode(self.ids[self._start:self._read])
         # A stop string that ends in the new text starts at or after `emitted`: held-back text covers its head.
         hits = [(self.text.find(s, self.emitted), s) for s in self.stops]
         hits = [(at, s) for at, s in hits if at >= 0]
