@@ -160,6 +160,7 @@ def test_bench_reports_rates_bytes_and_bandwidth(capsys):
     # to read cannot beat the measured read bandwidth. Allow 2x for a noisy shared machine (the bandwidth
     # probe may run while another job competes); a wrong byte count or a broken timer lands far outside.
     assert dense["bytes_per_token"] * dense["decode_tok_s"] / 1e9 < 2 * bandwidth
+    assert set(out["machine"]) == {"steal", "others"} and all(0 <= v <= 1 for v in out["machine"].values())
 
 
 def test_bench_peer_needs_llama_cpp(capsys, monkeypatch):

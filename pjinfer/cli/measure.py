@@ -65,7 +65,7 @@ def cmd_perplexity(args):
 
 
 def cmd_bench(args):
-    from pjinfer.measure import bench
+    from pjinfer.measure import bench, machine
     from pjinfer.progress import Progress
 
     if args.peer:
@@ -117,6 +117,9 @@ def cmd_bench(args):
     if args.bundle:
         print(f"sparse decode / {engine_name(sparse_weights)} decode: {result['sparse_over_dense']:.2f}x "
               "(median of the runs' ratios)")
+    busy = machine.describe(result["machine"])
+    if busy:
+        print(busy)
 
 
 def cmd_eval(args):

@@ -11,6 +11,7 @@ import numpy as np
 
 from pjinfer.config import ConfigError
 from pjinfer.load import data
+from pjinfer.measure import machine
 from pjinfer.runtime.engine import Engine
 
 
@@ -46,7 +47,8 @@ def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: i
     this machine has cores). Decode is timed as generate(1 + new_tokens) minus generate(1), both with the same
     prompt, back to back: the prefill's time and noise cancel (subtracting a separately timed prefill reported
     llama.cpp faster after 512 tokens than after 16). Runs alternate between the engines so a noisy machine
-    affects all alike; each figure is the median over runs, each ratio the median of the runs' ratios.
+    affects all alike; each figure is the median over runs, each ratio the median of the runs' ratios. "machine"
+    holds the shares of CPU time stolen and used by other work during the runs (pjinfer.measure.machine).
     bandwidth (bytes/s, default: measured here): a decode rate whose bytes per token exceed it raises BenchError."""
     first = next(iter(engines.values()))
     prompt = bench_prompt(first, prompt_len)
@@ -59,6 +61,7 @@ def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: i
     for prefill, whole in runners.values():  # warm-up: compile all
         prefill(), whole(1), whole(1 + new_tokens)
     times = {name: ([], []) for name in runners}
+    before = machine.sample()
     for r in range(runs):
         for name, (prefill, whole) in runners.items():
             t0 = time.perf_counter(); prefill(); t1 = time.perf_counter()
@@ -67,6 +70,7 @@ def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: i
             times[name][1].append((t3 - t2) - (t2 - t1))
         if progress:
             progress(r + 1, runs)
+    busy = machine.shares(before, machine.sample())
     bandwidth = bandwidth or read_bandwidth()
     results, decode_runs = {}, {}
     for name, (prefill_s, decode_s) in times.items():
@@ -94,7 +98,7 @@ def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: i
             results[name]["decode_over_peer"] = results[name]["decode_over"][PEER]
             results[name]["prefill_over_peer"] = results[PEER]["prefill_s"] / results[name]["prefill_s"]
     return {"prompt_len": prompt_len, "new_tokens": new_tokens, "runs": runs, "engines": results,
-            "read_bandwidth_gb_s": bandwidth / 1e9}
+            "read_bandwidth_gb_s": bandwidth / 1e9, "machine": busy}
 
 
 PEER = "llama.cpp"
