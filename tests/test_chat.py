@@ -31,7 +31,7 @@ def test_history_goes_through_the_template_and_old_turns_make_room(engine):
 def test_terminal_session_two_turns_ctrl_c_and_ctrl_d():
     env = dict(os.environ, COLUMNS="100", LINES="24")
     child = pexpect.spawn(sys.executable, ["-m", "pjinfer.cli.main", "chat", "--weights", "q4_1",
-                                           "--max-new-tokens", "400"], env=env, encoding="utf-8", timeout=240)
+                                           "--max-new-tokens", "400"], env=env, encoding="utf-8", timeout=600)
     try:
         child.expect_exact("> ")
         child.sendline("What is the capital of France?")
