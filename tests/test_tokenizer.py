@@ -56,7 +56,8 @@ def test_stream_decoder_decodes_a_short_window_and_its_pieces_add_up_to_the_whol
     from pjinfer.load import data
 
     tok = engine.tokenizer
-    text = data.wiki_eval_text()[:4000] + " naïve 🙂 emoji 世界 Grüße " + data.wiki_eval_text()[4000:6000]
+    wiki = data.wiki_eval_text()
+    text = wiki[:4000] + " naïve 🙂 emoji 世界 Grüße " + wiki[4000:6000]
     ids = tok.encode(text)
     lengths = []
 

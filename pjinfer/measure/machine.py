@@ -49,4 +49,3 @@ def describe(share: dict | None) -> str | None:
     if max(share.values()) > BUSY_WARNING:
         line += f"; over {100 * BUSY_WARNING:.0f}%, so these figures are a busy machine's: compare only within this run"
     return line
-
