@@ -27,7 +27,7 @@ from .host_decode import (FORMATS, H_ACT, H_D, H_EPS, H_FF, H_FORMAT, H_HD, H_HE
                           H_TABLE, H_TASK, H_TEAM, H_VOCAB, H_WIDTH, L_ATTN_NORM, L_FFN_NORM, L_QKV_BIAS, L_WIDTH,
                           MAGIC, MATRICES, TARGET_NAME, handler_cfunc, stage_cfunc)
 from .kernels import QBLOCK
-from .qtensor import Int8Tensor, Q4Tensor, QBlocks, is_quantized
+from .qtensor import Int8Tensor, Q4Tensor, QBlocks, aligned_empty, is_quantized
 
 from numba import njit, prange  # noqa: E402  (ffi sets the threading layer first)
 
@@ -55,13 +55,13 @@ def _quantize_rows(w, q, s):
 
 def quantize(w) -> tuple[np.ndarray, np.ndarray]:
     """float32 [rows, cols] -> (int8 rows, float32 scale per block of 64): kernels.quantize_rows' bytes,
-    C-contiguous."""
+    C-contiguous (and XLA-aligned where cols is a multiple of 64: the host decode's matrices)."""
     w = np.ascontiguousarray(w, np.float32)
     if w.ndim != 2 or w.shape[1] % QBLOCK:
         q, s = kernels.quantize_rows(w)
         return np.ascontiguousarray(q), np.ascontiguousarray(s)
-    q = np.empty(w.shape, np.int8)
-    s = np.empty((w.shape[0], w.shape[1] // QBLOCK), np.float32)
+    q = aligned_empty(w.shape, np.int8)
+    s = aligned_empty((w.shape[0], w.shape[1] // QBLOCK), np.float32)
     _quantize_rows(w, q, s)
     return q, s
 
@@ -97,8 +97,8 @@ def int8_from_q8_0(blocks, cols: int) -> Int8Tensor:
     rows = blocks.shape[0]
     b = np.asarray(blocks).reshape(rows, cols // 32, Q8_0_BLOCK_BYTES)
     d = np.ascontiguousarray(b[..., :2]).view(np.float16)[..., 0].astype(np.float32)
-    q = np.empty((rows, cols), np.int8)
-    s = np.empty((rows, cols // QBLOCK), np.float32)
+    q = aligned_empty((rows, cols), np.int8)
+    s = aligned_empty((rows, cols // QBLOCK), np.float32)
     _int8_from_q8_0(b[..., 2:].view(np.int8), d, q, s)
     return Int8Tensor(q, s)
 

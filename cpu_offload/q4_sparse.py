@@ -43,6 +43,7 @@ from numba.extending import intrinsic  # noqa: E402
 
 from . import ffi, q4, vector_ir  # noqa: E402
 from .q4 import BLOCK, BLOCK_BYTES  # noqa: E402
+from .qtensor import aligned_empty  # noqa: E402
 from .vector_ir import F32, I32, I64, V16F, ZERO16, load, splat, strict, vector_intrinsic  # noqa: E402
 
 ffi.purge_stale_cache("q4_sparse", q4, vector_ir)
@@ -53,13 +54,6 @@ PREFETCH_AHEAD = 8                # active inputs ahead whose column of the tile
 LINE = 64                         # bytes of a full tile's column
 _V16H = ir.VectorType(ir.HalfType(), 16)
 _JIT = dict(fastmath=True, cache=True, nogil=True)
-
-
-def _aligned(nbytes: int) -> np.ndarray:
-    """uint8 [nbytes] starting on a 64-byte boundary."""
-    raw = np.empty(nbytes + LINE, np.uint8)
-    start = -raw.ctypes.data % LINE
-    return raw[start:start + nbytes]
 
 
 def relayout(blocks: np.ndarray, out: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -74,7 +68,7 @@ def relayout(blocks: np.ndarray, out: int, cols: int) -> tuple[np.ndarray, np.nd
     q = np.concatenate([b[..., 4:] & 15, b[..., 4:] >> 4], -1).reshape(out, cols)   # [out, cols] nibbles
     qt = q.T.reshape(cols, out // BLOCK, BLOCK)                                       # column, row group, row
     groups = (qt[..., :16] | (qt[..., 16:] << 4)).astype(np.uint8)                   # [cols, out / 32, 16]
-    nib = _aligned(cols * out // 2)
+    nib = aligned_empty(cols * out // 2, np.uint8)
     nib[:] = np.concatenate([groups[:, g:g + TILE_GROUPS].reshape(-1)
                              for g in range(0, out // BLOCK, TILE_GROUPS)])
     return nib, d, m

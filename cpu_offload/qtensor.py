@@ -11,7 +11,11 @@ Two forms, both for a matrix [rows, cols] in torch's [out, in] layout, one row p
 
 Their arrays may be numpy arrays (a GGUF memory map, a fresh quantization) or jax arrays: the engine moves
 each into XLA's memory once, and the host decode reads the same bytes through zero-copy numpy views
-(``np.asarray`` of a CPU jax array does not copy). ``float32()`` materializes the values, one matrix at a time.
+(``np.asarray`` of a CPU jax array does not copy). XLA's CPU client takes a numpy array without a copy only when
+its data starts on a 64-byte boundary (``XLA_ALIGNMENT``), which malloc does not give a large array: arrays made to
+be held make their memory with ``aligned_empty``, and ``aligned`` copies one that is not aligned (a tensor of a GGUF
+whose data is aligned to 32) before XLA would copy it behind the caller's back. ``float32()`` materializes the
+values, one matrix at a time.
 """
 from __future__ import annotations
 
@@ -26,6 +30,31 @@ from . import blocks
 Q4_BLOCK = 32        # weights per Q4_1 block
 Q4_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of nibbles
 INT8_BLOCK = 64      # weights per int8 scale
+XLA_ALIGNMENT = 64   # bytes: jax.device_put aliases a CPU numpy array whose data starts on such a boundary
+
+
+def aligned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialized C-contiguous array whose data starts on an XLA_ALIGNMENT boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + XLA_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % XLA_ALIGNMENT
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def is_aligned(a: np.ndarray) -> bool:
+    """Whether XLA takes a without a copy (an empty array has no data to copy)."""
+    return a.flags.c_contiguous and (a.size == 0 or a.ctypes.data % XLA_ALIGNMENT == 0)
+
+
+def aligned(a) -> np.ndarray:
+    """a itself where it is a C-contiguous numpy array on an XLA_ALIGNMENT boundary, else an aligned copy."""
+    a = np.asarray(a)
+    if is_aligned(a):
+        return a
+    out = aligned_empty(a.shape, a.dtype)
+    out[...] = a
+    return out
 
 
 def q4_row_bytes(cols: int) -> int:

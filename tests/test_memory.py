@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from cpu_offload import decoder, kernels, q4
-from cpu_offload.qtensor import Int8Tensor, Q4Tensor, dequantize_int8, dequantize_q4_1
+from cpu_offload.qtensor import (XLA_ALIGNMENT, Int8Tensor, Q4Tensor, aligned, aligned_empty, dequantize_int8,
+                                 dequantize_q4_1, is_aligned, is_quantized)
 from pjinfer.load import loader
 from pjinfer.load.gguf_file import GGUFFile
 from pjinfer.runtime import model
@@ -74,8 +75,8 @@ def test_q4_1_layers_stay_the_files_blocks(tmp_path):
         if name.startswith("layers.") and dense[name].ndim == 2:
             assert isinstance(w, Q4Tensor), name
             np.testing.assert_array_equal(model.float32_weight(name, w), dense[name], err_msg=name)
-            if not name.endswith((".wq", ".wk")):  # as stored: a view of the file's memory map, no copy
-                base = w.data
+            if not name.endswith((".wq", ".wk")) and w.data.ctypes.data % XLA_ALIGNMENT == 0:
+                base = w.data   # as stored: a view of the file's memory map, no copy
                 while isinstance(base, np.ndarray):
                     base = base.base
                 assert isinstance(getattr(base, "obj", base), mmap.mmap), name   # np.frombuffer's memoryview
@@ -87,6 +88,53 @@ def test_q4_1_layers_stay_the_files_blocks(tmp_path):
         else:
             np.testing.assert_array_equal(w, dense[name], err_msg=name)
     assert GGUFFile(path).mmap.size == path.stat().st_size
+
+
+@pytest.mark.parametrize("shape,dtype", [((7, 33), np.int8), ((5,), np.float32), ((0, 3), np.uint8),
+                                         ((49152, 9), np.float32)])
+def test_aligned_arrays_reach_xla_without_a_copy(shape, dtype):
+    a = aligned_empty(shape, dtype)
+    assert a.shape == shape and a.dtype == dtype and is_aligned(a)
+    a[...] = np.arange(a.size).reshape(shape)
+    assert aligned(a) is a
+    if a.size:
+        assert jax.device_put(a).unsafe_buffer_pointer() == a.ctypes.data
+    raw = np.zeros(a.nbytes + 2 * XLA_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % XLA_ALIGNMENT + 32   # 32 bytes past a boundary, as a GGUF's data may be
+    off = raw[start:start + a.nbytes].view(dtype).reshape(shape)
+    off[...] = a
+    copy = aligned(off)
+    assert is_aligned(copy) and (copy is not off or a.size == 0)   # an empty array has nothing to copy
+    np.testing.assert_array_equal(copy, a)
+    strided = a[::2]
+    assert is_aligned(aligned(strided))
+    np.testing.assert_array_equal(aligned(strided), strided)
+
+
+def test_a_q4_1_engine_holds_each_matrix_once_even_from_a_file_aligned_to_32(tmp_path):
+    """GGUF aligns tensor data to 32 bytes; XLA's CPU client copies an array not on a 64-byte boundary. The
+    loader gives every quantized matrix as an aligned array (the file's view where the file is aligned, else a copy
+    whose file pages are released) so that the engine's XLA arrays are the very arrays the loader made."""
+    from pjinfer.runtime.engine import Engine
+
+    config = tiny_config(d_model=64, head_dim=16, d_ff=128, tie_embeddings=True)
+    weights = random_weights(config, seed=6)
+    for pad in range(64):   # a metadata key of another length moves every tensor by a multiple of 32 bytes
+        path = tmp_path / f"pad{pad}.gguf"
+        write_tiny_gguf(path, config, weights, layer_type=gguf.GGMLQuantizationType.Q4_1,
+                        fields={"pad." + "x" * pad: 0.0})
+        if GGUFFile(path).tensors[0].data.ctypes.data % XLA_ALIGNMENT:
+            break
+        path.unlink()
+    assert path.exists(), "no padding put the file's tensors off a 64-byte boundary"
+    config, kept, tokenizer = loader.load(path, keep_q4_1=True)
+    arrays = [a for w in kept.values() if is_quantized(w) for a in vars(w).values() if isinstance(a, np.ndarray)]
+    assert len(arrays) > 3 * config.n_layers
+    assert all(is_aligned(a) for a in arrays)
+    engine = Engine(config, kept, tokenizer, weights_format="q4_1")
+    in_xla = {a.unsafe_buffer_pointer() for a in jax.live_arrays()}
+    assert [a.shape for a in arrays if a.ctypes.data not in in_xla] == []
+    assert engine.host is not None
 
 
 def test_int8_head_from_the_real_q8_0_embedding():

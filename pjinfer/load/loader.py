@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cpu_offload.qtensor import aligned
 from pjinfer.config import ConfigError, ModelConfig
 from pjinfer.load.tokenizer import Tokenizer
 
@@ -120,7 +121,7 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     # llama.cpp's converter interleaves each head's rotary pairs; undo it to get the rotate-half layout.
     # A reorder of whole rows, so it applies as well to a matrix held as rows of quantized blocks.
     rows, cols = w.shape
-    return np.ascontiguousarray(w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols))
+    return aligned(w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols))
 
 
 def _gguf_config(reader, path: Path) -> ModelConfig:
@@ -257,7 +258,7 @@ def _gguf_weight(t, name: str, config: ModelConfig, path: Path, *, permuted: boo
     heads = config.n_heads if name.endswith(".wq") else config.n_kv_heads
     rope_rows = permuted and (name.endswith(".wq") or name.endswith(".wk"))
     if keep_blocks and t.type in KINDS and t.type != GGML_Q4_1 and len(t.shape) == 2:
-        return QBlocks(_unpermute_rope(t.data, heads) if rope_rows else t.data, t.shape[1], t.type)
+        return QBlocks(_unpermute_rope(t.data, heads) if rope_rows else aligned(t.data), t.shape[1], t.type)
     if keep_q4_1 and t.type == GGML_Q8_0 and name == ("embed" if config.tie_embeddings else "lm_head"):
         # The output head: int8 on the host decode path, converted block by block without a float32 copy.
         from cpu_offload.decoder import int8_from_q8_0
@@ -265,7 +266,7 @@ def _gguf_weight(t, name: str, config: ModelConfig, path: Path, *, permuted: boo
         return int8_from_q8_0(t.data, t.shape[1])
     if keep_q4_1 and t.type == GGML_Q4_1 and len(t.shape) == 2:
         # uint8 [rows, row bytes]; w_down_t stays [d, d_ff], the file's layout
-        return Q4Tensor(_unpermute_rope(t.data, heads) if rope_rows else t.data, t.shape[1])
+        return Q4Tensor(_unpermute_rope(t.data, heads) if rope_rows else aligned(t.data), t.shape[1])
     try:
         w = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.type)).astype(np.float32)
     except Exception as e:

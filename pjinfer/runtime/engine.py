@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cpu_offload.qtensor import is_quantized
+from cpu_offload.qtensor import aligned, is_quantized
 from pjinfer.config import WEIGHT_CHOICES, WEIGHT_FORMATS, ConfigError, ModelConfig
 from pjinfer.load import loader
 from pjinfer.load.tokenizer import Tokenizer
@@ -52,6 +52,11 @@ def check_bundle_weights(weights: str, bundle) -> None:
                           "(predictors) or --weights q4_1 (thresholds)")
 
 
+def _to_xla(a) -> jax.Array:
+    """a in XLA's memory without a copy: on the CPU jax.device_put aliases an XLA-aligned numpy array."""
+    return jax.device_put(aligned(a))
+
+
 class Engine:
     def __init__(self, config: ModelConfig, weights: dict, tokenizer: Tokenizer, *, source: str = "",
                  weights_format: str = "float32", thresholds=None):
@@ -60,7 +65,7 @@ class Engine:
         "int8" (every matrix quantized with a scale per block of 64) or "q4_1" (the layers in the GGUF's 4-bit
         blocks, a Q4Tensor of the file kept as it is; the head int8): the model holds only the quantized
         arrays, once. They are handed to XLA with jax.device_put, which on the CPU aliases a 64-byte-aligned
-        numpy array (a GGUF memory map's tensors) instead of copying it, and the host decode reads the same bytes.
+        numpy array (qtensor.aligned) instead of copying it, and the host decode reads the same bytes.
         One-token decode steps run on the host through cpu_offload.host_decode; prefill and scoring through XLA,
         which dequantizes each matrix where it is used (a float32 transient), so every path computes one model.
         thresholds ([n_layers, 4], pjinfer.offline.teal): input sparsity in every path; with "q4_1" decode runs
@@ -85,7 +90,7 @@ class Engine:
                 host = SparseHostDecoder(config, Float32View(weights), thresholds)
             stored = quantize_weights(config, weights, weights_format, check=thresholds is None)
             weights = None  # the caller's float32 copies (if any) are not kept alive by this frame
-            stored = {k: v.map(jax.device_put) if is_quantized(v) else v for k, v in stored.items()}
+            stored = {k: v.map(_to_xla) if is_quantized(v) else v for k, v in stored.items()}
             if thresholds is None:
                 host = HostDecoder(config, stored, weights_format)
             weights = stored
