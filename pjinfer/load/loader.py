@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cpu_offload.qtensor import aligned
+from cpu_offload.qtensor import aligned, aligned_empty
 from pjinfer.config import ConfigError, ModelConfig
 from pjinfer.load.tokenizer import Tokenizer
 
@@ -121,7 +121,10 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     # llama.cpp's converter interleaves each head's rotary pairs; undo it to get the rotate-half layout.
     # A reorder of whole rows, so it applies as well to a matrix held as rows of quantized blocks.
     rows, cols = w.shape
-    return aligned(w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols))
+    half = rows // n_heads // 2
+    out = aligned_empty((rows, cols), w.dtype)   # written once, where XLA takes it without a copy
+    out.reshape(n_heads, 2, half, cols)[...] = w.reshape(n_heads, half, 2, cols).swapaxes(1, 2)
+    return out
 
 
 def _gguf_config(reader, path: Path) -> ModelConfig:
