@@ -52,7 +52,7 @@ QUANTS := out/quants
 QUANT_TYPES := Q4_K_M Q8_0
 bench-quants: $(PEER_STAMP)
 	$(PY) -m pjinfer.measure.peer --types $(subst $(space),$(comma),$(QUANT_TYPES)) --dir $(QUANTS)
-	$(PY) -c "from pjinfer import data; open('/tmp/pjinfer-wiki.txt','w').write(data.wiki_eval_text())"
+	$(PY) -c "from pjinfer.load import data; open('/tmp/pjinfer-wiki.txt','w').write(data.wiki_eval_text())"
 	for t in $(QUANT_TYPES); do f=$(QUANTS)/SmolLM2-135M-Instruct.$$t.gguf; \
 		$(VENV)/bin/pjinfer bench --peer llama-cpp --model $$f --prompt-len 16 --new-tokens 256 --runs 5 --weights gguf || exit 1; \
 		$(VENV)/bin/pjinfer bench --peer llama-cpp --model $$f --prompt-len 512 --new-tokens 128 --runs 3 --weights gguf || exit 1; \
