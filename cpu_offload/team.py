@@ -35,6 +35,7 @@ from .ffi import (NOJIT, RUNTIME, R_YIELD, call_void0, load_acquire_i64, load_i6
 
 from llvmlite import ir  # noqa: E402
 from numba import njit, types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 C_GEN, C_FN, C_ARG, C_SIZE, C_STOP, C_USLEEP, C_YIELD, C_FPENV = range(8)
@@ -55,6 +56,9 @@ def _pause(typingctx):
 
 
 def _mxcsr_call(builder, name, slot):
+    """The MXCSR instruction `name` on a 32-bit slot. The slot is allocated once in the function's entry block
+    (cgutils.alloca_once): an alloca where the intrinsic is inlined, inside ``_worker``'s loop, took stack that
+    is only freed on return, which a worker never does (it overflowed its stack after ~500,000 tasks)."""
     fn = builder.module.declare_intrinsic(name, fnty=ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()]))
     builder.call(fn, [builder.bitcast(slot, ir.IntType(8).as_pointer())])
 
@@ -63,7 +67,7 @@ def _mxcsr_call(builder, name, slot):
 def get_fpenv(typingctx):
     """This thread's x86 MXCSR (denormal flushing, rounding, exception masks)."""
     def codegen(context, builder, sig, args):
-        slot = builder.alloca(ir.IntType(32))
+        slot = cgutils.alloca_once(builder, ir.IntType(32))  # entry block: see _mxcsr_call
         _mxcsr_call(builder, "llvm.x86.sse.stmxcsr", slot)
         return builder.zext(builder.load(slot), ir.IntType(64))
     return types.int64(), codegen
@@ -76,7 +80,7 @@ def set_fpenv(typingctx, value):
         return None
 
     def codegen(context, builder, sig, args):
-        slot = builder.alloca(ir.IntType(32))
+        slot = cgutils.alloca_once(builder, ir.IntType(32))  # entry block: see _mxcsr_call
         builder.store(builder.trunc(context.cast(builder, args[0], sig.args[0], types.int64), ir.IntType(32)), slot)
         _mxcsr_call(builder, "llvm.x86.sse.ldmxcsr", slot)
         return context.get_dummy_value()

@@ -88,6 +88,36 @@ def test_team_runs_every_share_exactly_once():
         assert words[8:8 + size].tolist() == [size] * size
 
 
+def test_team_workers_run_any_number_of_tasks_in_a_fixed_stack():
+    """A worker loops for the life of the process, so nothing it does per task may take stack that is only freed
+    when it returns (an alloca in the loop: taking the caller's MXCSR took 16 bytes a task, and a server's worker
+    overflowed its 8 MiB stack after about 500,000 tasks, some 3,300 decoded tokens). Here the worker gets a 256 KiB
+    stack and runs 200,000 tasks, in a child process because the fault is a segfault."""
+    import subprocess
+    import sys
+
+    code = """
+import threading
+threading.stack_size(256 * 1024)
+import numpy as np
+from numba import cfunc, types
+from cpu_offload import team
+from cpu_offload.ffi import load_i64, store_i64
+
+@cfunc(types.void(types.int64, types.int64, types.int64))
+def task(arg, tid, n):
+    store_i64(arg + 8 * tid, load_i64(arg + 8 * tid) + 1)
+
+crew = team.Team(2)
+words = np.zeros(2, np.int64)
+for _ in range(200_000):
+    team.run(crew.address, task.address, words.ctypes.data)
+assert words.tolist() == [200_000, 200_000], words
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+
+
 # ------------------------------------------------------------------------------------------------ whole model
 def _models(config, seed=0, fmt="int8"):
     """(host-decode model, XLA reference on the same dequantized weights, the HostDecoder)."""
