@@ -1,10 +1,12 @@
 """A bounded load test of `pjinfer serve` on loopback (`make bench-serve`).
 
-Starts the server as a child process on a free 127.0.0.1 port, measures one stream alone (before and after the
-concurrent phase, pooled: the rate on a shared machine drifts), then sends `requests` streaming completions from
-`clients` concurrent clients, each asking for `tokens` tokens (greedy, no end-of-text stop: a fixed amount of work).
-Reports the aggregate completion rate against the single stream's, the time to the first token (p50, p99) and the
-requests lost (an error, a wrong token count, or no [DONE]). Then stops the server.
+Starts the server as a child process on a free 127.0.0.1 port, then measures `pairs` alternated pairs: one stream
+alone (SINGLE_REQUESTS requests, one after another), then `requests` streaming completions from `clients` concurrent
+clients. Every request asks for `tokens` tokens (greedy, no end-of-text stop: a fixed amount of work). Reports, per
+pair, the aggregate completion rate against that pair's single stream, and their median and range (the rate on a
+shared machine drifts, so each concurrent phase is compared with the single stream measured next to it); the time
+to the first token (p50, p99, over every concurrent request) and the requests lost (an error, a wrong token count,
+or no [DONE]). Then stops the server.
 """
 from __future__ import annotations
 
@@ -74,11 +76,12 @@ def _one(base: str, prompt: str, tokens: int) -> dict:
     return {"ok": done and n == tokens, "ttft": (first or end) - start, "seconds": end - start, "tokens": n}
 
 
-def run(base: str, *, requests: int, clients: int, tokens: int) -> dict:
-    _one(base, PROMPTS[0], 4)                               # compile outside the measurement
-    before = _one(base, PROMPTS[0], tokens)
+SINGLE_REQUESTS = 2
+
+
+def _concurrent(base: str, *, requests: int, clients: int, tokens: int, bar) -> tuple[list[dict], float]:
+    """`requests` requests from `clients` threads: their results and the phase's wall seconds."""
     results, lock, next_index = [], threading.Lock(), iter(range(requests))
-    bar = tqdm(total=requests, desc="requests", disable=None)
 
     def client():
         while True:
@@ -97,19 +100,38 @@ def run(base: str, *, requests: int, clients: int, tokens: int) -> dict:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - start
+    return results, time.perf_counter() - start
+
+
+def run(base: str, *, requests: int, clients: int, tokens: int, pairs: int = 3) -> dict:
+    _one(base, PROMPTS[0], 4)                               # compile outside the measurement
+    bar = tqdm(total=pairs * (requests + SINGLE_REQUESTS), desc="requests", disable=None)
+    singles, aggregates, ratios, ttfts, lost = [], [], [], [], 0
+    for _ in range(pairs):
+        alone = []
+        for _ in range(SINGLE_REQUESTS):
+            alone.append(_one(base, PROMPTS[0], tokens))
+            bar.update()
+        lost += sum(not r["ok"] for r in alone)
+        single = sum(r["tokens"] for r in alone) / sum(r["seconds"] for r in alone)
+        results, wall = _concurrent(base, requests=requests, clients=clients, tokens=tokens, bar=bar)
+        ok = [r for r in results if r["ok"]]
+        lost += requests - len(ok)
+        ttfts += [r["ttft"] for r in ok]
+        aggregate = sum(r["tokens"] for r in ok) / wall
+        singles.append(single)
+        aggregates.append(aggregate)
+        ratios.append(aggregate / single)
     bar.close()
-    after = _one(base, PROMPTS[0], tokens)                  # one stream again: the machine's load may have moved
-    single = {"tokens": before["tokens"] + after["tokens"], "seconds": before["seconds"] + after["seconds"]}
-    ok = [r for r in results if r["ok"]]
-    ttfts = sorted(r["ttft"] for r in ok)
-    single_rate = single["tokens"] / single["seconds"]
-    aggregate = sum(r["tokens"] for r in ok) / wall
-    return {"requests": requests, "clients": clients, "tokens": tokens, "single_stream_tok_s": round(single_rate, 1),
-            "aggregate_tok_s": round(aggregate, 1), "aggregate_over_single": round(aggregate / single_rate, 2),
+    ttfts.sort()
+    span = lambda v, digits=1: [round(min(v), digits), round(max(v), digits)]  # noqa: E731
+    return {"requests": requests, "clients": clients, "tokens": tokens, "pairs": pairs,
+            "single_stream_tok_s": span(singles), "aggregate_tok_s": span(aggregates),
+            "aggregate_over_single": round(statistics.median(ratios), 2),
+            "ratios": [round(r, 2) for r in ratios],
             "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
             "ttft_p99_s": round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 3) if ttfts else None,
-            "lost": requests - len(ok), "wall_s": round(wall, 1)}
+            "lost": lost}
 
 
 def main(argv=None) -> int:
@@ -117,9 +139,13 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--pairs", type=int, default=3, help="alternated (one stream, concurrent) pairs")
     p.add_argument("--weights", default="q4_1")
     p.add_argument("--model")
     args = p.parse_args(argv)
+    for name in ("requests", "clients", "tokens", "pairs"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1")
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "pjinfer.cli.main", "serve", "--port", str(port), "--weights", args.weights,
@@ -127,7 +153,7 @@ def main(argv=None) -> int:
     proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, env=os.environ.copy())
     try:
         wait_healthy(base, proc)
-        result = run(base, requests=args.requests, clients=args.clients, tokens=args.tokens)
+        result = run(base, requests=args.requests, clients=args.clients, tokens=args.tokens, pairs=args.pairs)
     except RuntimeError as e:
         print(f"pjinfer: error: {e}", file=sys.stderr)
         return 2
