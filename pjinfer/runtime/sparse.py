@@ -30,6 +30,7 @@ from flax import nnx
 from cpu_offload.bridge import ColdFFN
 from pallas_kernels import compact, hot_ffn, hot_ffn_reference
 from pjinfer.config import HOT_BACKENDS, ConfigError
+from pjinfer.runtime.gathered import PALLAS_BACKENDS, pallas_interpret
 from pjinfer.runtime.model import FFN, Transformer, neurons, value
 
 
@@ -115,6 +116,8 @@ def sparsify(model: Transformer, hot: np.ndarray, predictors: list | None, *, ho
     cold_weights: "float32", or "int8" (cold rows quantized per block of 64, dequantized inside the Numba kernels).
     Returns the ColdFFN holding the cold rows in host memory (the model keeps a reference)."""
     config = model.config
+    if hot_backend in PALLAS_BACKENDS:
+        pallas_interpret(hot_backend)   # "pallas" needs a GPU: one clear error here, not a failed compile later
     if hot.shape != (config.n_layers, config.d_ff):
         raise ConfigError(f"placement shape {hot.shape} does not match the model ({config.n_layers}, {config.d_ff})")
     host = lambda p: None if p is None else np.asarray(p[...])
