@@ -128,6 +128,21 @@ def test_settings_that_cannot_run_are_refused():
         gathered.gathered_product(jnp.ones((1, 2, 4)), jnp.ones((4, 3)), None, True)
 
 
+def test_gathered_decode_step_lowers_for_the_gpu():
+    """No GPU here, but the whole decode step with compiled kernels (what --hot-backend pallas runs) lowers for
+    CUDA, which runs Triton's own checks on every kernel at the model's shapes: one kernel per distinct matrix
+    shape (q/k/v, o, gate/up, down; jit shares a function between layers of the same shapes)."""
+    config = tiny_config()
+    model = Transformer(config, random_weights(config))
+    set_thresholds(model, np.full((config.n_layers, 4), 0.1))
+    model.layers = nnx.List([gathered.GatheredBlock(b, interpret=False) for b in model.layers])
+    graphdef, state = nnx.split(model)
+    step = jax.jit(lambda s, t, p, c: nnx.merge(graphdef, s).decode(t, p, c))
+    lowered = step.trace(state, jnp.int32(1), jnp.int32(0), KVCache.create(config, 1, 16)).lower(
+        lowering_platforms=("cuda",))
+    assert lowered.as_text().count("xla.gpu.triton") == 4
+
+
 def manifest_bundle(path, *stages):
     path.mkdir()
     (path / "manifest.json").write_text(json.dumps({"format": 1, "stages": {s: {} for s in stages}, "model": {}}))
