@@ -1,4 +1,6 @@
-"""Accelerator kernels (Pallas) for the neuron-aware operators of the hot neurons; see README.md."""
+"""Accelerator kernels (Pallas) for the neuron-aware operators: the hot neurons' FFN (hot_ffn) and the input-sparse
+matrix-vector product over active inputs (gather_matvec), one gathered-rows kernel under both; see README.md."""
+from pallas_kernels.gather import active_inputs, compact, gather_matvec, gather_matvec_reference
 from pallas_kernels.hot_ffn import hot_ffn, hot_ffn_reference
 
-__all__ = ["hot_ffn", "hot_ffn_reference"]
+__all__ = ["active_inputs", "compact", "gather_matvec", "gather_matvec_reference", "hot_ffn", "hot_ffn_reference"]

@@ -7,7 +7,8 @@ padding and never form an address. Every output element is written exactly once,
 is deterministic. ``hot_ffn`` validates, pads ``ids`` to a multiple of the block, picks power-of-two block sizes
 and dispatches to ``BACKENDS[backend]`` (Triton-style Pallas today; a Mosaic GPU implementation can register
 there with the same arguments). ``interpret=True`` runs on the CPU. Two kernels, not one fused kernel, and the
-padding and masking rules that keep them GPU-legal: docs/architecture.md.
+padding and masking rules that keep them GPU-legal: docs/architecture.md. The second kernel, the down projection,
+is pallas_kernels.gather's ``gathered_rows``, the one kernel for "a sum of gathered rows, each scaled".
 """
 from __future__ import annotations
 
@@ -19,27 +20,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.gather import (default_block_d, drop_aliased_input, gathered_rows, is_pow2, pad_ids,
+                                          split_for, sum_parts)
 from pjinfer.activations import ACTIVATIONS, GATED, activate  # the activations' one home, shared with the model
-
-
-def _is_pow2(n: int) -> bool:
-    return n >= 1 and (n & (n - 1)) == 0
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def default_block_d(d: int) -> int:
-    """The power of two in {128, 64, 32} (capped at next_pow2(d)) that wastes the fewest masked
-    lanes in the last chunk; ties go to the larger block (fewer loop trips)."""
-    cands = sorted({min(b, _next_pow2(d)) for b in (128, 64, 32)}, reverse=True)
-    return min(cands, key=lambda b: (-(-d // b) * b, -b))
-
-
-def default_n_split(n_d_tiles: int, n_k_blocks: int) -> int:
-    """Down-projection programs per column tile: aim at ~128 programs (an H100 has 132 SMs)."""
-    return max(1, min(n_k_blocks, 128 // max(1, n_d_tiles)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,31 +78,6 @@ def _act_kernel(count_ref, ids_ref, x_ref, *refs, activation, d, block_k, block_
         act_ref[pl.ds(start, block_k)] = act
 
 
-def _down_kernel(count_ref, ids_ref, act_ref, wd_ref, part_ref, *, d, block_k, block_d, n_split):
-    t = pl.program_id(0)
-    s = pl.program_id(1)
-    count = count_ref[0]
-    n_active_blocks = lax.div(count + (block_k - 1), block_k)
-    # Blocks s, s + n_split, ... below n_active_blocks: a trip count known only at run time.
-    trips = lax.div(jnp.maximum(n_active_blocks - s, 0) + (n_split - 1), n_split)
-    cols = t * block_d + lax.broadcasted_iota(jnp.int32, (block_d,), 0)
-    cols2 = jnp.broadcast_to(cols[None, :], (block_k, block_d))
-
-    def block(j, acc):
-        start = (s + j * n_split) * block_k
-        slots = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-        valid = slots < count
-        rows = jnp.where(valid, ids_ref[pl.ds(start, block_k)], 0)
-        a = jnp.where(valid, act_ref[pl.ds(start, block_k)], 0.0)
-        rows2 = jnp.broadcast_to(rows[:, None], (block_k, block_d))
-        m2 = jnp.broadcast_to(valid[:, None], (block_k, block_d)) & (cols2 < d)
-        w = plt.load(wd_ref.at[rows2, cols2], mask=m2, other=0.0)
-        return acc + jnp.sum(a[:, None] * w, axis=0)
-
-    acc = lax.fori_loop(0, trips, block, jnp.zeros((block_d,), jnp.float32))
-    plt.store(part_ref.at[s, pl.ds(t * block_d, block_d)], acc, mask=cols < d)
-
-
 def hot_ffn_triton(x, w_gate, w_up, w_down_t, ids_p, count_1, b_up, *, activation, block_k,
                    block_d, n_split, interpret, poison=False, return_parts=False):
     """Backend: the two Triton-style kernels. Arguments already validated and padded by hot_ffn:
@@ -129,7 +87,6 @@ def hot_ffn_triton(x, w_gate, w_up, w_down_t, ids_p, count_1, b_up, *, activatio
     d = x.shape[0]
     kp = ids_p.shape[0]
     n_kb = kp // block_k
-    n_dt = pl.cdiv(d, block_d)
     gated = activation in GATED
     params = None if interpret else plt.CompilerParams(num_warps=4, num_stages=2)
 
@@ -146,34 +103,15 @@ def hot_ffn_triton(x, w_gate, w_up, w_down_t, ids_p, count_1, b_up, *, activatio
     act_kernel = functools.partial(_act_kernel, activation=activation, d=d, block_k=block_k,
                                    block_d=block_d)
     if poison:
-        act_kernel = _drop_aliased_input(act_kernel)
+        act_kernel = drop_aliased_input(act_kernel)
     act = pl.pallas_call(act_kernel, out_shape=act_shape, grid=(n_kb,),
                          input_output_aliases=aliases, interpret=interpret,
                          compiler_params=params, name="hot_ffn_act")(*act_args)
 
-    part_shape = jax.ShapeDtypeStruct((n_split, d), jnp.float32)
-    down_args = (count_1, ids_p, act, w_down_t)
-    aliases = {}
-    if poison:
-        down_args = down_args + (jnp.full((n_split, d), jnp.nan, jnp.float32),)
-        aliases = {len(down_args) - 1: 0}
-    down_kernel = functools.partial(_down_kernel, d=d, block_k=block_k, block_d=block_d,
-                                    n_split=n_split)
-    if poison:
-        down_kernel = _drop_aliased_input(down_kernel)
-    parts = pl.pallas_call(down_kernel, out_shape=part_shape, grid=(n_dt, n_split),
-                           input_output_aliases=aliases, interpret=interpret,
-                           compiler_params=params, name="hot_ffn_down")(*down_args)
-    y = parts[0] if n_split == 1 else jnp.sum(parts, axis=0)
+    parts = gathered_rows(count_1, ids_p, act, w_down_t, block_k=block_k, block_d=block_d, n_split=n_split,
+                          interpret=interpret, poison=poison, name="hot_ffn_down")
+    y = sum_parts(parts)
     return (y, act, parts) if return_parts else y
-
-
-def _drop_aliased_input(kernel):
-    """The aliased NaN buffer arrives as the last input ref; the kernel only uses the output."""
-    def wrapped(*refs):
-        *ins, _poison_in, out = refs
-        return kernel(*ins, out)
-    return wrapped
 
 
 BACKENDS = {"triton": hot_ffn_triton}
@@ -199,18 +137,10 @@ def _prepare(x, w_gate, w_up, w_down_t, ids, count, activation, b_up, block_k, b
             raise TypeError(f"hot_ffn works in float32, got {a.dtype}")
     if b_up is not None and b_up.shape != (H,):
         raise ValueError(f"b_up must be [H] = {(H,)}, got {b_up.shape}")
-    if ids.ndim != 1:
-        raise ValueError(f"ids must be [K], got shape {ids.shape}")
-    K = ids.shape[0]
-    if not _is_pow2(block_k):
-        raise ValueError(f"block_k must be a power of two, got {block_k}")
-    block_k = min(block_k, _next_pow2(max(K, 1)))          # no block larger than needed
+    ids_p, count_1, block_k = pad_ids(ids, count, block_k)
     block_d = default_block_d(d) if block_d is None else block_d
-    if not _is_pow2(block_d):
+    if not is_pow2(block_d):
         raise ValueError(f"block_d must be a power of two, got {block_d}")
-    kp = max(1, -(-K // block_k)) * block_k
-    ids_p = jnp.pad(ids.astype(jnp.int32), (0, kp - K))
-    count_1 = jnp.clip(jnp.asarray(count, jnp.int32), 0, K).reshape(1)
     return ids_p, count_1, block_k, block_d
 
 
@@ -225,14 +155,11 @@ def hot_ffn(x, w_gate, w_up, w_down_t, ids, count, *, activation: str, b_up=None
     ids [K] int32, first ``count`` entries valid, the rest ignored (any value); count int32 scalar
     (may be traced), 0 <= count <= K. b_up [H] only for "relu" (zeros if None). block_k, block_d:
     powers of two (block_d defaults to a d-dependent choice, see default_block_d). n_split:
-    down-projection programs per column tile (default: default_n_split).
+    down-projection programs per column tile (default: gather.default_n_split).
     """
     ids_p, count_1, block_k, block_d = _prepare(x, w_gate, w_up, w_down_t, ids, count, activation,
                                                 b_up, block_k, block_d)
-    n_kb = ids_p.shape[0] // block_k
-    if n_split is None:
-        n_split = default_n_split(pl.cdiv(x.shape[0], block_d), n_kb)
-    n_split = max(1, min(int(n_split), n_kb))
+    n_split = split_for(x.shape[0], ids_p.shape[0], block_k, block_d, n_split)
     return BACKENDS[backend](x, w_gate, w_up, w_down_t, ids_p, count_1,
                              b_up if activation == "relu" else None, activation=activation,
                              block_k=block_k, block_d=block_d, n_split=n_split,

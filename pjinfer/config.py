@@ -17,9 +17,13 @@ WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)
 
 
 # A predictor bundle's engine (pjinfer.runtime.sparse): where hot neurons run, and how cold rows are stored in host
-# memory (cpu_offload.bridge).
+# memory (cpu_offload.bridge). With a bundle's thresholds on float32 weights the same choice says where one-token
+# products run: xla (dense masked products) or the Pallas gather kernels (pjinfer.runtime.gathered).
 HOT_BACKENDS = ("xla", "pallas", "pallas-interpret")
 COLD_WEIGHTS = ("float32", "int8")
+# Which of a bundle's rules runs (pjinfer.runtime.engine.bundle_rule): auto (its thresholds when it has them, else
+# its predictors and placement), or one of the two by name.
+SPARSE_RULES = ("auto", "thresholds", "predictors")
 
 # The matrix inputs a calibrated threshold gates, per layer (pjinfer.offline.teal fits them, cpu_offload.sparse_decode
 # applies them): q/k/v's input, o's input, gate/up's input, down's input.

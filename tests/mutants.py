@@ -62,6 +62,13 @@ FAULTS = [
     Fault("the sampler ignores top-p", "pjinfer/runtime/sampling.py",
           "cutoff = jnp.maximum(cutoff, ordered[last_kept])", "cutoff = cutoff",
           ("tests/test_sampling.py",)),
+    Fault("the Pallas threshold decode reads o's every input (its threshold ignored)", "pjinfer/runtime/gathered.py",
+          "gathered_product(heads, self.wo_t[...], self.t_o, self.interpret)",
+          "gathered_product(heads, self.wo_t[...], None, self.interpret)",
+          ("tests/test_pallas_thresholds.py",)),
+    Fault("the gather kernel skips the last partly filled block of active inputs", "pallas_kernels/gather.py",
+          "lax.div(count + (block_k - 1), block_k)", "lax.div(count, block_k)",
+          ("tests/test_pallas_kernels.py",)),
 ]
 
 IGNORE = shutil.ignore_patterns(".git", ".venv", "out", ".pytest_cache", "*.egg-info", "build")

@@ -1,4 +1,5 @@
-"""Pallas kernels in interpret mode (no GPU here): hot_ffn against plain jnp references.
+"""Pallas kernels in interpret mode (no GPU here): hot_ffn against plain jnp references, gather_matvec against
+float64 numpy.
 
 Every kernel run goes through `run_poisoned`, which hands the kernels NaN-filled output buffers
 (aliased in place), so an element a kernel forgets to write comes back as NaN and fails the test.
@@ -15,8 +16,10 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels import gather as gm
 from pallas_kernels import hot_ffn, hot_ffn_reference
-from pallas_kernels.hot_ffn import _prepare, default_n_split, hot_ffn_triton
+from pallas_kernels.gather import split_for
+from pallas_kernels.hot_ffn import _prepare, hot_ffn_triton
 from pjinfer.activations import GATED, activate
 
 RTOL = 1e-5
@@ -28,10 +31,7 @@ def run_poisoned(x, w_gate, w_up, w_down_t, ids, count, *, activation, b_up=None
     """hot_ffn's path, with NaN-poisoned kernel outputs; returns (y, act, partials)."""
     ids_p, count_1, bk, bd = _prepare(x, w_gate, w_up, w_down_t, ids, count, activation, b_up,
                                       block_k, block_d)
-    n_kb = ids_p.shape[0] // bk
-    if n_split is None:
-        n_split = default_n_split(pl.cdiv(x.shape[0], bd), n_kb)
-    n_split = min(n_split, n_kb)
+    n_split = split_for(x.shape[0], ids_p.shape[0], bk, bd, n_split)
     return hot_ffn_triton(x, w_gate, w_up, w_down_t, ids_p, count_1,
                           b_up if activation == "relu" else None, activation=activation,
                           block_k=bk, block_d=bd, n_split=n_split, interpret=True, poison=True,
@@ -233,3 +233,164 @@ def test_triton_lowering_rejects_non_power_of_two_blocks():
     with pytest.raises(Exception, match="power of 2"):
         jax.jit(call).trace(jax.ShapeDtypeStruct((4,), jnp.float32)).lower(
             lowering_platforms=("cuda",))
+
+
+# ---------------------------------------------------------------------------------------------------- gather_matvec
+# y = sum_{k < count} x[ids[k]] * w_t[ids[k]], the input-sparse product, on fresh random inputs each run (the seed
+# is in every failure message) against float64 numpy.
+
+@functools.partial(jax.jit, static_argnames=("block_k", "block_d", "n_split"))
+def run_matvec_poisoned(x, w_t, ids, count, *, block_k=32, block_d=None, n_split=None):
+    """gather_matvec's path with a NaN-poisoned kernel output; returns (y, partials)."""
+    ids_p, count_1, bk, bd = gm.prepare(x, w_t, ids, count, block_k, block_d)
+    ns = split_for(w_t.shape[1], ids_p.shape[0], bk, bd, n_split)
+    return gm.gather_matvec_triton(x, w_t, ids_p, count_1, block_k=bk, block_d=bd, n_split=ns, interpret=True,
+                                   poison=True, return_parts=True)
+
+
+def fresh_rng():
+    seed = int(np.random.SeedSequence().entropy % 2**63)
+    return np.random.default_rng(seed), seed
+
+
+def matvec_inputs(rng, n_in, n_out):
+    x = rng.standard_normal(n_in).astype(np.float32)
+    w_t = (rng.standard_normal((n_in, n_out)) / np.sqrt(n_in)).astype(np.float32)
+    return x, w_t
+
+
+def check_matvec(x, w_t, ids, count, seed, **blocks):
+    """The poisoned kernel against float64: every partial written, the sum within float32's rounding bound
+    ((terms + partials) units of 2**-23 of sum |x_i w_i|: the kernel sums in another order than numpy)."""
+    y, parts = run_matvec_poisoned(jnp.asarray(x), jnp.asarray(w_t), jnp.asarray(ids, jnp.int32), count, **blocks)
+    y, parts = np.asarray(y), np.asarray(parts)
+    assert not np.isnan(parts).any(), f"partial-sum buffer not fully written (seed {seed})"
+    rows = np.asarray(ids)[:count]
+    terms = np.asarray(x, np.float64)[rows, None] * np.asarray(w_t, np.float64)[rows]
+    want = terms.sum(axis=0)
+    bound = (count + parts.shape[0] + 2) * 2.0 ** -23 * np.abs(terms).sum(axis=0) + 1e-30
+    assert np.isfinite(y).all(), f"NaN/inf in the kernel output (seed {seed})"
+    assert (np.abs(y - want) <= bound).all(), (f"seed {seed}: off by {np.abs(y - want).max()} "
+                                               f"(bound {bound[np.argmax(np.abs(y - want))]})")
+    return y
+
+
+MATVEC_SHAPES = [(7, 33), (33, 7), (130, 130), (576, 1536), (1536, 576), (576, 960), (1, 1), (100, 1)]
+
+
+@pytest.mark.parametrize("n_in,n_out", MATVEC_SHAPES)
+def test_gather_matvec_matches_float64(n_in, n_out):
+    rng, seed = fresh_rng()
+    x, w_t = matvec_inputs(rng, n_in, n_out)
+    count = int(rng.integers(1, n_in + 1))
+    garbage = rng.integers(-10**6, 10**6, n_in - count)
+    ids = np.concatenate([rng.permutation(n_in)[:count], garbage]).astype(np.int32)
+    y = check_matvec(x, w_t, ids, count, seed)
+    public = np.asarray(gm.gather_matvec(jnp.asarray(x), jnp.asarray(w_t), jnp.asarray(ids), count, interpret=True))
+    np.testing.assert_array_equal(public, y)        # the public entry point: the same kernel, the same numbers
+    # Every input active (in random order): W @ x, dense.
+    full = rng.permutation(n_in).astype(np.int32)
+    y = check_matvec(x, w_t, full, n_in, seed)
+    dense = np.asarray(w_t, np.float64).T @ np.asarray(x, np.float64)
+    np.testing.assert_allclose(y, dense, rtol=0, atol=(n_in + 34) * 2.0 ** -23 * (np.abs(w_t).T @ np.abs(x)).max())
+    # None active, padding slots of any value: exact zeros.
+    assert (check_matvec(x, w_t, garbage.astype(np.int32).repeat(2)[:n_in], 0, seed) == 0).all()
+
+
+def test_gather_matvec_padding_never_matters_and_k_may_exceed_n_in():
+    rng, seed = fresh_rng()
+    n_in, n_out, count = 130, 130, 45                 # shapes shared with MATVEC_SHAPES: no new compile
+    x, w_t = matvec_inputs(rng, n_in, n_out)
+    active = rng.permutation(n_in)[:count]
+    ys = []
+    for pad in (0, -1, n_in, 2**31 - 1, -(2**31), "random"):
+        tail = rng.integers(-10**6, 10**6, n_in - count) if pad == "random" else np.full(n_in - count, pad)
+        ys.append(check_matvec(x, w_t, np.concatenate([active, tail]).astype(np.int32), count, seed))
+    for y in ys[1:]:
+        np.testing.assert_array_equal(y, ys[0])      # bit-identical: padding is never read
+    long_ids = np.concatenate([active, rng.integers(-10**6, 10**6, 77)]).astype(np.int32)   # K = 122 != n_in
+    check_matvec(x, w_t, long_ids, count, seed)
+
+
+def test_gather_matvec_reads_only_the_active_rows():
+    """Rows of w_t outside ids[:count] (row 0 included: padding is clamped to it) and the inactive entries of x
+    hold NaN; masking by multiplication (compute all, times 0) would let them through."""
+    rng, seed = fresh_rng()
+    n_in, n_out = 576, 960
+    x, w_t = matvec_inputs(rng, n_in, n_out)
+    count = 200
+    ids = np.concatenate([1 + rng.permutation(n_in - 1)[:count], np.full(n_in - count, -5)]).astype(np.int32)
+    inactive = np.ones(n_in, bool)
+    inactive[ids[:count]] = False
+    want = check_matvec(x, w_t, ids, count, seed)
+    y = check_matvec(np.where(inactive, np.nan, x).astype(np.float32),
+                     np.where(inactive[:, None], np.nan, w_t).astype(np.float32), ids, count, seed)
+    np.testing.assert_array_equal(y, want)
+
+
+@pytest.mark.parametrize("block_k,block_d,n_split", [(8, 16, 1), (64, 128, 3), (1, 32, 2)])
+def test_gather_matvec_block_sizes_and_splits_agree(block_k, block_d, n_split):
+    rng, seed = fresh_rng()
+    x, w_t = matvec_inputs(rng, 130, 130)
+    ids = np.concatenate([rng.permutation(130)[:61], np.full(69, 10**6)]).astype(np.int32)
+    check_matvec(x, w_t, ids, 61, seed, block_k=block_k, block_d=block_d, n_split=n_split)
+
+
+def test_gather_matvec_traced_count_one_compile():
+    rng, seed = fresh_rng()
+    x, w_t = (jnp.asarray(a) for a in matvec_inputs(rng, 33, 7))
+
+    @jax.jit
+    def f(ids, count):
+        return gm.gather_matvec(x, w_t, ids, count, block_k=4, interpret=True)
+
+    for count in (0, 1, 5, 33):
+        ids = jnp.asarray(np.concatenate([rng.permutation(33)[:count], rng.integers(-99, 99, 33 - count)]), jnp.int32)
+        y = f(ids, jnp.int32(count))
+        np.testing.assert_allclose(y, gm.gather_matvec_reference(x, w_t, ids, count), rtol=1e-5, atol=1e-6,
+                                   err_msg=f"seed {seed}")
+    assert f._cache_size() == 1
+
+
+def test_compact_and_active_inputs():
+    rng, seed = fresh_rng()
+    mask = rng.random((3, 5, 41)) < 0.3
+    ids, count = gm.compact(jnp.asarray(mask))
+    assert ids.shape == mask.shape and count.shape == (3, 5) and ids.dtype == count.dtype == jnp.int32
+    for i in np.ndindex(3, 5):
+        on = np.flatnonzero(mask[i])
+        assert int(count[i]) == len(on), seed
+        np.testing.assert_array_equal(np.asarray(ids[i][:len(on)]), on)     # increasing order
+        assert (np.asarray(ids[i][len(on):]) == 0).all()
+    x = jnp.asarray(rng.standard_normal(41), jnp.float32)
+    t = jnp.float32(np.quantile(np.abs(np.asarray(x)), 0.5))
+    ids, count = gm.active_inputs(x, t)
+    np.testing.assert_array_equal(np.asarray(ids[:int(count)]), np.flatnonzero(np.abs(np.asarray(x)) > float(t)))
+    ids, count = gm.active_inputs(x)                  # no threshold: every entry
+    assert int(count) == 41 and (np.asarray(ids) == np.arange(41)).all()
+    ids, count = gm.active_inputs(x, jnp.float32(np.abs(np.asarray(x)).max()))   # |x| <= t counts as zero
+    assert int(count) == 0
+
+
+def test_gather_matvec_rejects_bad_arguments():
+    x, w_t = jnp.ones(33, jnp.float32), jnp.ones((33, 7), jnp.float32)
+    ids = jnp.arange(33, dtype=jnp.int32)
+    with pytest.raises(ValueError, match="power of two"):
+        gm.gather_matvec(x, w_t, ids, 3, block_k=24, interpret=True)
+    with pytest.raises(ValueError, match="power of two"):
+        gm.gather_matvec(x, w_t, ids, 3, block_d=48, interpret=True)
+    with pytest.raises(ValueError, match="n_in = 33"):
+        gm.gather_matvec(x, w_t.T, ids, 3, interpret=True)
+    with pytest.raises(ValueError, match="one decode token"):
+        gm.gather_matvec(jnp.ones((1, 33), jnp.float32), w_t, ids, 3, interpret=True)
+    with pytest.raises(TypeError, match="float32"):
+        gm.gather_matvec(x.astype(jnp.bfloat16), w_t, ids, 3, interpret=True)
+
+
+@pytest.mark.parametrize("n_in,n_out,block_k", [(576, 960, 32), (1536, 576, 32), (7, 33, 1)])
+def test_gather_matvec_lowers_to_triton_for_gpu(n_in, n_out, block_k):
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    text = gm.gather_matvec.trace(f32(n_in), f32(n_in, n_out), jax.ShapeDtypeStruct((n_in,), jnp.int32),
+                                  jax.ShapeDtypeStruct((), jnp.int32), block_k=block_k).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 1

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from pjinfer.config import COLD_WEIGHTS, HOT_BACKENDS, WEIGHT_CHOICES, ConfigError
+from pjinfer.config import COLD_WEIGHTS, HOT_BACKENDS, SPARSE_RULES, WEIGHT_CHOICES, ConfigError
 
 
 def positive_int(text: str) -> int:
@@ -37,8 +37,12 @@ def weight_list(text: str) -> list[str]:
 
 def sparse_options(p):
     p.add_argument("--bundle", help="sparse bundle (`make bundle`): run the hybrid sparse engine")
+    p.add_argument("--sparse-rule", default="auto", choices=SPARSE_RULES,
+                   help="which of the bundle's rules runs: auto (default): its input thresholds when it has them "
+                   "(calibrate), else its predictors and placement")
     p.add_argument("--hot-backend", default="xla", choices=HOT_BACKENDS,
-                   help="hot neurons: XLA gather (CPU default), compiled Pallas (GPU), Pallas interpret mode")
+                   help="predictors: where hot neurons run; thresholds on float32: where one-token products run. "
+                   "xla (CPU default), compiled Pallas kernels (GPU), Pallas interpret mode")
     p.add_argument("--cold-weights", default="float32", choices=COLD_WEIGHTS,
                    help="cold rows in host memory as float32, or int8 with a scale per block of 64 (17/64 the bytes)")
 
@@ -76,11 +80,21 @@ def load(args, bundle=None, weights=None):
     from pjinfer.runtime.compile_cache import enable_compilation_cache
     from pjinfer.runtime.engine import Engine
 
+    check_sparse_options(args)
     enable_compilation_cache()
     return Engine.load(args.model, bundle=bundle, hot_backend=getattr(args, "hot_backend", "xla"),
                        cold_weights=getattr(args, "cold_weights", "float32"),
                        weights=weights or getattr(args, "weights", "float32"),
-                       progress=Progress("loading tensors", 0))
+                       sparse_rule=getattr(args, "sparse_rule", "auto"), progress=Progress("loading tensors", 0))
+
+
+def check_sparse_options(args) -> None:
+    """--sparse-rule and --hot-backend choose how a bundle runs: without --bundle they would change nothing."""
+    if getattr(args, "bundle", None) is None:
+        for flag, value, default in (("--sparse-rule", getattr(args, "sparse_rule", "auto"), "auto"),
+                                     ("--hot-backend", getattr(args, "hot_backend", "xla"), "xla")):
+            if value != default:
+                raise ConfigError(f"{flag} {value} applies to a sparse bundle; give --bundle DIR")
 
 
 def sampling(args):
@@ -96,21 +110,29 @@ def sampling(args):
 
 
 def check_bundle(args, path) -> None:
-    """Before any weights load: the model file exists and the bundle at `path` is a pjinfer bundle made for it
-    (manifest and model hash; the stages themselves are read when the engine takes the bundle)."""
+    """Before any weights load: the model file exists, the bundle at `path` is a pjinfer bundle made for it
+    (manifest and model hash) holding the stages of the rule it runs (engine.bundle_rule, --sparse-rule), and the
+    weights and hot backend can run that rule. The stages' data is read when the engine takes the bundle."""
     from pathlib import Path
 
     from pjinfer.load.loader import default_model_path, model_identity
     from pjinfer.offline.bundle import Bundle
-    from pjinfer.runtime.engine import check_bundle_weights
+    from pjinfer.runtime.engine import bundle_rule, check_bundle_stages, check_bundle_weights
+    from pjinfer.runtime.gathered import PALLAS_BACKENDS, pallas_interpret
 
     weights = getattr(args, "weights", "float32")
-    if isinstance(weights, str):
-        check_bundle_weights(weights, path)
+    weights = weights if isinstance(weights, str) else "auto"   # bench: its sparse engine runs auto
+    hot_backend = getattr(args, "hot_backend", "xla")
+    check_bundle_weights(weights, path, hot_backend=hot_backend)
     model = Path(args.model) if args.model else default_model_path()
     if not model.exists():
         raise ConfigError(f"model not found: {model}")
     Bundle.open(path).check_model(model_identity(model))
+    rule = bundle_rule(path, getattr(args, "sparse_rule", "auto"))
+    check_bundle_weights(weights, path, rule=rule, hot_backend=hot_backend)
+    check_bundle_stages(path, rule)
+    if hot_backend in PALLAS_BACKENDS:
+        pallas_interpret(hot_backend)   # "pallas" where JAX has no GPU: refused here, before the weights load
 
 
 def read_json(path) -> dict:

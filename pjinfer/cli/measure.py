@@ -83,11 +83,12 @@ def cmd_bench(args):
     formats = [resolve_weights(w, args.model) for w in args.weights]
     if len(set(formats)) != len(formats):
         raise ConfigError(f"--weights {','.join(args.weights)} runs the same engine twice ({', '.join(formats)})")
-    sparse_weights = resolve_weights("auto", args.model, args.bundle) if args.bundle else None
+    sparse_weights = resolve_weights("auto", args.model, args.bundle, sparse_rule=args.sparse_rule,
+                                     hot_backend=args.hot_backend) if args.bundle else None
     if sparse_weights and sparse_weights not in formats:
         formats.append(sparse_weights)   # sparse is measured against the dense engine of its own weights
     engines = {engine_name(w): common.load(args, weights=w) for w in formats}
-    if args.bundle:  # sparse against dense, measured in the same run: thresholds with q4_1, else predictors
+    if args.bundle:  # sparse against dense of its own weights, in the same run (the rule: engine.bundle_rule)
         engines["sparse"] = common.load(args, args.bundle, weights=sparse_weights)
     result = bench.run(engines, prompt_len=args.prompt_len, new_tokens=args.new_tokens, runs=args.runs,
                        peer=args.peer, progress=Progress("bench runs", args.runs))

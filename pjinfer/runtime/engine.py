@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from cpu_offload.qtensor import aligned, is_quantized
-from pjinfer.config import WEIGHT_CHOICES, WEIGHT_FORMATS, ConfigError, ModelConfig
+from pjinfer.config import HOT_BACKENDS, SPARSE_RULES, WEIGHT_CHOICES, WEIGHT_FORMATS, ConfigError, ModelConfig
 from pjinfer.load import loader
 from pjinfer.load.tokenizer import Tokenizer
 from pjinfer.offline.bundle import THRESHOLDS, Bundle
@@ -21,12 +21,33 @@ from pjinfer.runtime.model import Float32View, Transformer, float32_weights, set
 from pjinfer.runtime.sampling import Sampling, recent_ids
 
 
-def resolve_weights(weights: str, path=None, bundle=None) -> str:
+def bundle_rule(bundle, asked: str = "auto") -> str:
+    """Which of a bundle's sparse rules runs: "thresholds" (its calibrated input thresholds, `pjinfer calibrate`) or
+    "predictors" (its predictors and placement). asked (config.SPARSE_RULES, --sparse-rule): "auto" is thresholds
+    when the bundle has them, else predictors; a named rule runs as named. Reads the manifest only; the stages the
+    rule reads are required when they load (check_bundle_stages checks them first)."""
+    if asked not in SPARSE_RULES:
+        raise ConfigError(f"sparse rule must be one of {', '.join(SPARSE_RULES)}, got {asked!r}")
+    if asked != "auto":
+        return asked
+    return THRESHOLDS if THRESHOLDS in Bundle.open(bundle).manifest["stages"] else "predictors"
+
+
+def check_bundle_stages(bundle, rule: str) -> None:
+    """ConfigError (naming the command that makes it) when the bundle lacks a stage `rule` reads."""
+    opened = Bundle.open(bundle)
+    for stage in (THRESHOLDS,) if rule == THRESHOLDS else ("predictors", "placement"):
+        opened.require(stage)
+
+
+def resolve_weights(weights: str, path=None, bundle=None, *, sparse_rule: str = "auto",
+                    hot_backend: str = "xla") -> str:
     """The weights format a request for `weights` runs (config.WEIGHT_CHOICES). "auto" is the checkpoint's own
-    quantization where the host decode runs it: q4_1 for a GGUF whose layers are Q4_1 (with a bundle, only one
-    that has calibrated thresholds: a predictor bundle runs float32), gguf for one whose layers are other block
-    types with host kernels (without a bundle), float32 otherwise: said in one stderr line when the file holds
-    block types without a host kernel. Reads headers only."""
+    quantization where the host decode runs it: q4_1 for a GGUF whose layers are Q4_1 (with a bundle, only when
+    the bundle's thresholds run on the host: bundle_rule gives thresholds and hot_backend is xla; its predictors,
+    or thresholds on a Pallas backend, run float32), gguf for one whose layers are other block types with host
+    kernels (without a bundle), float32 otherwise: said in one stderr line when the file holds block types without
+    a host kernel. Reads headers only."""
     if weights != "auto":
         return weights
     stored = loader.stored_format(path)
@@ -41,15 +62,27 @@ def resolve_weights(weights: str, path=None, bundle=None) -> str:
                   file=sys.stderr)
         return "float32"
     if bundle is not None:
-        return "q4_1" if THRESHOLDS in Bundle.open(bundle).manifest["stages"] else "float32"
+        on_host = bundle_rule(bundle, sparse_rule) == THRESHOLDS and hot_backend == "xla"
+        return "q4_1" if on_host else "float32"
     return "q4_1"
 
 
-def check_bundle_weights(weights: str, bundle) -> None:
-    """Which weights a sparse bundle runs with: float32 (predictors and placement) or q4_1 (thresholds)."""
-    if weights in ("int8", "gguf") and bundle is not None:
+def check_bundle_weights(weights: str, bundle, *, rule: str | None = None, hot_backend: str = "xla") -> None:
+    """Which weights a sparse bundle runs with: predictors and placement on float32; thresholds on q4_1 (the host
+    decode, hot backend xla) or float32 (hot backend xla: dense masked products in XLA; pallas or
+    pallas-interpret: the gather kernels, pjinfer.runtime.gathered). rule: bundle_rule's answer, when known."""
+    if bundle is None:
+        return
+    if weights in ("int8", "gguf"):
         raise ConfigError(f"--weights {weights} is the dense host decode; a sparse bundle takes --cold-weights int8 "
                           "(predictors) or --weights q4_1 (thresholds)")
+    if hot_backend not in HOT_BACKENDS:
+        raise ConfigError(f"unknown hot backend {hot_backend!r} (known: {', '.join(HOT_BACKENDS)})")
+    if weights == "q4_1" and rule == "predictors":
+        raise ConfigError("a bundle's predictors run with --weights float32; --weights q4_1 runs its thresholds")
+    if weights == "q4_1" and rule == THRESHOLDS and hot_backend != "xla":
+        raise ConfigError(f"--hot-backend {hot_backend} runs a bundle's thresholds on float32 weights; "
+                          "--weights q4_1 decodes them on the host (leave --hot-backend xla)")
 
 
 def _to_xla(a) -> jax.Array:
@@ -59,7 +92,7 @@ def _to_xla(a) -> jax.Array:
 
 class Engine:
     def __init__(self, config: ModelConfig, weights: dict, tokenizer: Tokenizer, *, source: str = "",
-                 weights_format: str = "float32", thresholds=None):
+                 weights_format: str = "float32", thresholds=None, hot_backend: str = "xla"):
         """weights: canonical weights (pjinfer.runtime.model), float32 arrays or quantized matrices (cpu_offload.qtensor).
         weights_format "float32": every matrix float32 in XLA (quantized ones dequantized here, one at a time).
         "int8" (every matrix quantized with a scale per block of 64) or "q4_1" (the layers in the GGUF's 4-bit
@@ -70,9 +103,17 @@ class Engine:
         which dequantizes each matrix where it is used (a float32 transient), so every path computes one model.
         thresholds ([n_layers, 4], pjinfer.offline.teal): input sparsity in every path; with "q4_1" decode runs
         cpu_offload.sparse_decode (the same Q4_1 numbers laid out by input column, only active inputs read; a
-        second copy of the layers)."""
+        second copy of the layers); with "float32", hot_backend says where one-token products run: "xla" (dense
+        products of the masked inputs) or "pallas" / "pallas-interpret" (pjinfer.runtime.gathered: the blocks held
+        input-major, only the active inputs' rows read by the Pallas gather kernel; every weight on the
+        accelerator). hot_backend is for thresholds on float32 only (a predictor bundle's: use_bundle)."""
         if weights_format not in WEIGHT_FORMATS:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights_format!r}")
+        if hot_backend not in HOT_BACKENDS:
+            raise ConfigError(f"unknown hot backend {hot_backend!r} (known: {', '.join(HOT_BACKENDS)})")
+        if hot_backend != "xla" and (thresholds is None or weights_format != "float32"):
+            raise ConfigError(f"hot backend {hot_backend} runs input thresholds on float32 weights, not "
+                              f"{weights_format} weights {'with' if thresholds is not None else 'without'} thresholds")
         self.config = config
         self.tokenizer = tokenizer
         self.source = source
@@ -102,15 +143,23 @@ class Engine:
         self.host = host          # the host decoder one-token steps run on (None: every step through XLA)
         if thresholds is not None:
             set_thresholds(model, thresholds)
+        if hot_backend != "xla":
+            from pjinfer.runtime import gathered
+
+            gathered.attach(model, hot_backend)
         self.thresholds = thresholds
+        self.hot_backend = hot_backend  # where one-token threshold products run (float32 weights with thresholds)
         self.graphdef, self.state = nnx.split(model)
 
     @classmethod
     def load(cls, path=None, *, bundle=None, hot_backend: str = "xla", cold_weights: str = "float32",
-             weights: str = "auto", progress=None, compile_cache: bool = True) -> "Engine":
+             weights: str = "auto", sparse_rule: str = "auto", progress=None, compile_cache: bool = True) -> "Engine":
         """The model at `path` (default: the embedded SmolLM2-135M), ready to generate. weights: a format or
-        "auto" (resolve_weights). bundle: a sparse bundle to run with. compile_cache: keep compiled executables
-        on disk (runtime.enable_compilation_cache), so the next process does not compile again."""
+        "auto" (resolve_weights). bundle: a sparse bundle to run with; sparse_rule picks its rule (bundle_rule):
+        thresholds run on q4_1 (host decode) or float32 (hot_backend: xla, or the Pallas gather kernels),
+        predictors and placement on float32 (hot_backend and cold_weights: use_bundle). compile_cache: keep
+        compiled executables on disk (runtime.enable_compilation_cache), so the next process does not compile
+        again."""
         from pjinfer.runtime.compile_cache import enable_compilation_cache, trim_after_compiles
 
         start = time.perf_counter()
@@ -119,8 +168,10 @@ class Engine:
             enable_compilation_cache()
         if weights not in WEIGHT_CHOICES:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {weights!r}")
-        asked, weights = weights, resolve_weights(weights, path, bundle)
-        check_bundle_weights(weights, bundle)
+        rule = None if bundle is None else bundle_rule(bundle, sparse_rule)
+        asked, weights = weights, resolve_weights(weights, path, bundle, sparse_rule=sparse_rule,
+                                                  hot_backend=hot_backend)
+        check_bundle_weights(weights, bundle, rule=rule, hot_backend=hot_backend)
         config, tensors, tokenizer = loader.load(path, progress=progress, keep_q4_1=weights == "q4_1",
                                                  keep_blocks=weights == "gguf")
         if asked == "auto" and weights != "float32":
@@ -134,9 +185,10 @@ class Engine:
                 weights = "float32"
         source = str(path or loader.default_model_path())
         thresholds = None
-        if weights == "q4_1" and bundle is not None:
+        if rule == THRESHOLDS:
             thresholds = Bundle.open(bundle, source=source).thresholds(config)
-        engine = cls(config, tensors, tokenizer, source=source, weights_format=weights, thresholds=thresholds)
+        engine = cls(config, tensors, tokenizer, source=source, weights_format=weights, thresholds=thresholds,
+                     hot_backend=hot_backend if thresholds is not None else "xla")
         if thresholds is not None:
             engine.bundle = Bundle.open(bundle)
         elif bundle is not None:
@@ -171,6 +223,8 @@ class Engine:
         if self.bundle is None:
             return f"weights {self.weights_format}"
         rule = "input thresholds" if self.thresholds is not None else "predictors"
+        if self.thresholds is not None and self.hot_backend != "xla":
+            rule += f" gathered by {self.hot_backend}"
         return f"weights {self.weights_format}, sparse ({rule}, {self.bundle.path})"
 
     # ------------------------------------------------------------ generation

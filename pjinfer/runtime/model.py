@@ -271,20 +271,35 @@ class Attention(nnx.Module):
     def __call__(self, x, start, k_cache, v_cache):
         """x [B, T, d] at positions start..start+T-1; returns the output and the updated cache arrays."""
         out, k_cache, v_cache = self.heads(x, start, k_cache, v_cache)
-        return linear(sparsify_input(out, self.t_o), self.wo[...], None if self.bo is None else self.bo[...]), \
-            k_cache, v_cache
+        return self.o(out), k_cache, v_cache
+
+    def qkv(self, x):
+        """x [B, T, d] -> q [B, T, H*hd], k and v [B, T, KV*hd]: the projections of the thresholded input (a
+        swapped module, pjinfer.runtime.gathered, computes the same sums from another layout)."""
+        x = sparsify_input(x, self.t_in)
+        return (linear(x, self.wq[...], value(self.bq)), linear(x, self.wk[...], value(self.bk)),
+                linear(x, self.wv[...], value(self.bv)))
+
+    def o(self, heads):
+        """The heads' output [B, T, H*hd] -> the attention's output [B, T, d], o's input thresholded."""
+        return linear(sparsify_input(heads, self.t_o), self.wo[...], value(self.bo))
 
     def heads(self, x, start, k_cache, v_cache):
-        """The attention heads' output [B, T, H*hd] (o's input) and the updated cache arrays. The tokens attend
-        to the cache as stored (k and v rounded to float16), the way a later decode step sees them. With no cache
-        (k_cache, v_cache None; start 0) they attend to their own float32 k and v: whole-sequence scoring, whose
-        figures (perplexity) the float16 cache leaves as they were."""
+        """The attention heads' output [B, T, H*hd] (o's input) and the updated cache arrays."""
+        q, k, v = self.qkv(x)
+        return self.attend(q, k, v, start, k_cache, v_cache)
+
+    def attend(self, q, k, v, start, k_cache, v_cache):
+        """Projected q [B, T, H*hd], k and v [B, T, KV*hd] at positions start..start+T-1 -> the heads' output
+        [B, T, H*hd] and the updated cache arrays. The tokens attend to the cache as stored (k and v rounded to
+        float16), the way a later decode step sees them. With no cache (k_cache, v_cache None; start 0) they
+        attend to their own float32 k and v: whole-sequence scoring, whose figures (perplexity) the float16 cache
+        leaves as they were."""
         c = self.config
-        B, T, _ = x.shape
-        x = sparsify_input(x, self.t_in)
-        q = linear(x, self.wq[...], value(self.bq)).reshape(B, T, c.n_heads, c.head_dim)
-        k = linear(x, self.wk[...], value(self.bk)).reshape(B, T, c.n_kv_heads, c.head_dim)
-        v = linear(x, self.wv[...], value(self.bv)).reshape(B, T, c.n_kv_heads, c.head_dim)
+        B, T, _ = q.shape
+        q = q.reshape(B, T, c.n_heads, c.head_dim)
+        k = k.reshape(B, T, c.n_kv_heads, c.head_dim)
+        v = v.reshape(B, T, c.n_kv_heads, c.head_dim)
         positions = start + jnp.arange(T)
         if c.uses_rope:
             q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)

@@ -28,8 +28,9 @@ import numpy as np
 from flax import nnx
 
 from cpu_offload.bridge import ColdFFN
-from pallas_kernels import hot_ffn, hot_ffn_reference
+from pallas_kernels import compact, hot_ffn, hot_ffn_reference
 from pjinfer.config import HOT_BACKENDS, ConfigError
+from pjinfer.runtime.gathered import PALLAS_BACKENDS, pallas_interpret
 from pjinfer.runtime.model import FFN, Transformer, neurons, value
 
 
@@ -79,12 +80,12 @@ class SparseFFN(nnx.Module):
         active = self.active(x, None if residual is None else residual.reshape(-1, shape[-1]))
         y = jnp.zeros_like(x)
         if self.hot_ids.shape[0] and x.shape[0] == 1:
-            ids, count = _compact(active[:, self.hot_ids[...]])
+            ids, count = compact(active[:, self.hot_ids[...]])
             y = y + self._hot(x[0], ids[0], count[0])[None]
         elif self.hot_ids.shape[0]:
             y = y + self._hot_batch(x, active[:, self.hot_ids[...]])
         if self.cold_ids.shape[0] and x.shape[0] == 1:
-            ids, count = _compact(active[:, self.cold_ids[...]])
+            ids, count = compact(active[:, self.cold_ids[...]])
             y = y + self.cold(self.layer, x, ids, count)
         elif self.cold_ids.shape[0]:
             y = y + self.cold.masked(self.layer, x, active[:, self.cold_ids[...]])
@@ -108,12 +109,6 @@ class SparseFFN(nnx.Module):
         return hot_ffn(*args, **kw, interpret=self.hot_backend == "pallas-interpret")
 
 
-def _compact(mask):
-    """mask [N, K] -> (ids [N, K] of the True positions first, count [N])."""
-    ids = jax.vmap(lambda m: jnp.nonzero(m, size=m.shape[0], fill_value=0)[0])(mask)
-    return ids.astype(jnp.int32), mask.sum(axis=1).astype(jnp.int32)
-
-
 def sparsify(model: Transformer, hot: np.ndarray, predictors: list | None, *, hot_backend: str = "xla",
              oracle: bool = False, cold_weights: str = "float32") -> ColdFFN:
     """Swap every layer's FFN for a SparseFFN in place. hot: bool [L, F] placement. predictors: one per
@@ -121,6 +116,8 @@ def sparsify(model: Transformer, hot: np.ndarray, predictors: list | None, *, ho
     cold_weights: "float32", or "int8" (cold rows quantized per block of 64, dequantized inside the Numba kernels).
     Returns the ColdFFN holding the cold rows in host memory (the model keeps a reference)."""
     config = model.config
+    if hot_backend in PALLAS_BACKENDS:
+        pallas_interpret(hot_backend)   # "pallas" needs a GPU: one clear error here, not a failed compile later
     if hot.shape != (config.n_layers, config.d_ff):
         raise ConfigError(f"placement shape {hot.shape} does not match the model ({config.n_layers}, {config.d_ff})")
     host = lambda p: None if p is None else np.asarray(p[...])
