@@ -41,7 +41,7 @@ $(PEER_STAMP): $(STAMP)
 	touch $(PEER_STAMP)
 bench-peer: $(PEER_STAMP)
 	$(VENV)/bin/pjinfer bench --peer llama-cpp --prompt-len 16 --new-tokens 256 --runs 5 --weights float32,int8,q4_1 \
-		$(if $(wildcard $(BUNDLE)/manifest.json),--bundle $(BUNDLE) --cold-weights int8)
+		$(if $(wildcard $(BUNDLE)/manifest.json),--bundle $(BUNDLE))
 	$(VENV)/bin/pjinfer bench --peer llama-cpp --prompt-len 512 --new-tokens 128 --runs 3 --weights float32,int8,q4_1
 	$(MAKE) bench-quants
 

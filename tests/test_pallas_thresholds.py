@@ -199,7 +199,9 @@ def test_command_line_runs_thresholds_on_the_gather_kernels(tmp_path, capsys):
             (("--sparse-rule", "predictors"), "--sparse-rule predictors applies to a sparse bundle"),
             (("--bundle", str(bundle.path), "--sparse-rule", "predictors"), "has no predictors yet"),
             (("--bundle", str(bundle.path), "--weights", "q4_1", "--hot-backend", "pallas-interpret"),
-             "--weights q4_1 decodes them on the host")):
+             "--weights q4_1 decodes them on the host"),
+            (("--cold-weights", "int8"), "--cold-weights int8 applies to a sparse bundle"),
+            (("--bundle", str(bundle.path), "--cold-weights", "int8"), "run without cold rows")):
         assert_clean_error(run_cli(capsys, *generate, *args), fragment)
 
 

@@ -89,10 +89,12 @@ def load(args, bundle=None, weights=None):
 
 
 def check_sparse_options(args) -> None:
-    """--sparse-rule and --hot-backend choose how a bundle runs: without --bundle they would change nothing."""
+    """--sparse-rule, --hot-backend and --cold-weights choose how a bundle runs: without --bundle they would change
+    nothing."""
     if getattr(args, "bundle", None) is None:
         for flag, value, default in (("--sparse-rule", getattr(args, "sparse_rule", "auto"), "auto"),
-                                     ("--hot-backend", getattr(args, "hot_backend", "xla"), "xla")):
+                                     ("--hot-backend", getattr(args, "hot_backend", "xla"), "xla"),
+                                     ("--cold-weights", getattr(args, "cold_weights", "float32"), "float32")):
             if value != default:
                 raise ConfigError(f"{flag} {value} applies to a sparse bundle; give --bundle DIR")
 
@@ -129,7 +131,8 @@ def check_bundle(args, path) -> None:
         raise ConfigError(f"model not found: {model}")
     Bundle.open(path).check_model(model_identity(model))
     rule = bundle_rule(path, getattr(args, "sparse_rule", "auto"))
-    check_bundle_weights(weights, path, rule=rule, hot_backend=hot_backend)
+    check_bundle_weights(weights, path, rule=rule, hot_backend=hot_backend,
+                         cold_weights=getattr(args, "cold_weights", "float32"))
     check_bundle_stages(path, rule)
     if hot_backend in PALLAS_BACKENDS:
         pallas_interpret(hot_backend)   # "pallas" where JAX has no GPU: refused here, before the weights load

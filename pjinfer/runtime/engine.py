@@ -67,10 +67,12 @@ def resolve_weights(weights: str, path=None, bundle=None, *, sparse_rule: str = 
     return "q4_1"
 
 
-def check_bundle_weights(weights: str, bundle, *, rule: str | None = None, hot_backend: str = "xla") -> None:
-    """Which weights a sparse bundle runs with: predictors and placement on float32; thresholds on q4_1 (the host
-    decode, hot backend xla) or float32 (hot backend xla: dense masked products in XLA; pallas or
-    pallas-interpret: the gather kernels, pjinfer.runtime.gathered). rule: bundle_rule's answer, when known."""
+def check_bundle_weights(weights: str, bundle, *, rule: str | None = None, hot_backend: str = "xla",
+                         cold_weights: str = "float32") -> None:
+    """Which weights a sparse bundle runs with: predictors and placement on float32 (cold rows in host memory as
+    cold_weights); thresholds on q4_1 (the host decode, hot backend xla) or float32 (hot backend xla: dense masked
+    products in XLA; pallas or pallas-interpret: the gather kernels, pjinfer.runtime.gathered), with no cold rows.
+    rule: bundle_rule's answer, when known."""
     if bundle is None:
         return
     if weights in ("int8", "gguf"):
@@ -78,6 +80,9 @@ def check_bundle_weights(weights: str, bundle, *, rule: str | None = None, hot_b
                           "(predictors) or --weights q4_1 (thresholds)")
     if hot_backend not in HOT_BACKENDS:
         raise ConfigError(f"unknown hot backend {hot_backend!r} (known: {', '.join(HOT_BACKENDS)})")
+    if rule == THRESHOLDS and cold_weights != "float32":
+        raise ConfigError(f"--cold-weights {cold_weights} stores a predictor bundle's cold rows; a bundle's thresholds "
+                          "run without cold rows (--sparse-rule predictors runs its predictors)")
     if weights == "q4_1" and rule == "predictors":
         raise ConfigError("a bundle's predictors run with --weights float32; --weights q4_1 runs its thresholds")
     if weights == "q4_1" and rule == THRESHOLDS and hot_backend != "xla":
@@ -171,7 +176,7 @@ class Engine:
         rule = None if bundle is None else bundle_rule(bundle, sparse_rule)
         asked, weights = weights, resolve_weights(weights, path, bundle, sparse_rule=sparse_rule,
                                                   hot_backend=hot_backend)
-        check_bundle_weights(weights, bundle, rule=rule, hot_backend=hot_backend)
+        check_bundle_weights(weights, bundle, rule=rule, hot_backend=hot_backend, cold_weights=cold_weights)
         config, tensors, tokenizer = loader.load(path, progress=progress, keep_q4_1=weights == "q4_1",
                                                  keep_blocks=weights == "gguf")
         if asked == "auto" and weights != "float32":
