@@ -157,3 +157,12 @@ def test_sigterm_ends_open_streams_cleanly_and_exits_zero():
         assert "completion" in err and "first token" in err          # the request's log line
     finally:
         proc.kill()
+
+
+@pytest.mark.parametrize("flag", ["--requests", "--clients", "--tokens", "--pairs"])
+def test_bench_serve_refuses_counts_below_one_before_starting_a_server(capsys, flag):
+    from pjinfer.measure import bench_serve
+
+    with pytest.raises(SystemExit) as e:
+        bench_serve.main([flag, "0"])
+    assert e.value.code == 2 and f"{flag} must be at least 1" in capsys.readouterr().err
