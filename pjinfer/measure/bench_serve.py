@@ -112,7 +112,10 @@ def run(base: str, *, requests: int, clients: int, tokens: int, pairs: int = 3) 
         for _ in range(SINGLE_REQUESTS):
             alone.append(_one(base, PROMPTS[0], tokens))
             bar.update()
-        lost += sum(not r["ok"] for r in alone)
+        alone = [r for r in alone if r["ok"]]
+        lost += SINGLE_REQUESTS - len(alone)
+        if not alone:   # nothing to compare the phase with: said, not a division by zero
+            raise RuntimeError("every single-stream request of a pair failed")
         single = sum(r["tokens"] for r in alone) / sum(r["seconds"] for r in alone)
         results, wall = _concurrent(base, requests=requests, clients=clients, tokens=tokens, bar=bar)
         ok = [r for r in results if r["ok"]]
@@ -154,6 +157,7 @@ def main(argv=None) -> int:
     try:
         wait_healthy(base, proc)
         result = run(base, requests=args.requests, clients=args.clients, tokens=args.tokens, pairs=args.pairs)
+        died = proc.poll()        # a server that crashed loses requests; say why, not only how many
     except RuntimeError as e:
         print(f"pjinfer: error: {e}", file=sys.stderr)
         return 2
@@ -161,7 +165,9 @@ def main(argv=None) -> int:
         proc.terminate()
         proc.wait(timeout=60)
     print(json.dumps(result))
-    return 1 if result["lost"] else 0
+    if died is not None:
+        print(f"pjinfer: error: the server exited with code {died} during the run", file=sys.stderr)
+    return 1 if result["lost"] or died is not None else 0
 
 
 if __name__ == "__main__":
