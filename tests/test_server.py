@@ -165,4 +165,4 @@ def test_bench_serve_refuses_counts_below_one_before_starting_a_server(capsys, f
 
     with pytest.raises(SystemExit) as e:
         bench_serve.main([flag, "0"])
-    assert e.value.code == 2 and f"{flag} must be at least 1" in capsys.readouterr().err
+    assert e.value.code == 2 and f"argument {flag}: must be >= 1, got 0" in capsys.readouterr().err

@@ -23,6 +23,8 @@ import time
 import httpx
 from tqdm import tqdm
 
+from pjinfer.cli.common import positive_int
+
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The best way to learn is",
            "Water boils at", "My favourite animal is", "In 1492,", "The opposite of hot is"]
 
@@ -139,16 +141,13 @@ def run(base: str, *, requests: int, clients: int, tokens: int, pairs: int = 3) 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pjinfer.measure.bench_serve", description=__doc__)
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--pairs", type=int, default=3, help="alternated (one stream, concurrent) pairs")
+    p.add_argument("--requests", type=positive_int, default=64)
+    p.add_argument("--clients", type=positive_int, default=8)
+    p.add_argument("--tokens", type=positive_int, default=64)
+    p.add_argument("--pairs", type=positive_int, default=3, help="alternated (one stream, concurrent) pairs")
     p.add_argument("--weights", default="q4_1")
     p.add_argument("--model")
     args = p.parse_args(argv)
-    for name in ("requests", "clients", "tokens", "pairs"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be at least 1")
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "pjinfer.cli.main", "serve", "--port", str(port), "--weights", args.weights,
