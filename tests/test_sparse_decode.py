@@ -131,11 +131,26 @@ def test_calibrate_reaches_its_target_on_held_back_text():
     fitted = teal.calibrate(engine, ids.tolist(), target=0.3, relu_family=False)
     shares = teal.weight_shares(config)
     achieved = (fitted["levels"] * shares).sum() / (shares.sum() * config.n_layers)
-    assert 0.3 <= achieved < 0.3 + max(teal.TRIAL_LEVELS) and (fitted["thresholds"] >= 0).all()
+    assert 0.3 - 1e-9 <= achieved < 0.3 + teal.STEP and (fitted["thresholds"] > 0).all()
     assert fitted["loss"] != fitted["loss_dense"]
-    relu = teal.calibrate(Engine(tiny_config(activation="reglu", **CONFIG), random_weights(
-        tiny_config(activation="reglu", **CONFIG)), None), ids.tolist(), target=0.3, relu_family=True)
-    assert (relu["thresholds"][:, 3] == 0).all()
+    relu_config = tiny_config(activation="reglu", **CONFIG)
+    relu = teal.calibrate(Engine(relu_config, random_weights(relu_config), None), ids.tolist(), target=0.3,
+                          relu_family=True)
+    assert (relu["thresholds"][:, 3] == 0).all() and (relu["thresholds"][:, :3] > 0).all()
+    achieved = (relu["levels"] * shares).sum() / (shares.sum() * config.n_layers)
+    assert 0.3 - 1e-9 <= achieved < 0.3 + teal.STEP   # the three other inputs carry the target
+
+
+def test_uniform_levels_hit_the_target_on_the_grid():
+    config = tiny_config(**CONFIG)
+    shares = teal.weight_shares(config)
+    for target in (0.0, 0.05, 0.123, 0.3, 0.9):
+        levels = teal.uniform_levels(config, target, relu_family=False)
+        assert set(np.unique(levels)) <= set(teal.LEVELS) and np.all(levels == levels[0, 0])
+        achieved = (levels * shares).sum() / (shares.sum() * config.n_layers)
+        assert target - 1e-9 <= achieved < target + teal.STEP
+    capped = teal.uniform_levels(config, 0.9, relu_family=True)   # 0.9 of three inputs is all the grid allows
+    assert (capped[:, :3] == 0.9).all() and (capped[:, 3] == 0).all()
 
 
 # ------------------------------------------------------------------------------------------------ command line

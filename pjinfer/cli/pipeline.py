@@ -71,7 +71,7 @@ def cmd_calibrate(args):
     if not 0.0 <= args.target <= teal.MAX_TARGET:  # before the model loads
         raise ConfigError(f"--target must be in [0, {teal.MAX_TARGET}], got {args.target}")
     stages.run_calibrate(common.load(args, weights="float32"), args.bundle, target=args.target,
-                          text_file=args.text_file, progress=Progress("calibrating", 0, " layers"))
+                          text_file=args.text_file, progress=Progress("calibrating", 0, " passes"))
 
 
 def cmd_train_predictors(args):

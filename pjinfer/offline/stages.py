@@ -179,7 +179,7 @@ def run_calibrate(engine, bundle_path, *, target: float, text_file=None, progres
 
 
 def save_calibration(bundle, engine, fitted: dict, *, target: float, text_file=None, out=print) -> None:
-    """Store a calibration (teal.calibrate's or teal.Fit.allocate's result) as the bundle's thresholds stage."""
+    """Store a calibration (teal.calibrate's result) as the bundle's thresholds stage."""
     levels, shares = fitted["levels"], teal.weight_shares(engine.config)
     per_tensor = levels.mean(0)
     achieved = float((levels * shares).sum() / (shares.sum() * levels.shape[0]))
