@@ -20,8 +20,9 @@ def add_commands(command) -> None:
 
     p = command("calibrate", cmd_calibrate, "fit input-sparsity thresholds (TEAL) into a bundle, for --weights q4_1 --bundle")
     p.add_argument("--bundle", required=True, help="bundle directory (created if absent)")
-    p.add_argument("--target", type=float, default=0.4,
-                   help="share of the layers' weights left unread per token, weighted by size (0 to 0.9)")
+    p.add_argument("--target", type=float, default=0.3,
+                   help="sparsity level of every matrix input: the share of the layers' weights left unread per token "
+                        "(0 to 0.9; default 0.3, +1.6%% perplexity on the default model)")
     p.add_argument("--text-file", help="calibration text (default: the exllamav2 calibration set, wiki's "
                                        "evaluation slice left out)")
 
