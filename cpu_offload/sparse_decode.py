@@ -312,3 +312,10 @@ class SparseHostDecoder(decoder.HostDecoder):
     def nbytes(self) -> int:
         """Bytes of every stored matrix (the most a decode step reads; it reads the active inputs' share)."""
         return int(sum(a.nbytes for arrays in [*self._quantized.values(), self._head] for a in arrays))
+
+    def input_bytes(self) -> np.ndarray:
+        """[n_layers, 4] nibble bytes of each layer's q/k/v, o, gate/up and down matrices (the thresholds' order):
+        a decode step leaves a matrix's skipped-input share of these unread. The scales of a block of 32 inputs
+        are read while any input in it is active, so they count as read."""
+        return np.array([[self._quantized[(l, slot)][0].nbytes for slot in (L_QKV, L_O, L_GATE_UP, L_DOWN)]
+                         for l in range(self.config.n_layers)], np.float64)

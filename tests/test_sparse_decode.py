@@ -231,3 +231,26 @@ def test_a_threshold_bundle_is_the_engine_path_that_runs(engine, tmp_path, capsy
                              "--json")
     assert code == 0, err
     assert json.loads(out)["sparse"] is True and json.loads(out)["weights"] == "q4_1"
+
+
+def test_skipped_shares_measure_what_the_thresholds_leave_unread():
+    """teal.skipped_shares (bench's bytes per token for a threshold engine) on the model as it runs, against the
+    levels the thresholds were fitted at; SparseHostDecoder.input_bytes against the matrices' sizes."""
+    config = tiny_config(**CONFIG)
+    weights = random_weights(config, seed=4)
+    levels = (0.3, 0.2, 0.4, 0.5)
+    engine = Engine(config, weights, None, weights_format="q4_1",
+                    thresholds=_quantile_thresholds(config, weights, levels, seed=0))
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (2, 64)).reshape(-1).tolist()  # the fit's
+    shares = teal.skipped_shares(engine, tokens)
+    assert shares.shape == (config.n_layers, 4)
+    assert abs(shares[0, 0] - levels[0]) < 0.02    # layer 0's attention input is the normalized embedding fitted on
+    assert np.all(np.abs(shares - levels) < 0.1)   # later inputs come from the sparse model: near their levels
+    zero = Engine(config, weights, None, weights_format="q4_1", thresholds=np.zeros((config.n_layers, 4), np.float32))
+    assert teal.skipped_shares(zero, tokens).max() < 1e-3   # only exact zeros sit at a threshold of 0
+    c = config
+    attn, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    nibbles = [(attn + 2 * kv) * c.d_model / 2, attn * c.d_model / 2, 2 * c.d_ff * c.d_model / 2, c.d_ff * c.d_model / 2]
+    np.testing.assert_array_equal(engine.host.input_bytes(), np.tile(nibbles, (c.n_layers, 1)))
+    with pytest.raises(ConfigError, match="no input thresholds"):
+        teal.skipped_shares(Engine(config, weights, None), tokens)

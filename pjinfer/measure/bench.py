@@ -113,7 +113,8 @@ def engine_bytes_per_token(engine: Engine, cache_len: int, mean_position: int) -
     """Bytes one decode step reads: every weight once (a tied embedding once, as the head), the whole
     KV cache (XLA's attention reads every slot and masks), and for a sparse engine only the predicted-active
     share of the FFN rows, the share measured on the bench prompt. A host decode (int8, q4_1) reads
-    its stored weights and scales, and the cache up to the run's mean position."""
+    its stored weights and scales, and the cache up to the run's mean position; with input thresholds, less the
+    columns of the inputs at or below them (their share measured on the bench prompt, teal.skipped_shares)."""
     from flax import nnx
 
     from pjinfer.runtime.model import KVCache
@@ -122,7 +123,12 @@ def engine_bytes_per_token(engine: Engine, cache_len: int, mean_position: int) -
     config = engine.config
     model = nnx.merge(engine.graphdef, engine.state)
     if engine.host is not None:
-        return float(engine.host.nbytes + KVCache.nbytes(config, mean_position))
+        read = engine.host.nbytes
+        if engine.thresholds is not None:   # the inputs at or below their thresholds leave their columns unread
+            from pjinfer.offline import teal
+
+            read -= float((teal.skipped_shares(engine, bench_prompt(engine, 256)) * engine.host.input_bytes()).sum())
+        return float(read + KVCache.nbytes(config, mean_position))
     total = state_bytes(engine)
     kv = KVCache.nbytes(config, cache_len)
     if not isinstance(model.layers[0].ffn, SparseFFN):

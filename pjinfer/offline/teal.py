@@ -125,4 +125,30 @@ def calibrate(engine, ids, *, target: float, relu_family: bool, progress=None) -
             "loss_dense": loss_dense, "loss": loss, "seconds": time.perf_counter() - start}
 
 
+# ------------------------------------------------------------------------------------------------ measuring
+def skipped_shares(engine, ids) -> np.ndarray:
+    """[n_layers, 4] share of each matrix input's entries at or below its threshold over the tokens ids, on the
+    engine's model as it runs (every threshold applied): what a decode step skips (bench's bytes per token)."""
+    if engine.thresholds is None:
+        raise ConfigError("the engine runs no input thresholds")
+    return np.asarray(_skipped(engine.graphdef, engine.state, jnp.asarray([ids], jnp.int32)))
+
+
+@partial(jax.jit, static_argnames=("graphdef",))
+def _skipped(graphdef, state, tokens):
+    model = nnx.merge(graphdef, state)
+    x = model.embed[...][tokens]
+    share = lambda v, t: jnp.mean(jnp.abs(v) <= t[...])
+    out = []
+    for block in model.layers:
+        attn, ffn = block.attn, block.ffn
+        h = block.attn_norm(x)
+        heads, _, _ = attn.heads(h, 0, None, None)
+        f = block.ffn_norm(x + attn.o(heads))
+        act = ffn.neurons(model_lib.sparsify_input(f, ffn.t_in))
+        out.append(jnp.stack([share(h, attn.t_in), share(heads, attn.t_o), share(f, ffn.t_in), share(act, ffn.t_down)]))
+        x = block(x, 0, None, None)[0]
+    return jnp.stack(out)
+
+
 # ------------------------------------------------------------------------------------------------ bundle stage
