@@ -18,7 +18,8 @@ left out):
 Why uniform: two greedy allocations were measured and both lost to it on text held out of the fit. Pricing each
 layer alone on the held-back loss (30 layers x 2 groups x 3 levels; the first version) followed noise, since one
 layer's change moves that loss by less than its noise; pricing each input kind raised in every layer assumed the
-kinds' costs add up, and they do not. docs/performance.md ("Input sparsity") has the figures and the command.
+kinds' costs add up, and they do not. docs/performance.md ("Input sparsity") has the figures and how they were
+measured.
 """
 from __future__ import annotations
 
@@ -143,11 +144,12 @@ def _skipped(graphdef, state, tokens):
     for block in model.layers:
         attn, ffn = block.attn, block.ffn
         h = block.attn_norm(x)
-        heads, _, _ = attn.heads(h, 0, None, None)
-        f = block.ffn_norm(x + attn.o(heads))
+        heads, _, _ = attn.heads(h, 0, None, None)   # Block.__call__'s steps, each matrix's input kept
+        x = x + attn.o(heads)
+        f = block.ffn_norm(x)
         act = ffn.neurons(model_lib.sparsify_input(f, ffn.t_in))
         out.append(jnp.stack([share(h, attn.t_in), share(heads, attn.t_o), share(f, ffn.t_in), share(act, ffn.t_down)]))
-        x = block(x, 0, None, None)[0]
+        x = x + ffn(f)
     return jnp.stack(out)
 
 
