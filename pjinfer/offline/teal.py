@@ -51,22 +51,28 @@ def weight_shares(config) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------------ fitting
+def _matrix_inputs(model, tokens):
+    """Per layer, ((q/k/v's, o's, gate/up's, down's input), their four thresholds) of the model as it runs on
+    tokens [B, T] (scoring's path: no cache, float32 attention; thresholds applied where it has them). Each input
+    is taken before its own threshold; down's input is the activations of the thresholded gate/up input."""
+    x = model.embed[...][tokens]
+    for block in model.layers:
+        attn, ffn = block.attn, block.ffn
+        h = block.attn_norm(x)
+        heads, _, _ = attn.heads(h, 0, None, None)   # Block.__call__'s steps, each matrix's input kept
+        x = x + attn.o(heads)
+        f = block.ffn_norm(x)
+        act = ffn.neurons(model_lib.sparsify_input(f, ffn.t_in))
+        yield (h, heads, f, act), (attn.t_in, attn.t_o, ffn.t_in, ffn.t_down)
+        x = x + ffn(f)
+
+
 @partial(jax.jit, static_argnames=("graphdef",))
 def _quantiles(graphdef, state, tokens, levels):
     """Per layer and tensor, the quantiles of |input| at `levels`, from a dense pass: [L, 4, len(levels)]."""
-    model = nnx.merge(graphdef, state)
-    x = model.embed[...][tokens]
     q = lambda v: jnp.quantile(jnp.abs(v).reshape(-1), levels)
-    out = []
-    for block in model.layers:
-        h = block.attn_norm(x)
-        heads, _, _ = block.attn.heads(h, 0, None, None)  # scoring's path: no cache, float32 attention
-        x = x + jnp.einsum("bti,oi->bto", heads, block.attn.wo[...])
-        f = block.ffn_norm(x)
-        act = block.ffn.neurons(f)
-        x = x + jnp.einsum("btf,fd->btd", act, block.ffn.w_down_t[...])
-        out.append(jnp.stack([q(h), q(heads), q(f), q(act)]))
-    return jnp.stack(out)
+    inputs = _matrix_inputs(nnx.merge(graphdef, state), tokens)
+    return jnp.stack([jnp.stack([q(v) for v in layer]) for layer, _ in inputs])
 
 
 @partial(jax.jit, static_argnames=("graphdef",))
@@ -137,20 +143,9 @@ def skipped_shares(engine, ids) -> np.ndarray:
 
 @partial(jax.jit, static_argnames=("graphdef",))
 def _skipped(graphdef, state, tokens):
-    model = nnx.merge(graphdef, state)
-    x = model.embed[...][tokens]
     share = lambda v, t: jnp.mean(jnp.abs(v) <= t[...])
-    out = []
-    for block in model.layers:
-        attn, ffn = block.attn, block.ffn
-        h = block.attn_norm(x)
-        heads, _, _ = attn.heads(h, 0, None, None)   # Block.__call__'s steps, each matrix's input kept
-        x = x + attn.o(heads)
-        f = block.ffn_norm(x)
-        act = ffn.neurons(model_lib.sparsify_input(f, ffn.t_in))
-        out.append(jnp.stack([share(h, attn.t_in), share(heads, attn.t_o), share(f, ffn.t_in), share(act, ffn.t_down)]))
-        x = x + ffn(f)
-    return jnp.stack(out)
+    inputs = _matrix_inputs(nnx.merge(graphdef, state), tokens)
+    return jnp.stack([jnp.stack([share(v, t) for v, t in zip(*layer)]) for layer in inputs])
 
 
 # ------------------------------------------------------------------------------------------------ bundle stage
