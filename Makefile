@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 export NUMBA_THREADING_LAYER ?= workqueue
 
-.PHONY: setup run test mutants bench bench-peer bench-quants bench-long bench-serve bench-scale perplexity bundle clean
+.PHONY: setup run test mutants bench bench-peer bench-quants bench-long bench-serve bench-scale bench-pallas perplexity bundle clean
 
 # Idempotent: re-runs pip only when pyproject.toml changed.
 setup: $(STAMP)
@@ -71,6 +71,10 @@ bench-serve: setup
 # measured for peak RSS, load time, prefill 512 and decode 128 against llama.cpp in one run.
 bench-scale: $(PEER_STAMP)
 	$(PY) -m pjinfer.measure.bench_scale --sizes 0.5b,1.5b,3b$(if $(filter 7b,$(SCALE)),$(comma)7b) --dir out/scale
+
+# The Pallas kernels against XLA's dense products on a Llama-7B layer: needs JAX on a GPU (pip install -e .[cuda12]).
+bench-pallas: setup
+	$(PY) -m pallas_kernels.bench --shapes 7b
 
 comma := ,
 space := $(subst ,, )

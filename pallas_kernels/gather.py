@@ -42,9 +42,14 @@ def default_block_d(d: int) -> int:
     return min(cands, key=lambda b: (-(-d // b) * b, -b))
 
 
+PROGRAMS = 1024   # gathered_rows' target grid size
+
+
 def default_n_split(n_d_tiles: int, n_k_blocks: int) -> int:
-    """Programs per output tile of gathered_rows: aim at ~128 programs (an H100 has 132 SMs)."""
-    return max(1, min(n_k_blocks, 128 // max(1, n_d_tiles)))
+    """Programs per output tile of gathered_rows: enough for about PROGRAMS programs in all (8 per SM of a
+    132-SM H100 or H200), at most one per block of slots. One program per tile, as ~128 programs in all gave,
+    leaves most of the memory bandwidth unused (`python -m pallas_kernels.bench --sweep`, docs/performance.md)."""
+    return max(1, min(n_k_blocks, -(-PROGRAMS // max(1, n_d_tiles))))
 
 
 def pad_ids(ids, count, block_k: int):

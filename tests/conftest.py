@@ -5,6 +5,7 @@ import os
 import shutil
 import tempfile
 
+import jax
 import numpy as np
 import pytest
 
@@ -12,6 +13,12 @@ from cpu_offload.qtensor import dequantize_q4_1
 from pjinfer.config import ModelConfig
 
 _CACHE_HOME = None
+
+# The Pallas kernels under test run compiled (Triton) where JAX has a GPU and in interpret mode elsewhere; the
+# tests that take INTERPRET or PALLAS (the hot backend's name) run the same checks either way.
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
+PALLAS = "pallas-interpret" if INTERPRET else "pallas"
 
 
 def pytest_configure(config):
@@ -22,6 +29,8 @@ def pytest_configure(config):
     global _CACHE_HOME
     _CACHE_HOME = tempfile.mkdtemp(prefix="pjinfer-tests-cache-")
     os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
+    if ON_GPU:   # XLA's float32 products on a GPU default to TF32: the references compare in full float32
+        jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def pytest_unconfigure(config):

@@ -1,5 +1,5 @@
-"""Pallas kernels in interpret mode (no GPU here): hot_ffn against plain jnp references, gather_matvec against
-float64 numpy.
+"""Pallas kernels, compiled where JAX has a GPU and in interpret mode elsewhere (tests.conftest.INTERPRET): hot_ffn
+against plain jnp references, gather_matvec against float64 numpy.
 
 Every kernel run goes through `run_poisoned`, which hands the kernels NaN-filled output buffers
 (aliased in place), so an element a kernel forgets to write comes back as NaN and fails the test.
@@ -21,6 +21,7 @@ from pallas_kernels import hot_ffn, hot_ffn_reference
 from pallas_kernels.gather import split_for
 from pallas_kernels.hot_ffn import _prepare, hot_ffn_triton
 from pjinfer.activations import GATED, activate
+from tests.conftest import INTERPRET
 
 RTOL = 1e-5
 
@@ -34,7 +35,7 @@ def run_poisoned(x, w_gate, w_up, w_down_t, ids, count, *, activation, b_up=None
     n_split = split_for(x.shape[0], ids_p.shape[0], bk, bd, n_split)
     return hot_ffn_triton(x, w_gate, w_up, w_down_t, ids_p, count_1,
                           b_up if activation == "relu" else None, activation=activation,
-                          block_k=bk, block_d=bd, n_split=n_split, interpret=True, poison=True,
+                          block_k=bk, block_d=bd, n_split=n_split, interpret=INTERPRET, poison=True,
                           return_parts=True)
 
 
@@ -99,7 +100,7 @@ def test_random_subset_matches_reference(activation, d, H, count):
     assert np.abs(ref).max() > 0, "degenerate case: reference is all zero"
     # The public entry point (no poisoning, default blocks) gives the same numbers.
     y2 = hot_ffn(x, w_gate, w_up, w_down_t, ids, count, activation=activation, b_up=b_up,
-                 interpret=True)
+                 interpret=INTERPRET)
     assert_close(y2, ref)
 
 
@@ -172,7 +173,7 @@ def test_traced_count_inside_jit_and_k_larger_than_h():
     @jax.jit
     def f(ids, count):
         return hot_ffn(x, w_gate, w_up, w_down_t, ids, count, activation=activation,
-                       block_k=4, interpret=True)
+                       block_k=4, interpret=INTERPRET)
 
     for count in (0, 1, 5, 7):
         ids = random_ids(rng, H, count, K=K, pad="random")
@@ -188,23 +189,26 @@ def test_rejects_bad_arguments():
     rng, x, w_gate, w_up, w_down_t, _ = make_layer(7, 33, 7, "swiglu")
     ids = jnp.arange(7, dtype=jnp.int32)
     with pytest.raises(ValueError, match="power of two"):
-        hot_ffn(x, w_gate, w_up, w_down_t, ids, 3, activation="swiglu", block_k=24, interpret=True)
+        hot_ffn(x, w_gate, w_up, w_down_t, ids, 3, activation="swiglu", block_k=24, interpret=INTERPRET)
     with pytest.raises(ValueError, match="power of two"):
-        hot_ffn(x, w_gate, w_up, w_down_t, ids, 3, activation="swiglu", block_d=48, interpret=True)
+        hot_ffn(x, w_gate, w_up, w_down_t, ids, 3, activation="swiglu", block_d=48, interpret=INTERPRET)
     with pytest.raises(ValueError, match="activation"):
-        hot_ffn(x, w_gate, w_up, w_down_t, ids, 3, activation="gelu", interpret=True)
+        hot_ffn(x, w_gate, w_up, w_down_t, ids, 3, activation="gelu", interpret=INTERPRET)
     with pytest.raises(TypeError, match="float32"):
         hot_ffn(x.astype(jnp.bfloat16), w_gate, w_up, w_down_t, ids, 3, activation="swiglu",
-                interpret=True)
+                interpret=INTERPRET)
 
 
-def test_interpret_mode_poisons_unwritten_outputs():
-    """The premise the tests lean on: an output element no kernel writes reads back as NaN."""
+def test_poisoned_outputs_show_unwritten_elements():
+    """The premise the tests lean on: with a NaN buffer aliased to the output (as run_poisoned hands the kernels
+    theirs, through gather.drop_aliased_input), an element the kernel does not write reads back as NaN."""
     def kernel(o_ref):
         o_ref[pl.ds(0, 4)] = jnp.zeros((4,), jnp.float32)
 
-    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
-                         interpret=True)()
+    params = None if INTERPRET else plt.CompilerParams(num_warps=4, num_stages=2)
+    out = pl.pallas_call(gm.drop_aliased_input(kernel), out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
+                         input_output_aliases={0: 0}, interpret=INTERPRET, compiler_params=params)(
+        jnp.full((8,), jnp.nan, jnp.float32))
     assert (np.asarray(out[:4]) == 0).all() and np.isnan(np.asarray(out[4:])).all()
 
 
@@ -244,8 +248,8 @@ def run_matvec_poisoned(x, w_t, ids, count, *, block_k=32, block_d=None, n_split
     """gather_matvec's path with a NaN-poisoned kernel output; returns (y, partials)."""
     ids_p, count_1, bk, bd = gm.prepare(x, w_t, ids, count, block_k, block_d)
     ns = split_for(w_t.shape[1], ids_p.shape[0], bk, bd, n_split)
-    return gm.gather_matvec_triton(x, w_t, ids_p, count_1, block_k=bk, block_d=bd, n_split=ns, interpret=True,
-                                   poison=True, return_parts=True)
+    return gm.gather_matvec_triton(x, w_t, ids_p, count_1, block_k=bk, block_d=bd, n_split=ns,
+                                   interpret=INTERPRET, poison=True, return_parts=True)
 
 
 def fresh_rng():
@@ -286,7 +290,8 @@ def test_gather_matvec_matches_float64(n_in, n_out):
     garbage = rng.integers(-10**6, 10**6, n_in - count)
     ids = np.concatenate([rng.permutation(n_in)[:count], garbage]).astype(np.int32)
     y = check_matvec(x, w_t, ids, count, seed)
-    public = np.asarray(gm.gather_matvec(jnp.asarray(x), jnp.asarray(w_t), jnp.asarray(ids), count, interpret=True))
+    public = np.asarray(gm.gather_matvec(jnp.asarray(x), jnp.asarray(w_t), jnp.asarray(ids), count,
+                                         interpret=INTERPRET))
     np.testing.assert_array_equal(public, y)        # the public entry point: the same kernel, the same numbers
     # Every input active (in random order): W @ x, dense.
     full = rng.permutation(n_in).astype(np.int32)
@@ -342,7 +347,7 @@ def test_gather_matvec_traced_count_one_compile():
 
     @jax.jit
     def f(ids, count):
-        return gm.gather_matvec(x, w_t, ids, count, block_k=4, interpret=True)
+        return gm.gather_matvec(x, w_t, ids, count, block_k=4, interpret=INTERPRET)
 
     for count in (0, 1, 5, 33):
         ids = jnp.asarray(np.concatenate([rng.permutation(33)[:count], rng.integers(-99, 99, 33 - count)]), jnp.int32)
@@ -376,15 +381,15 @@ def test_gather_matvec_rejects_bad_arguments():
     x, w_t = jnp.ones(33, jnp.float32), jnp.ones((33, 7), jnp.float32)
     ids = jnp.arange(33, dtype=jnp.int32)
     with pytest.raises(ValueError, match="power of two"):
-        gm.gather_matvec(x, w_t, ids, 3, block_k=24, interpret=True)
+        gm.gather_matvec(x, w_t, ids, 3, block_k=24, interpret=INTERPRET)
     with pytest.raises(ValueError, match="power of two"):
-        gm.gather_matvec(x, w_t, ids, 3, block_d=48, interpret=True)
+        gm.gather_matvec(x, w_t, ids, 3, block_d=48, interpret=INTERPRET)
     with pytest.raises(ValueError, match="n_in = 33"):
-        gm.gather_matvec(x, w_t.T, ids, 3, interpret=True)
+        gm.gather_matvec(x, w_t.T, ids, 3, interpret=INTERPRET)
     with pytest.raises(ValueError, match="one decode token"):
-        gm.gather_matvec(jnp.ones((1, 33), jnp.float32), w_t, ids, 3, interpret=True)
+        gm.gather_matvec(jnp.ones((1, 33), jnp.float32), w_t, ids, 3, interpret=INTERPRET)
     with pytest.raises(TypeError, match="float32"):
-        gm.gather_matvec(x.astype(jnp.bfloat16), w_t, ids, 3, interpret=True)
+        gm.gather_matvec(x.astype(jnp.bfloat16), w_t, ids, 3, interpret=INTERPRET)
 
 
 @pytest.mark.parametrize("n_in,n_out,block_k", [(576, 960, 32), (1536, 576, 32), (7, 33, 1)])
@@ -394,3 +399,18 @@ def test_gather_matvec_lowers_to_triton_for_gpu(n_in, n_out, block_k):
                                   jax.ShapeDtypeStruct((), jnp.int32), block_k=block_k).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 1
+
+
+def test_bench_command_checks_and_times_every_case(capsys):
+    """`make bench-pallas`'s command at SmolLM2's shapes in interpret mode: each case is checked against float64
+    before it is timed (a disagreement ends the command) and gives one row; without a GPU the compiled kernels
+    are refused in one line."""
+    from pallas_kernels import bench
+
+    if INTERPRET:
+        with pytest.raises(SystemExit, match="compiled kernels need a GPU and JAX here runs on cpu"):
+            bench.main(["--shapes", "smollm2"])
+    bench.main(["--shapes", "smollm2", "--pairs", "1", "--calls", "1", "--interpret"])
+    rows = [line.split()[:2] for line in capsys.readouterr().out.splitlines() if "x (" in line]
+    want = [[name, f"{share:.0%}"] for name in ("qkv", "o", "gate+up", "down") for share in bench.MATVEC_SHARES]
+    assert rows == want + [["ffn", f"{share:.0%}"] for share in bench.FFN_SHARES]

@@ -1,6 +1,6 @@
-"""A bundle's input thresholds on the Pallas gather kernels (pjinfer.runtime.gathered; interpret mode here, no GPU)
-against the XLA threshold path (dense products of the masked inputs) on the same float32 weights, and which of a
-bundle's rules runs (pjinfer.runtime.engine.bundle_rule) with which weights, from the Python API and the CLI."""
+"""A bundle's input thresholds on the Pallas gather kernels (pjinfer.runtime.gathered; compiled on a GPU, interpret
+mode elsewhere: tests.conftest.PALLAS) against the XLA threshold path (dense products of the masked inputs) on the
+same float32 weights, and which of a bundle's rules runs (pjinfer.runtime.engine.bundle_rule) with which weights, from the Python API and the CLI."""
 from __future__ import annotations
 
 import json
@@ -19,7 +19,7 @@ from pjinfer.runtime import gathered
 from pjinfer.runtime.engine import Engine, bundle_rule, check_bundle_stages, check_bundle_weights, resolve_weights
 from pjinfer.runtime.model import KVCache, Transformer, set_thresholds
 from pjinfer.runtime.sparse import sparsify
-from tests.conftest import random_weights, tiny_config
+from tests.conftest import PALLAS, random_weights, tiny_config
 from tests.test_cli import assert_clean_error, run_cli
 from tests.test_sparse import decode_steps, logits, placements
 
@@ -65,9 +65,9 @@ def test_decode_equals_the_xla_threshold_path(arch, activation):
     weights = random_weights(config, seed=21)
     thresholds = quantile_thresholds(config, weights, seed=22)
     xla = Engine(config, weights, None, thresholds=thresholds)
-    pallas = Engine(config, weights, None, thresholds=thresholds, hot_backend="pallas-interpret")
+    pallas = Engine(config, weights, None, thresholds=thresholds, hot_backend=PALLAS)
     model = model_of(pallas)
-    assert all(isinstance(b, gathered.GatheredBlock) for b in model.layers) and pallas.hot_backend == "pallas-interpret"
+    assert all(isinstance(b, gathered.GatheredBlock) for b in model.layers) and pallas.hot_backend == PALLAS
     assert kernel_calls(model) == 4 * config.n_layers and kernel_calls(model_of(xla)) == 0
     got, _ = decode_steps(model, PROMPT, reference=model_of(xla))
     want, _ = decode_steps(model_of(xla), PROMPT)
@@ -83,12 +83,12 @@ def test_zero_thresholds_equal_dense_and_scoring_stays_dense_masked():
     tokens) runs dense masked products over the input-major weights, no kernel, the XLA threshold path's sums."""
     config = tiny_config()
     weights = random_weights(config, seed=23)
-    zeros = Engine(config, weights, None, thresholds=np.zeros((config.n_layers, 4)), hot_backend="pallas-interpret")
+    zeros = Engine(config, weights, None, thresholds=np.zeros((config.n_layers, 4)), hot_backend=PALLAS)
     got, _ = decode_steps(model_of(zeros), PROMPT)
     want, _ = decode_steps(Transformer(config, weights), PROMPT)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     thresholds = quantile_thresholds(config, weights, seed=24)
-    pallas = Engine(config, weights, None, thresholds=thresholds, hot_backend="pallas-interpret")
+    pallas = Engine(config, weights, None, thresholds=thresholds, hot_backend=PALLAS)
     xla = Engine(config, weights, None, thresholds=thresholds)
     ids = np.random.default_rng(25).integers(0, config.vocab_size, 12)
     assert "pallas_call" not in str(jax.make_jaxpr(lambda s: nnx.merge(pallas.graphdef, s).forward_sequence(
@@ -101,7 +101,7 @@ def test_every_input_below_its_threshold_adds_nothing():
     head of the normed embedding."""
     config = tiny_config()
     engine = Engine(config, random_weights(config, seed=26), None, thresholds=np.full((config.n_layers, 4), 1e9),
-                    hot_backend="pallas-interpret")
+                    hot_backend=PALLAS)
     model = model_of(engine)
     got, _ = model.decode(jnp.int32(7), jnp.int32(3), KVCache.create(config, 1, 16))
     want = model.head(model.final_norm(model.embed[...][7]))
@@ -175,7 +175,7 @@ def test_which_rule_a_bundle_runs_and_on_which_weights(tmp_path):
 
 
 def test_command_line_runs_thresholds_on_the_gather_kernels(tmp_path, capsys):
-    """A float32 GGUF and a bundle with thresholds: generate on pallas-interpret says so and gives XLA's tokens;
+    """A float32 GGUF and a bundle with thresholds: generate on the Pallas backend says so and gives XLA's tokens;
     settings that cannot run get one line before the weights load."""
     from pjinfer.load import loader
     from tests.test_gguf_loader import write_tiny_gguf
@@ -186,13 +186,13 @@ def test_command_line_runs_thresholds_on_the_gather_kernels(tmp_path, capsys):
     bundle = Bundle.create(tmp_path / "b", model=model_record(config, path))
     bundle.save_stage("thresholds", {"thresholds": quantile_thresholds(config, weights, seed=28)}, {"target": None})
     out = {}
-    for backend in ("xla", "pallas-interpret"):
+    for backend in ("xla", PALLAS):
         code, text, err = run_cli(capsys, "generate", "--model", str(path), "--prompt", "the the", "--bundle",
                                   str(bundle.path), "--hot-backend", backend, "--max-new-tokens", "6", "--json")
         assert code == 0, err
         out[backend] = json.loads(text)
         assert out[backend]["weights"] == "float32" and out[backend]["sparse"] is True
-    assert out["pallas-interpret"]["token_ids"] == out["xla"]["token_ids"]
+    assert out[PALLAS]["token_ids"] == out["xla"]["token_ids"]
     generate = ("generate", "--model", str(path), "--prompt", "x")
     for args, fragment in (
             (("--hot-backend", "pallas-interpret"), "--hot-backend pallas-interpret applies to a sparse bundle"),
@@ -217,8 +217,8 @@ def test_real_model_gathered_decode_equals_the_xla_threshold_path(engine, tmp_pa
     bundle = Bundle.create(tmp_path / "b", model=model_record(engine.config, engine.source))
     thresholds = np.tile(np.float32([0.05, 0.05, 0.05, 0.03]), (engine.config.n_layers, 1))
     bundle.save_stage("thresholds", {"thresholds": thresholds}, {"target": None})
-    pallas = Engine.load(weights="float32", bundle=bundle.path, hot_backend="pallas-interpret")
-    assert pallas.path == f"weights float32, sparse (input thresholds gathered by pallas-interpret, {bundle.path})"
+    pallas = Engine.load(weights="float32", bundle=bundle.path, hot_backend=PALLAS)
+    assert pallas.path == f"weights float32, sparse (input thresholds gathered by {PALLAS}, {bundle.path})"
     model, reference = model_of(pallas), model_of(engine)
     set_thresholds(reference, thresholds)
     c = engine.config

@@ -9,7 +9,7 @@ from cpu_offload.kernels import dequantize_rows, quantize_rows
 from pjinfer.config import ConfigError
 from pjinfer.runtime.engine import Engine
 from pjinfer.runtime.model import KVCache, Transformer
-from pjinfer.runtime.sparse import SparseFFN, sparsify
+from pjinfer.runtime.sparse import SparseFFN, check_host_bridge, sparsify
 from tests.conftest import random_weights, tiny_config
 from train.predictor import Predictor
 
@@ -171,6 +171,11 @@ def test_bad_placement_and_backend():
         sparsify(Transformer(config, random_weights(config)), np.ones((1, 3), bool), None)
     with pytest.raises(ConfigError, match="unknown hot backend"):
         sparsify(Transformer(config, random_weights(config)), placements(config)["mixed"], None, hot_backend="tpu")
+    # The host bridge's FFI target is registered for the CPU: with JAX on a GPU (a device check found the raw
+    # "No FFI handler registered ... CUDA"), cold neurons are refused in one line.
+    with pytest.raises(ConfigError, match="cold neurons, which run through the host bridge .* JAX here runs on gpu"):
+        check_host_bridge("gpu")
+    check_host_bridge("cpu")
 
 
 def test_bad_bundles_are_clear_errors(engine, tmp_path, capsys):

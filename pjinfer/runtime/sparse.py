@@ -109,6 +109,15 @@ class SparseFFN(nnx.Module):
         return hot_ffn(*args, **kw, interpret=self.hot_backend == "pallas-interpret")
 
 
+def check_host_bridge(platform: str) -> None:
+    """Cold neurons run through cpu_offload's FFI target, registered for the CPU platform only: its Numba handler
+    reads host buffers. A step compiled for another platform (JAX on a GPU) cannot call it: ConfigError."""
+    if platform != "cpu":
+        raise ConfigError(f"this placement has cold neurons, which run through the host bridge (an XLA FFI target "
+                          f"for the CPU), and JAX here runs on {platform}: use a threshold bundle with --hot-backend "
+                          f"pallas (every weight on the {platform}), or JAX_PLATFORMS=cpu")
+
+
 def sparsify(model: Transformer, hot: np.ndarray, predictors: list | None, *, hot_backend: str = "xla",
              oracle: bool = False, cold_weights: str = "float32") -> ColdFFN:
     """Swap every layer's FFN for a SparseFFN in place. hot: bool [L, F] placement. predictors: one per
@@ -120,6 +129,8 @@ def sparsify(model: Transformer, hot: np.ndarray, predictors: list | None, *, ho
         pallas_interpret(hot_backend)   # "pallas" needs a GPU: one clear error here, not a failed compile later
     if hot.shape != (config.n_layers, config.d_ff):
         raise ConfigError(f"placement shape {hot.shape} does not match the model ({config.n_layers}, {config.d_ff})")
+    if not hot.all():
+        check_host_bridge(jax.default_backend())
     host = lambda p: None if p is None else np.asarray(p[...])
     ffns = [layer.ffn for layer in model.layers]
     cold = ColdFFN.from_dense(

@@ -1,0 +1,204 @@
+"""The Pallas kernels against XLA's dense products on the same arrays: ``python -m pallas_kernels.bench``
+(``make bench-pallas``). Compiled kernels need JAX on a GPU; ``--interpret`` runs the same cases in interpret mode
+on any machine, to check the command, never to time it.
+
+- gather_matvec: each matrix of a layer (input-major, float32), with a share of its inputs active (the ids a
+  threshold leaves, in increasing order), against ``jnp.dot(x, w_t)`` over every row: the product the XLA
+  threshold path runs (pjinfer.runtime.gathered.masked_product).
+- hot_ffn: a share of the FFN's neurons active, against the dense gate, up and down products.
+
+Each case first checks the kernel against a float64 reference, then runs ``--pairs`` pairs, kernel and dense
+alternated, each side timed as ``--calls`` calls inside one jitted loop (no Python dispatch per call). Reported:
+the median time per call of each side, the median of the pair ratios (dense time / kernel time) with their range,
+and the weight bytes each side reads per second. Before the cases, the device's copy rate (bytes read and written
+per second by ``a * 2``) is measured: a rate above it means the timing is wrong.
+
+``--sweep`` times gather_matvec alone at half its inputs active over block_k, block_d and n_split (the choices
+gather.default_block_d and gather.default_n_split make), for tuning those defaults.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+SHAPES = {  # name -> (d, d_ff, q/k/v outputs): Llama-2-7B's layer, SmolLM2-135M's
+    "7b": (4096, 11008, 3 * 4096),
+    "smollm2": (576, 1536, 576 + 2 * 192),
+}
+MATVEC_SHARES = (1.0, 0.7, 0.5, 0.3, 0.1)
+FFN_SHARES = (1.0, 0.5, 0.2, 0.1)
+
+
+def copy_rate(jax, jnp, calls: int) -> float:
+    """Bytes read plus written per second by a jitted ``a * 2`` over 1 GiB of float32 (64 MiB in interpret runs)."""
+    n = (1 << 28) if jax.default_backend() == "gpu" else (1 << 24)
+    a = jnp.ones((n,), jnp.float32)
+    f = jax.jit(lambda a: a * 2.0)
+    f(a).block_until_ready()
+    t = time.perf_counter()
+    for _ in range(calls):
+        out = f(a)
+    out.block_until_ready()
+    return 2 * 4 * n * calls / (time.perf_counter() - t)
+
+
+def looped(fn, calls: int):
+    """jit(x, *rest): `calls` applications of fn(x, *rest) in one lax.fori_loop, so that no call pays Python's
+    dispatch; each call's x moves by its last output (times 1e-30), so XLA cannot hoist the call out of the loop."""
+    import jax
+
+    def run(x, *rest):
+        return jax.lax.fori_loop(0, calls, lambda _, x: x + 1e-30 * fn(x, *rest)[0], x)
+    return jax.jit(run)
+
+
+def timed(fn, args, calls: int) -> float:
+    """Seconds per call of `fn` = looped(...) over `calls` calls."""
+    t = time.perf_counter()
+    fn(*args).block_until_ready()
+    return (time.perf_counter() - t) / calls
+
+
+def pairs(kernel, dense, kernel_args, dense_args, n_pairs: int, calls: int):
+    """(median kernel s/call, median dense s/call, pair ratios dense/kernel), the two sides alternated."""
+    kernel, dense = looped(kernel, calls), looped(dense, calls)
+    kernel(*kernel_args).block_until_ready()
+    dense(*dense_args).block_until_ready()
+    ks, ds = [], []
+    for i in range(n_pairs):
+        order = ((kernel, kernel_args, ks), (dense, dense_args, ds))
+        for fn, args, out in (order if i % 2 == 0 else order[::-1]):
+            out.append(timed(fn, args, calls))
+    ratios = np.asarray(ds) / np.asarray(ks)
+    return float(np.median(ks)), float(np.median(ds)), ratios
+
+
+def active_ids(rng, n: int, share: float):
+    """ids [n] int32: a random `share` of 0..n-1 in increasing order, then zero padding; and their count."""
+    on = np.flatnonzero(rng.random(n) < share) if share < 1 else np.arange(n)
+    return np.concatenate([on, np.zeros(n - len(on), np.int64)]).astype(np.int32), len(on)
+
+
+def check(got, want_f64, bound, what: str) -> None:
+    """The kernel's output within `bound` (elementwise) of the float64 reference, else one line and exit 1."""
+    err = np.abs(np.asarray(got, np.float64) - want_f64)
+    if not (err <= bound + 1e-30).all():
+        raise SystemExit(f"pallas_kernels.bench: {what} disagrees with float64 by {err.max():.3g}")
+
+
+def row(name: str, share: float, read_k: float, read_d: float, tk: float, td: float, ratios) -> str:
+    return (f"{name:8s} {share:5.0%} {1e6 * tk:9.1f} {1e6 * td:9.1f}   {np.median(ratios):5.2f}x "
+            f"({ratios.min():.2f}-{ratios.max():.2f})  {read_k / tk / 1e9:8.1f} {read_d / td / 1e9:8.1f}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default="7b", help="whose layer (default: 7b)")
+    ap.add_argument("--pairs", type=int, default=7, help="kernel/dense pairs per case (default: 7)")
+    ap.add_argument("--calls", type=int, default=50, help="back-to-back calls per timing (default: 50)")
+    ap.add_argument("--interpret", action="store_true", help="interpret mode (any machine; checks, not timings)")
+    ap.add_argument("--sweep", action="store_true", help="gather_matvec's block sizes and splits, then the cases")
+    args = ap.parse_args(argv)
+    if args.pairs < 1 or args.calls < 1:
+        ap.error("--pairs and --calls must be at least 1")
+
+    import jax
+    import jax.numpy as jnp
+    from tqdm import tqdm
+
+    from pallas_kernels import gather_matvec, hot_ffn
+
+    if not args.interpret and jax.default_backend() != "gpu":
+        raise SystemExit(f"pallas_kernels.bench: compiled kernels need a GPU and JAX here runs on "
+                         f"{jax.default_backend()}; --interpret checks the command in interpret mode")
+    d, f, n_qkv = SHAPES[args.shapes]
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.shapes} layer (d {d}, d_ff {f}); "
+          f"{args.pairs} pairs x {args.calls} calls{'; interpret mode: not timings' if args.interpret else ''}")
+    print(f"copy rate (a * 2, read + written): {copy_rate(jax, jnp, args.calls) / 1e9:.0f} GB/s")
+    rng = np.random.default_rng(0)
+    matrices = {"qkv": (d, n_qkv), "o": (d, d), "gate+up": (d, 2 * f), "down": (f, d)}
+    cases = [("matvec", name, share) for name in matrices for share in MATVEC_SHARES]
+    cases += [("hot_ffn", "ffn", share) for share in FFN_SHARES]
+    if args.sweep:
+        sweep(jax, jnp, matrices, rng, args)
+    lines = []
+    kernel_mv = jax.jit(lambda x, w, ids, c: gather_matvec(x, w, ids, c, interpret=args.interpret))
+    dense_mv = jax.jit(jnp.dot)
+    kernel_ffn = jax.jit(lambda x, g, u, dn, ids, c: hot_ffn(x, g, u, dn, ids, c, activation="swiglu",
+                                                             interpret=args.interpret))
+    dense_ffn = jax.jit(lambda x, g, u, dn: jnp.dot(jax.nn.silu(g @ x) * (u @ x), dn))
+    ffn_w = None
+    for kind, name, share in tqdm(cases, desc="cases", unit="case"):
+        if kind == "matvec":
+            n_in, n_out = matrices[name]
+            w = rng.standard_normal((n_in, n_out), dtype=np.float32) / np.float32(np.sqrt(n_in))
+            x = rng.standard_normal(n_in, dtype=np.float32)
+            ids, count = active_ids(rng, n_in, share)
+            w_d, x_d, ids_d, c_d = jnp.asarray(w), jnp.asarray(x), jnp.asarray(ids), jnp.int32(count)
+            rows = ids[:count]
+            terms = x[rows, None].astype(np.float64) * w[rows]
+            check(kernel_mv(x_d, w_d, ids_d, c_d), terms.sum(0), 2.0 ** -20 * np.abs(terms).sum(0),
+                  f"gather_matvec {name}")
+            tk, td, ratios = pairs(kernel_mv, dense_mv, (x_d, w_d, ids_d, c_d), (x_d, w_d), args.pairs, args.calls)
+            lines.append(row(name, share, 4 * count * n_out, 4 * n_in * n_out, tk, td, ratios))
+        else:
+            if ffn_w is None:
+                ws = [rng.standard_normal((f, d), dtype=np.float32) / np.float32(np.sqrt(d)) for _ in range(3)]
+                ffn_w = [jnp.asarray(w) for w in ws]
+                x = rng.standard_normal(d, dtype=np.float32)
+                x_d = jnp.asarray(x)
+            ids, count = active_ids(rng, f, share)
+            ids_d, c_d = jnp.asarray(ids), jnp.int32(count)
+            rows = ids[:count]
+            g64, u64, dn64 = (np.asarray(w, np.float64)[rows] for w in ws)
+            gate, up = g64 @ x, u64 @ x
+            act = gate / (1 + np.exp(-gate)) * up
+            want = act @ dn64     # the activations carry the gate/up sums' rounding: a bound relative to the output
+            check(kernel_ffn(x_d, *ffn_w, ids_d, c_d), want, 1e-4 * np.abs(want).max(), "hot_ffn")
+            tk, td, ratios = pairs(kernel_ffn, dense_ffn, (x_d, *ffn_w, ids_d, c_d), (x_d, *ffn_w), args.pairs,
+                                   args.calls)
+            lines.append(row("ffn", share, 3 * 4 * count * d, 3 * 4 * f * d, tk, td, ratios))
+    print("matrix  active kernel us  dense us   dense/kernel (range)  kernel GB/s  dense GB/s")
+    print("\n".join(lines))
+
+
+SWEEP = {"block_k": (16, 32, 64), "block_d": (128, 256), "n_split": (1, 4, 16, 64)}
+
+
+def sweep(jax, jnp, matrices, rng, args) -> None:
+    """gather_matvec at half the inputs active, every combination of SWEEP per matrix: us per call (median of
+    three looped timings), then each matrix's fastest and the defaults' time."""
+    import itertools
+
+    from tqdm import tqdm
+
+    from pallas_kernels import gather
+    from pallas_kernels.gather import gather_matvec
+
+    combos = list(itertools.product(*SWEEP.values()))
+    print(f"sweep: gather_matvec, 50% active, us per call for block_k x block_d x n_split in {SWEEP}")
+    for name, (n_in, n_out) in matrices.items():
+        w = jnp.asarray(rng.standard_normal((n_in, n_out), dtype=np.float32))
+        x = jnp.asarray(rng.standard_normal(n_in, dtype=np.float32))
+        ids, count = active_ids(rng, n_in, 0.5)
+        ids, count = jnp.asarray(ids), jnp.int32(count)
+        times = {}
+        for bk, bd, ns in tqdm([(None, None, None)] + combos, desc=name, unit="config", leave=False):
+            kw = {} if bk is None else {"block_k": bk, "block_d": bd, "n_split": ns}
+            fn = looped(lambda x, w, ids, c, kw=kw: gather_matvec(x, w, ids, c, interpret=args.interpret, **kw),
+                        args.calls)
+            fn(x, w, ids, count).block_until_ready()
+            times[(bk, bd, ns)] = np.median([timed(fn, (x, w, ids, count), args.calls) for _ in range(3)])
+        default = times.pop((None, None, None))
+        best = min(times, key=times.get)
+        bd0 = gather.default_block_d(n_out)
+        ns0 = gather.split_for(n_out, n_in, 32, bd0, None)
+        print(f"{name:8s} default (32, {bd0}, {ns0}) {1e6 * default:7.1f} us; fastest {best} "
+              f"{1e6 * times[best]:7.1f} us = {4 * int(count) * n_out / times[best] / 1e9:.0f} GB/s")
+        print("    " + "  ".join(f"{k}:{1e6 * t:.0f}" for k, t in sorted(times.items())))
+
+
+if __name__ == "__main__":
+    main()
