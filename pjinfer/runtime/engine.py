@@ -130,9 +130,10 @@ class Engine:
             raise ConfigError("input-sparsity thresholds run with --weights q4_1 or float32, not int8 or gguf")
         if weights_format != "float32":
             from cpu_offload.decoder import HostDecoder, quantize_weights
-            from cpu_offload.sparse_decode import SparseHostDecoder
 
             if thresholds is not None:   # checks the model and lays the layers out by input column
+                from cpu_offload.sparse_decode import SparseHostDecoder   # its FFI handler loads at import: 3 MB
+
                 host = SparseHostDecoder(config, Float32View(weights), thresholds)
             stored = quantize_weights(config, weights, weights_format, check=thresholds is None)
             weights = None  # the caller's float32 copies (if any) are not kept alive by this frame
