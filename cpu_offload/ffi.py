@@ -17,7 +17,9 @@ import threading
 
 import numpy as np
 
-from . import _threading  # noqa: F401  (sets NUMBA_THREADING_LAYER before numba is imported)
+from pjinfer.config import ConfigError
+
+from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
 
 from llvmlite import ir  # noqa: E402
 from numba import njit, types  # noqa: E402
@@ -447,6 +449,15 @@ def purge_stale_cache(name: str, *dependencies) -> None:
 
 _registered: set = set()
 _register_lock = threading.Lock()
+
+
+def check_platform(platform: str, what: str, instead: str) -> None:
+    """The targets here are registered for the CPU platform only (register): their Numba handlers read host
+    buffers, so a step compiled for another platform (JAX on a GPU) has no handler to call. ConfigError in one
+    line when `platform` (jax.default_backend()) is not the CPU: `what` cannot run, `instead` can."""
+    if platform != "cpu":
+        raise ConfigError(f"{what} runs on the host through XLA FFI targets for the CPU, and JAX here runs on "
+                          f"{platform}: {instead}, or run with JAX_PLATFORMS=cpu")
 
 
 def register(name: str, handler) -> None:

@@ -11,7 +11,7 @@ line.
 """
 from __future__ import annotations
 
-from . import _threading  # noqa: F401  (sets NUMBA_THREADING_LAYER before numba is imported)
+from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
 
 from numba import njit, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402

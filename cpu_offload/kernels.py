@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 
-from . import _threading  # noqa: F401  (sets NUMBA_THREADING_LAYER before numba is imported)
+from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
 
 import numba  # noqa: E402
 import numpy as np  # noqa: E402

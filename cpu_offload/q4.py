@@ -28,7 +28,7 @@ import numpy as np
 
 from pjinfer.config import ConfigError
 
-from . import _threading  # noqa: F401  (sets NUMBA_THREADING_LAYER before numba is imported)
+from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
 
 from llvmlite import ir  # noqa: E402
 from numba import njit, types  # noqa: E402

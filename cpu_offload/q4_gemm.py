@@ -12,7 +12,7 @@ result is the single-token ``int8.gemv``'s bit for bit (both are ``int8.emit_row
 """
 from __future__ import annotations
 
-from . import _threading  # noqa: F401  (sets NUMBA_THREADING_LAYER before numba is imported)
+from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
 
 from llvmlite import ir  # noqa: E402
 from numba import njit, types  # noqa: E402

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from pjinfer.config import ConfigError
 from pjinfer.measure import evaluate
 from tests.test_cli import assert_clean_error, run_cli
 
@@ -100,3 +101,23 @@ def test_json_from_standard_input_reports_the_default_fast_path_and_timing(capsy
     assert result["sparse"] is False and result["stop"] is None
     assert result["prompt_tokens"] == 5 and 0 < result["prefill_s"] < result["generate_s"]
     assert result["decode_tok_s"] > 0 and result["load_s"] > 0
+
+
+def test_host_decode_where_jax_runs_on_a_gpu(tmp_path, capsys, monkeypatch):
+    """The host decode's FFI targets are registered for the CPU, so where JAX runs on a GPU (`pip install
+    .[cuda12]`), --weights auto runs float32 there and says so in one line, and an explicit host format is refused
+    in one line before the model loads (the model path does not exist: the platform is checked first)."""
+    import jax
+
+    from pjinfer.runtime.engine import Engine, resolve_weights
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert resolve_weights("auto", None) == "float32"
+    assert "running float32 weights on the gpu: the q4_1 host decode runs where JAX runs on the CPU" in \
+        capsys.readouterr().err
+    assert resolve_weights("q4_1", None) == "q4_1"
+    with pytest.raises(ConfigError, match=r"--weights int8 \(the host decode\) runs on the host .* JAX here runs "
+                                          r"on gpu: --weights float32 runs there, or run with JAX_PLATFORMS=cpu"):
+        Engine.load(tmp_path / "missing.gguf", weights="int8")
+    assert_clean_error(run_cli(capsys, "generate", "--prompt", "x", "--weights", "q4_1"),
+                       "--weights q4_1 (the host decode) runs on the host through XLA FFI targets for the CPU")

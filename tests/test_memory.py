@@ -202,7 +202,7 @@ def test_q4_1_engine_holds_no_float32_copy_of_a_quantized_matrix():
     (jax, and numpy reachable from Python objects): no float32 array shaped like a quantized matrix of the file
     may be alive, and the arrays that own their memory stay within the file's size plus a small margin (the
     layers are the file's pages; the int8 head is 0.3x the model's bytes). Numba's kernels load without the
-    scipy.linalg import of its BLAS check (cpu_offload/_threading.py: about 12 MB)."""
+    scipy.linalg import of its BLAS check (cpu_offload/_numba.py: about 12 MB)."""
     import json
 
     result = subprocess.run([sys.executable, "-c", LIVE_ARRAYS], capture_output=True, text=True, timeout=600)

@@ -5,11 +5,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from cpu_offload.ffi import check_platform
 from cpu_offload.kernels import dequantize_rows, quantize_rows
 from pjinfer.config import ConfigError
 from pjinfer.runtime.engine import Engine
 from pjinfer.runtime.model import KVCache, Transformer
-from pjinfer.runtime.sparse import SparseFFN, check_host_bridge, sparsify
+from pjinfer.runtime.sparse import SparseFFN, sparsify
 from tests.conftest import random_weights, tiny_config
 from train.predictor import Predictor
 
@@ -171,11 +172,20 @@ def test_bad_placement_and_backend():
         sparsify(Transformer(config, random_weights(config)), np.ones((1, 3), bool), None)
     with pytest.raises(ConfigError, match="unknown hot backend"):
         sparsify(Transformer(config, random_weights(config)), placements(config)["mixed"], None, hot_backend="tpu")
-    # The host bridge's FFI target is registered for the CPU: with JAX on a GPU (a device check found the raw
-    # "No FFI handler registered ... CUDA"), cold neurons are refused in one line.
-    with pytest.raises(ConfigError, match="cold neurons, which run through the host bridge .* JAX here runs on gpu"):
-        check_host_bridge("gpu")
-    check_host_bridge("cpu")
+    check_platform("cpu", "a placement with cold neurons", "a threshold bundle")     # runs
+
+
+def test_cold_neurons_are_refused_where_jax_runs_on_a_gpu(monkeypatch):
+    """The host bridge's FFI target is registered for the CPU: a step compiled for a GPU has no handler (a device
+    check found the raw "No FFI handler registered for pjinfer_cold_ffn on a platform CUDA"). sparsify refuses a
+    placement with cold neurons there in one line; an all-hot placement never calls the bridge and runs."""
+    import jax
+
+    config = tiny_config()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(ConfigError, match="a placement with cold neurons runs on the host .* JAX here runs on gpu"):
+        sparsify(Transformer(config, random_weights(config)), placements(config)["mixed"], None)
+    sparsify(Transformer(config, random_weights(config)), np.ones((config.n_layers, config.d_ff), bool), None)
 
 
 def test_bad_bundles_are_clear_errors(engine, tmp_path, capsys):

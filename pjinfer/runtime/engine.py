@@ -47,9 +47,31 @@ def resolve_weights(weights: str, path=None, bundle=None, *, sparse_rule: str = 
     the bundle's thresholds run on the host: bundle_rule gives thresholds and hot_backend is xla; its predictors,
     or thresholds on a Pallas backend, run float32), gguf for one whose layers are other block types with host
     kernels (without a bundle), float32 otherwise: said in one stderr line when the file holds block types without
-    a host kernel. Reads headers only."""
+    a host kernel, or when JAX runs on a GPU (the host decode runs where JAX runs on the CPU). Reads headers
+    only."""
     if weights != "auto":
         return weights
+    chosen = _auto_weights(path, bundle, sparse_rule, hot_backend)
+    platform = jax.default_backend()
+    if chosen != "float32" and platform != "cpu":
+        print(f"pjinfer: running float32 weights on the {platform}: the {chosen} host decode runs where JAX runs "
+              "on the CPU", file=sys.stderr)
+        return "float32"
+    return chosen
+
+
+def check_host_weights(weights: str) -> None:
+    """Weights other than float32 decode on the host (cpu_offload's FFI targets, registered for the CPU):
+    ConfigError in one line where JAX runs on another platform."""
+    if weights != "float32":
+        from cpu_offload.ffi import check_platform
+
+        check_platform(jax.default_backend(), f"--weights {weights} (the host decode)",
+                       "--weights float32 runs there")
+
+
+def _auto_weights(path, bundle, sparse_rule: str, hot_backend: str) -> str:
+    """resolve_weights' "auto" from the checkpoint and the bundle alone."""
     stored = loader.stored_format(path)
     if stored == "gguf" and bundle is None:
         return "gguf"
@@ -128,6 +150,7 @@ class Engine:
         host = None
         if thresholds is not None and weights_format in ("int8", "gguf"):
             raise ConfigError("input-sparsity thresholds run with --weights q4_1 or float32, not int8 or gguf")
+        check_host_weights(weights_format)
         if weights_format != "float32":
             from cpu_offload.decoder import HostDecoder, quantize_weights
 
@@ -178,6 +201,7 @@ class Engine:
         asked, weights = weights, resolve_weights(weights, path, bundle, sparse_rule=sparse_rule,
                                                   hot_backend=hot_backend)
         check_bundle_weights(weights, bundle, rule=rule, hot_backend=hot_backend, cold_weights=cold_weights)
+        check_host_weights(weights)
         config, tensors, tokenizer = loader.load(path, progress=progress, keep_q4_1=weights == "q4_1",
                                                  keep_blocks=weights == "gguf")
         if asked == "auto" and weights != "float32":

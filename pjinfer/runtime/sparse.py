@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from cpu_offload.bridge import ColdFFN
+from cpu_offload.ffi import check_platform
 from pallas_kernels import compact, hot_ffn, hot_ffn_reference
 from pjinfer.config import HOT_BACKENDS, ConfigError
 from pjinfer.runtime.gathered import PALLAS_BACKENDS, pallas_interpret
@@ -109,15 +110,6 @@ class SparseFFN(nnx.Module):
         return hot_ffn(*args, **kw, interpret=self.hot_backend == "pallas-interpret")
 
 
-def check_host_bridge(platform: str) -> None:
-    """Cold neurons run through cpu_offload's FFI target, registered for the CPU platform only: its Numba handler
-    reads host buffers. A step compiled for another platform (JAX on a GPU) cannot call it: ConfigError."""
-    if platform != "cpu":
-        raise ConfigError(f"this placement has cold neurons, which run through the host bridge (an XLA FFI target "
-                          f"for the CPU), and JAX here runs on {platform}: use a threshold bundle with --hot-backend "
-                          f"pallas (every weight on the {platform}), or JAX_PLATFORMS=cpu")
-
-
 def sparsify(model: Transformer, hot: np.ndarray, predictors: list | None, *, hot_backend: str = "xla",
              oracle: bool = False, cold_weights: str = "float32") -> ColdFFN:
     """Swap every layer's FFN for a SparseFFN in place. hot: bool [L, F] placement. predictors: one per
@@ -130,7 +122,8 @@ def sparsify(model: Transformer, hot: np.ndarray, predictors: list | None, *, ho
     if hot.shape != (config.n_layers, config.d_ff):
         raise ConfigError(f"placement shape {hot.shape} does not match the model ({config.n_layers}, {config.d_ff})")
     if not hot.all():
-        check_host_bridge(jax.default_backend())
+        check_platform(jax.default_backend(), "a placement with cold neurons",
+                       "a threshold bundle with --hot-backend pallas keeps every weight on the accelerator")
     host = lambda p: None if p is None else np.asarray(p[...])
     ffns = [layer.ffn for layer in model.layers]
     cold = ColdFFN.from_dense(
