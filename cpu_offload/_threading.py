@@ -13,4 +13,3 @@ LAYER = os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
 
 if "numba" in sys.modules and hasattr(sys.modules["numba"], "config"):
     sys.modules["numba"].config.THREADING_LAYER = LAYER
-
