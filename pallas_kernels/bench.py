@@ -108,8 +108,6 @@ def main(argv=None) -> None:
     import jax.numpy as jnp
     from tqdm import tqdm
 
-    from pallas_kernels import gather_matvec, hot_ffn
-
     if not args.interpret and jax.default_backend() != "gpu":
         raise SystemExit(f"pallas_kernels.bench: compiled kernels need a GPU and JAX here runs on "
                          f"{jax.default_backend()}; --interpret checks the command in interpret mode")
@@ -119,49 +117,62 @@ def main(argv=None) -> None:
     print(f"copy rate (a * 2, read + written): {copy_rate(jax, jnp, args.calls) / 1e9:.0f} GB/s")
     rng = np.random.default_rng(0)
     matrices = {"qkv": (d, n_qkv), "o": (d, d), "gate+up": (d, 2 * f), "down": (f, d)}
-    cases = [("matvec", name, share) for name in matrices for share in MATVEC_SHARES]
-    cases += [("hot_ffn", "ffn", share) for share in FFN_SHARES]
     if args.sweep:
         sweep(jax, jnp, matrices, rng, args)
-    lines = []
-    kernel_mv = jax.jit(lambda x, w, ids, c: gather_matvec(x, w, ids, c, interpret=args.interpret))
-    dense_mv = jax.jit(jnp.dot)
-    kernel_ffn = jax.jit(lambda x, g, u, dn, ids, c: hot_ffn(x, g, u, dn, ids, c, activation="swiglu",
-                                                             interpret=args.interpret))
-    dense_ffn = jax.jit(lambda x, g, u, dn: jnp.dot(jax.nn.silu(g @ x) * (u @ x), dn))
-    ffn_w = None
-    for kind, name, share in tqdm(cases, desc="cases", unit="case"):
-        if kind == "matvec":
-            n_in, n_out = matrices[name]
-            w = rng.standard_normal((n_in, n_out), dtype=np.float32) / np.float32(np.sqrt(n_in))
-            x = rng.standard_normal(n_in, dtype=np.float32)
-            ids, count = active_ids(rng, n_in, share)
-            w_d, x_d, ids_d, c_d = jnp.asarray(w), jnp.asarray(x), jnp.asarray(ids), jnp.int32(count)
-            rows = ids[:count]
-            terms = x[rows, None].astype(np.float64) * w[rows]
-            check(kernel_mv(x_d, w_d, ids_d, c_d), terms.sum(0), 2.0 ** -20 * np.abs(terms).sum(0),
-                  f"gather_matvec {name}")
-            tk, td, ratios = pairs(kernel_mv, dense_mv, (x_d, w_d, ids_d, c_d), (x_d, w_d), args.pairs, args.calls)
-            lines.append(row(name, share, 4 * count * n_out, 4 * n_in * n_out, tk, td, ratios))
-        else:
-            if ffn_w is None:
-                ws = [rng.standard_normal((f, d), dtype=np.float32) / np.float32(np.sqrt(d)) for _ in range(3)]
-                ffn_w = [jnp.asarray(w) for w in ws]
-                x = rng.standard_normal(d, dtype=np.float32)
-                x_d = jnp.asarray(x)
-            ids, count = active_ids(rng, f, share)
-            ids_d, c_d = jnp.asarray(ids), jnp.int32(count)
-            rows = ids[:count]
-            g64, u64, dn64 = (np.asarray(w, np.float64)[rows] for w in ws)
-            gate, up = g64 @ x, u64 @ x
-            act = gate / (1 + np.exp(-gate)) * up
-            want = act @ dn64     # the activations carry the gate/up sums' rounding: a bound relative to the output
-            check(kernel_ffn(x_d, *ffn_w, ids_d, c_d), want, 1e-4 * np.abs(want).max(), "hot_ffn")
-            tk, td, ratios = pairs(kernel_ffn, dense_ffn, (x_d, *ffn_w, ids_d, c_d), (x_d, *ffn_w), args.pairs,
-                                   args.calls)
-            lines.append(row("ffn", share, 3 * 4 * count * d, 3 * 4 * f * d, tk, td, ratios))
+    with tqdm(total=len(matrices) * len(MATVEC_SHARES) + len(FFN_SHARES), desc="cases", unit="case") as bar:
+        lines = matvec_cases(jax, jnp, matrices, rng, args, bar) + ffn_cases(jax, jnp, d, f, rng, args, bar)
     print("matrix  active kernel us  dense us   dense/kernel (range)  kernel GB/s  dense GB/s")
     print("\n".join(lines))
+
+
+def matvec_cases(jax, jnp, matrices, rng, args, bar) -> list[str]:
+    """gather_matvec against jnp.dot on each matrix at each of MATVEC_SHARES: a row each."""
+    from pallas_kernels import gather_matvec
+
+    kernel = jax.jit(lambda x, w, ids, c: gather_matvec(x, w, ids, c, interpret=args.interpret))
+    dense = jax.jit(jnp.dot)
+    lines = []
+    for name, (n_in, n_out) in matrices.items():
+        w = rng.standard_normal((n_in, n_out), dtype=np.float32) / np.float32(np.sqrt(n_in))
+        x = rng.standard_normal(n_in, dtype=np.float32)
+        w_d, x_d = jnp.asarray(w), jnp.asarray(x)
+        for share in MATVEC_SHARES:
+            ids, count = active_ids(rng, n_in, share)
+            ids_d, c_d = jnp.asarray(ids), jnp.int32(count)
+            rows = ids[:count]
+            terms = x[rows, None].astype(np.float64) * w[rows]
+            check(kernel(x_d, w_d, ids_d, c_d), terms.sum(0), 2.0 ** -20 * np.abs(terms).sum(0),
+                  f"gather_matvec {name}")
+            tk, td, ratios = pairs(kernel, dense, (x_d, w_d, ids_d, c_d), (x_d, w_d), args.pairs, args.calls)
+            lines.append(row(name, share, 4 * count * n_out, 4 * n_in * n_out, tk, td, ratios))
+            bar.update()
+    return lines
+
+
+def ffn_cases(jax, jnp, d, f, rng, args, bar) -> list[str]:
+    """hot_ffn (SwiGLU) against the dense gate, up and down products at each of FFN_SHARES: a row each."""
+    from pallas_kernels import hot_ffn
+
+    kernel = jax.jit(lambda x, g, u, dn, ids, c: hot_ffn(x, g, u, dn, ids, c, activation="swiglu",
+                                                         interpret=args.interpret))
+    dense = jax.jit(lambda x, g, u, dn: jnp.dot(jax.nn.silu(g @ x) * (u @ x), dn))
+    ws = [rng.standard_normal((f, d), dtype=np.float32) / np.float32(np.sqrt(d)) for _ in range(3)]
+    x = rng.standard_normal(d, dtype=np.float32)
+    ws_d, x_d = [jnp.asarray(w) for w in ws], jnp.asarray(x)
+    lines = []
+    for share in FFN_SHARES:
+        ids, count = active_ids(rng, f, share)
+        ids_d, c_d = jnp.asarray(ids), jnp.int32(count)
+        rows = ids[:count]
+        g64, u64, dn64 = (np.asarray(w, np.float64)[rows] for w in ws)
+        gate, up = g64 @ x, u64 @ x
+        want = (gate / (1 + np.exp(-gate)) * up) @ dn64
+        # The activations carry the gate/up sums' rounding: a bound relative to the output.
+        check(kernel(x_d, *ws_d, ids_d, c_d), want, 1e-4 * np.abs(want).max(), "hot_ffn")
+        tk, td, ratios = pairs(kernel, dense, (x_d, *ws_d, ids_d, c_d), (x_d, *ws_d), args.pairs, args.calls)
+        lines.append(row("ffn", share, 3 * 4 * count * d, 3 * 4 * f * d, tk, td, ratios))
+        bar.update()
+    return lines
 
 
 SWEEP = {"block_k": (16, 32, 64), "block_d": (128, 256), "n_split": (1, 4, 16, 64)}
