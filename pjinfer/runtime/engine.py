@@ -201,7 +201,7 @@ class Engine:
         asked, weights = weights, resolve_weights(weights, path, bundle, sparse_rule=sparse_rule,
                                                   hot_backend=hot_backend)
         check_bundle_weights(weights, bundle, rule=rule, hot_backend=hot_backend, cold_weights=cold_weights)
-        check_host_weights(weights)
+        check_host_weights(weights)   # before the file is read (__init__ checks again for direct construction)
         config, tensors, tokenizer = loader.load(path, progress=progress, keep_q4_1=weights == "q4_1",
                                                  keep_blocks=weights == "gguf")
         if asked == "auto" and weights != "float32":
