@@ -76,7 +76,8 @@ def tiny_engine():
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.9, top_k=20, top_p=0.9, seed=7)])
 def test_generate_equals_stream(tiny_engine, sampling):
-    # The while_loop generate and the step-by-step stream share the decode step and the key schedule.
+    # generate's one while_loop and stream's chunks of it (several per call here: 20 tokens) share the decode
+    # loop and the key schedule.
     prompt = [5, 17, 42, 8, 1, 60, 9]
     whole = tiny_engine.generate(prompt, max_new_tokens=20, sampling=sampling, stop_ids=[])
     streamed = list(tiny_engine.stream(prompt, max_new_tokens=20, sampling=sampling, stop_ids=[]))

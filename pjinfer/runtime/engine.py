@@ -321,24 +321,31 @@ class Engine:
 
     def stream(self, prompt_ids, *, max_new_tokens: int = 64, sampling: Sampling = Sampling(),
                stop_ids=None) -> Iterator[int]:
-        """Yields generated ids one by one (prefill, then one jitted decode step per token)."""
+        """Yields generated ids as they come: the first from the prefill, then up to gen.STREAM_CHUNK at a time from one
+        jitted loop of decode steps each (gen.decode_chunk). The ids, key schedule and stops are generate()'s.
+        Stopping early wastes at most the rest of a chunk."""
         _, cache_len = self.plan(len(prompt_ids), max_new_tokens)
-        stops = set(np.asarray(self.stop_tokens(stop_ids)).tolist())
+        stops = self.stop_tokens(stop_ids)
+        stop_set = set(np.asarray(stops).tolist())
         params = sampling.params()
         key, sub = jax.random.split(jax.random.key(sampling.seed))
         token, cache = self.prefill(prompt_ids, cache_len=cache_len, sampling=sampling, key=sub)
-        recent = recent_ids(prompt_ids)   # kept on the host: no device op per token
-        for n in range(max_new_tokens):
-            value = int(token)
-            if value in stops:
-                return
-            yield value
-            if n + 1 == max_new_tokens:
-                return
-            key, sub = jax.random.split(key)
-            recent = np.append(recent[1:], np.int32(value))
-            token, cache = gen.decode_step(self.graph, self.state, token, jnp.int32(len(prompt_ids) + n),
-                                           cache, sub, params, recent, greedy=sampling.greedy)
+        value = int(token)
+        if value in stop_set:
+            return
+        yield value
+        produced, pos, recent = 1, len(prompt_ids), recent_ids(prompt_ids)
+        while produced < max_new_tokens:
+            count = min(gen.STREAM_CHUNK, max_new_tokens - produced)
+            out, n, cache, key, recent = gen.decode_chunk(
+                self.graph, self.state, token, jnp.int32(pos), cache, key, params, recent, stops, jnp.int32(count),
+                chunk=gen.STREAM_CHUNK, greedy=sampling.greedy)
+            ids = np.asarray(out)[:int(n)].tolist()
+            for value in ids:
+                if value in stop_set:
+                    return
+                yield value
+            produced, pos, token = produced + len(ids), pos + len(ids), np.int32(ids[-1])
 
     # ------------------------------------------------------------ scoring
     def token_logprobs(self, tokens: np.ndarray, *, with_greedy: bool = False):

@@ -20,6 +20,7 @@ from pjinfer.runtime.sampling import push_recent, recent_window, sample
 MIN_PROMPT_BUCKET = 16
 MIN_CACHE_BUCKET = 256
 MAX_STOP_IDS = 8
+STREAM_CHUNK = 8   # decode steps per dispatch when streaming (Engine.stream)
 
 
 class Graph:
@@ -63,12 +64,36 @@ def prefill(graph, state, tokens, length, key, params, *, cache_len, greedy, row
     return sample(logits, key, params, greedy, recent_window(tokens[0], length)), cache
 
 
-@partial(jax.jit, static_argnames=("graph", "greedy"), donate_argnames=("cache",))
-def decode_step(graph, state, token, pos, cache, key, params, recent, *, greedy):
-    """Feed `token` at position `pos`, sample the next one; the cache is updated in place. `recent` is the
-    repetition penalty's window of the ids before the next one (sampling.recent_window, `token` included)."""
-    logits, cache = graph.merge(state).decode(token, pos, cache)
-    return sample(logits, key, params, greedy, recent), cache
+def _decode_loop(model, out, n, limit, start, cache, key, recent, params, stop_ids, greedy):
+    """Decode steps while n < limit and no stop id came: each feeds out[n - 1] at position start + n - 1 and writes
+    the token it samples to out[n]. Returns (out, n, cache, key, recent); the last token written may be a stop id.
+    `recent` is the repetition penalty's window of the ids before out[n - 1]."""
+    def cond(carry):
+        n, _, _, _, _, done = carry
+        return (n < limit) & ~done
+
+    def body(carry):
+        n, out, cache, key, recent, _ = carry
+        key, sub = jax.random.split(key)
+        recent = push_recent(recent, out[n - 1])
+        logits, cache = model.decode(out[n - 1], start + n - 1, cache)
+        token = sample(logits, sub, params, greedy, recent)
+        return n + 1, out.at[n].set(token), cache, key, recent, jnp.isin(token, stop_ids)
+
+    n, out, cache, key, recent, _ = jax.lax.while_loop(cond, body, (n, out, cache, key, recent, jnp.bool_(False)))
+    return out, n, cache, key, recent
+
+
+@partial(jax.jit, static_argnames=("graph", "chunk", "greedy"), donate_argnames=("cache",))
+def decode_chunk(graph, state, token, pos, cache, key, params, recent, stop_ids, count, *, chunk, greedy):
+    """Up to `count` (<= chunk) decode steps from `token` (fed at position `pos`, not in the cache yet), stopping
+    after a stop id: (tokens [chunk], how many are new, cache, key, recent). The cache is updated in place;
+    `recent` is the window of the ids before `token`. A chunk of steps is one dispatch: a Python call per token
+    cost a third of a step on the host decode."""
+    out = jnp.zeros((chunk + 1,), jnp.int32).at[0].set(token)
+    out, n, cache, key, recent = _decode_loop(graph.merge(state), out, jnp.int32(1), count + 1, pos, cache, key,
+                                              recent, params, stop_ids, greedy)
+    return out[1:], n - 1, cache, key, recent
 
 
 @partial(jax.jit, static_argnames=("graph", "cache_len", "greedy", "rows"))
@@ -84,21 +109,8 @@ def generate_tokens(graph, state, tokens, length, key, params, max_new, stop_ids
     recent = recent_window(tokens[0], length)
     first = sample(logits, sub, params, greedy, recent)
     out = jnp.zeros((cache_len,), jnp.int32).at[0].set(first)
-
-    def cond(carry):
-        n, _, _, _, _, done = carry
-        return (n < max_new) & ~done
-
-    def body(carry):
-        n, out, cache, key, recent, _ = carry
-        key, sub = jax.random.split(key)
-        recent = push_recent(recent, out[n - 1])
-        logits, cache = model.decode(out[n - 1], length + n - 1, cache)
-        token = sample(logits, sub, params, greedy, recent)
-        return n + 1, out.at[n].set(token), cache, key, recent, jnp.isin(token, stop_ids)
-
-    carry = (jnp.int32(1), out, cache, key, recent, jnp.isin(first, stop_ids))
-    n, out, *_ = jax.lax.while_loop(cond, body, carry)
+    limit = jnp.where(jnp.isin(first, stop_ids), 1, max_new)
+    out, n, *_ = _decode_loop(model, out, jnp.int32(1), limit, length, cache, key, recent, params, stop_ids, greedy)
     return out, n
 
 
