@@ -8,6 +8,8 @@ Usage::
     x, k, v = batch.layer(l, x, pos, k, v)              # inside jit: x [B, ..., d], pos int32 [B] (-1: empty slot),
                                                         # caches f16 [B, S, KV, hd] aliased to the results
     logits = batch.head(hidden, pos)                    # hidden [B, d] -> [B, vocab] (zeros for empty slots)
+    batch.woken()                                       # inside jit: int32 [], nonzero after batch.wake() (any
+                                                        # thread) until batch.clear_wake(): ends a loop of steps
 
 B is the fixed slot count (max_batch): a request joins by taking a free slot and leaves by freeing it, so one
 executable serves every mix of live requests. Empty slots (pos < 0) cost nothing: the handler gathers the live
@@ -48,10 +50,11 @@ MAGIC = 0x706A626174_0001  # "pjbat" + 1
 
 # Slots after host_decode's header (a copy of the HostDecoder's, with its own task, scratch, stage and magic).
 (B_MB, B_X, B_H, B_QKV, B_ATT, B_O, B_GATE, B_UP, B_DOWN, B_SCORES, B_SLOTS, B_POS, B_IDENT, B_SEQS,
- B_SPAN) = range(H_WIDTH, H_WIDTH + 15)
-WIDTH = H_WIDTH + 15
+ B_SPAN, B_WAKE) = range(H_WIDTH, H_WIDTH + 16)
+WIDTH = H_WIDTH + 16
 # Per compact token t: B_SLOTS its row of x (and of the logits), B_POS its position, B_SEQS its sequence in the
 # cache ([B, S, KV, hd] caches: the row itself; the prompt form: 0). B_SPAN: the positions the scores scratch holds.
+# B_WAKE: the address of an int64 the host sets when it wants a loop of steps to end (BatchDecoder.wake).
 # Task slots.
 K_STAGE, K_LAYER, K_NT, K_KCACHE, K_VCACHE, K_S, K_OUT = range(7)
 
@@ -276,9 +279,16 @@ def _execute(frame, api):
     mb = load_i64(header + 8 * B_MB)
     if nargs == 2 and nrets == 1:
         return _execute_head(header, api, args, rets, mb, d)
+    if nargs == 0 and nrets == 1:
+        r_wake = load_i64(rets)
+        if load_i32(r_wake + BUF_DTYPE) != DT_S32 or buffer_numel(r_wake, False) != 1:
+            return make_error(api, ERRC_INVALID_ARGUMENT,
+                              cstr("pjinfer_host_decode_batch: the wake form is () -> int32 []"))
+        carray(ptr_i32(load_i64(r_wake + BUF_DATA)), (1,))[0] = load_i64(load_i64(header + 8 * B_WAKE)) != 0
+        return 0
     if not (nargs == 5 or nargs == 6) or nrets != 3:
-        return make_error(api, ERRC_INVALID_ARGUMENT,
-                          cstr("pjinfer_host_decode_batch: expected 5 or 6 operands and 3 results, or 2 and 1"))
+        return make_error(api, ERRC_INVALID_ARGUMENT, cstr(
+            "pjinfer_host_decode_batch: expected 5 or 6 operands and 3 results, 2 and 1, or none and 1"))
     prompt = nargs == 6
     b_layer, b_x = load_i64(args), load_i64(args + 8 * (nargs - 3))
     b_k, b_v = load_i64(args + 8 * (nargs - 2)), load_i64(args + 8 * (nargs - 1))
@@ -368,7 +378,8 @@ class BatchDecoder:
         header[B_X:B_SEQS + 1] = [a.ctypes.data for a in self._keep]
         header[[B_MB, B_SPAN]] = [mb, self.span]
         self._task = np.zeros(8, np.int64)
-        header[[H_TASK, H_STAGE]] = [self._task.ctypes.data, _stage.address]
+        self._wake = np.zeros(1, np.int64)
+        header[[H_TASK, H_STAGE, B_WAKE]] = [self._task.ctypes.data, _stage.address, self._wake.ctypes.data]
         header[H_MAGIC] = MAGIC
         _HEADERS.append(header)
         self.address = int(header.ctypes.data)
@@ -412,6 +423,22 @@ class BatchDecoder:
         k_at = 2 + len(ints)
         call = jax.ffi.ffi_call(TARGET_NAME, result, input_output_aliases={k_at: 1, k_at + 1: 2})
         return call(jnp.int32(layer), *ints, x.astype(jnp.float32), k_cache, v_cache, table=np.int64(self.table))
+
+    def woken(self):
+        """Inside jit: int32 [], nonzero once wake() was called (since the last clear_wake()). Side-effecting, so
+        XLA reads it where it stands, every time (in a loop of steps: after each)."""
+        import jax
+        import jax.numpy as jnp
+
+        call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True)
+        return call(table=np.int64(self.table))
+
+    def wake(self) -> None:
+        """From any thread: a running loop of steps ends after its current step (woken() turns nonzero)."""
+        self._wake[0] = 1
+
+    def clear_wake(self) -> None:
+        self._wake[0] = 0
 
     def head(self, hidden, pos):
         """hidden [B, d] -> logits [B, vocab] (int8 head; zeros where pos < 0)."""

@@ -202,21 +202,48 @@ def test_real_model_batch_equals_engine_stream_for_every_request(q4_engine):
     tok = q4_engine.tokenizer
     want = [list(q4_engine.stream(tok.encode(p), max_new_tokens=n, sampling=s, stop_ids=[]))
             for p, s in zip(prompts, samplings)]
-    # All 8 slots from the start; then 3 requests in slots 6, 1, 4 with the others empty, joining at different steps.
-    for slots, joins in [(list(range(8)), [0] * 8), ([6, 1, 4], [0, 2, 5])]:
+    # All 8 slots from the start, one step per call; then 3 requests in slots 6, 1, 4 with the others empty,
+    # joining at different calls of up to 4 steps (each request stops at its own budget inside a call).
+    for slots, joins, steps in [(list(range(8)), [0] * 8, 1), ([6, 1, 4], [0, 2, 5], 4)]:
         states, got = {}, {i: [] for i in range(len(slots))}
-        for step in range(n + max(joins)):
-            live = [i for i in states if len(got[i]) < n]          # requests that joined at an earlier step
+        for call in range(n + max(joins)):
+            live = [i for i in states if states[i].remaining > 0]          # requests that joined at an earlier call
             if live:
-                batch.step([states[i] for i in live])
+                batch.step([states[i] for i in live], steps=steps)
                 for i in live:
-                    got[i].append(states[i].token)
+                    got[i] += states[i].new
             for i, (slot, join) in enumerate(zip(slots, joins)):
-                if step == join:                                     # prefill: its first token
-                    states[i] = batch.start(slot, tok.encode(prompts[i]), n, samplings[i])
+                if call == join:                                     # prefill: its first token
+                    states[i] = batch.start(slot, tok.encode(prompts[i]), n, samplings[i], stop_ids=[])
                     got[i].append(states[i].token)
         assert [got[i] for i in range(len(slots))] == want[:len(slots)]
     assert batch.widest == 8
+
+
+def test_real_model_batch_steps_end_at_a_stop_id_a_budget_and_a_wake(q4_engine, monkeypatch):
+    """In one call of several steps: a request that samples one of its stop ids stops there (the id is its last
+    token), one with a budget stops at it, and wake() ends the call after the step it came in."""
+    from pjinfer.runtime.batch import Batch
+    from pjinfer.runtime.sampling import Sampling
+
+    batch = Batch(q4_engine, 4)
+    ids = q4_engine.tokenizer.encode("The capital of France is")
+    free = list(q4_engine.stream(ids, max_new_tokens=12, stop_ids=[]))
+    stop = free[5]
+    first = free.index(stop)
+    assert first >= 1
+    a = batch.start(0, ids, 12, Sampling(), stop_ids=[stop])
+    b = batch.start(2, ids, 7, Sampling(), stop_ids=[])
+    batch.step([a, b], steps=12)
+    assert [a.token] == a.new[-1:] and a.new == free[1:first + 1] and a.remaining == 0
+    assert b.new == free[1:7] and b.remaining == 0
+    batch.step([a, b], steps=12)
+    assert a.new == [] and b.new == []                               # nothing left to produce
+    c = batch.start(3, ids, 12, Sampling(), stop_ids=[])
+    monkeypatch.setattr(batch.decoder, "clear_wake", lambda: None)   # step() clears it on entry: keep it set
+    batch.wake()
+    batch.step([c], steps=8)
+    assert c.new == free[1:2]
 
 
 def test_real_model_host_prompt_matches_xla_prefill(q4_engine):

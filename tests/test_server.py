@@ -166,3 +166,25 @@ def test_bench_serve_refuses_counts_below_one_before_starting_a_server(capsys, f
     with pytest.raises(SystemExit) as e:
         bench_serve.main([flag, "0"])
     assert e.value.code == 2 and f"argument {flag}: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_bench_serve_no_http_counts_every_token_of_both_phases(q4_engine):
+    """The engine-only measurement decodes every request's tokens (prefill's first one included) in both phases;
+    the rates it divides are those counts over wall time."""
+    from pjinfer.measure import bench_serve
+    from pjinfer.runtime import batch
+
+    made = []
+    real_step = batch.Batch.step
+
+    def step(self, states, steps=1):
+        real_step(self, states, steps)
+        made.append(sum(len(s.new) for s in states))
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(batch.Batch, "step", step)
+        result = bench_serve.run_direct(q4_engine, requests=3, clients=2, tokens=5, pairs=1)
+    # Warm-up (1 + 2 requests), then the pair (2 single + 3 concurrent): 8 requests of 5 tokens, 4 from steps each.
+    assert sum(made) == 8 * 4
+    assert result["pairs"] == 1 and len(result["ratios"]) == 1 and result["http"] is False
+    assert result["single_stream_tok_s"][0] > 0 and result["aggregate_tok_s"][0] > 0

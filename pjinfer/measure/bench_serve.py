@@ -7,6 +7,11 @@ pair, the aggregate completion rate against that pair's single stream, and their
 shared machine drifts, so each concurrent phase is compared with the single stream measured next to it); the time
 to the first token (p50, p99, over every concurrent request) and the requests lost (an error, a wrong token count,
 or no [DONE]). Then stops the server.
+
+`--no-http` measures the engine's part of the same load in this process instead: the requests go straight to
+the scheduler's batched decode (`pjinfer.runtime.batch`, prefill and up to `scheduler.STEPS` steps per call),
+`clients` at a time against one at a time, in alternated pairs. The ratio it reports is the most batching
+can give the server; the HTTP layer and the clients (on the same cores) take their share of both phases.
 """
 from __future__ import annotations
 
@@ -139,6 +144,39 @@ def run(base: str, *, requests: int, clients: int, tokens: int, pairs: int = 3) 
             "lost": lost}
 
 
+def run_direct(engine, *, requests: int, clients: int, tokens: int, pairs: int = 3) -> dict:
+    """The --no-http measurement: tokens per second of `requests` requests decoded `clients` at a time (each
+    wave prefilled, then stepped until every request has its `tokens`) against two requests one at a time."""
+    from pjinfer.runtime.batch import Batch
+    from pjinfer.runtime.sampling import Sampling
+    from pjinfer.serve.scheduler import STEPS
+
+    batch = Batch(engine, clients)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+
+    def rate(count: int, at_once: int) -> float:
+        start, made = time.perf_counter(), 0
+        for first in range(0, count, at_once):
+            states = [batch.start(slot, prompts[(first + slot) % len(prompts)], tokens, Sampling(), stop_ids=[])
+                      for slot in range(min(at_once, count - first))]
+            made += len(states)
+            while any(s.remaining for s in states):
+                batch.step([s for s in states if s.remaining], steps=STEPS)
+                made += sum(len(s.new) for s in states)
+        return made / (time.perf_counter() - start)
+
+    rate(1, 1), rate(clients, clients)                            # compile outside the measurement
+    singles, aggregates = [], []
+    for _ in tqdm(range(pairs), desc="pairs", disable=None):
+        singles.append(rate(SINGLE_REQUESTS, 1))
+        aggregates.append(rate(requests, clients))
+    ratios = [a / s for a, s in zip(aggregates, singles)]
+    span = lambda v: [round(min(v), 1), round(max(v), 1)]  # noqa: E731
+    return {"requests": requests, "clients": clients, "tokens": tokens, "pairs": pairs, "http": False,
+            "single_stream_tok_s": span(singles), "aggregate_tok_s": span(aggregates),
+            "aggregate_over_single": round(statistics.median(ratios), 2), "ratios": [round(r, 2) for r in ratios]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pjinfer.measure.bench_serve", description=__doc__)
     p.add_argument("--requests", type=positive_int, default=64)
@@ -147,7 +185,20 @@ def main(argv=None) -> int:
     p.add_argument("--pairs", type=positive_int, default=3, help="alternated (one stream, concurrent) pairs")
     p.add_argument("--weights", default="q4_1")
     p.add_argument("--model")
+    p.add_argument("--no-http", action="store_true", help="the engine's part only: batched decode in this process")
     args = p.parse_args(argv)
+    if args.no_http:
+        from pjinfer.runtime.engine import Engine
+
+        try:
+            engine = Engine.load(args.model, weights=args.weights)
+            result = run_direct(engine, requests=args.requests, clients=args.clients, tokens=args.tokens,
+                                pairs=args.pairs)
+        except ValueError as e:               # a model or weights the batched decode cannot run: one line
+            print(f"pjinfer: error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(result))
+        return 0
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "pjinfer.cli.main", "serve", "--port", str(port), "--weights", args.weights,

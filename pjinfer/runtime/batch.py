@@ -1,4 +1,5 @@
-"""Batched decoding for the server: up to max_batch requests advance one token each in one jitted step.
+"""Batched decoding for the server: up to max_batch requests advance together, every decode step reading the
+weights once for all of them, several steps per jitted call.
 
 ``Batch(engine, max_batch)`` holds a pool of KV caches, one slot per request ([max_batch, S, KV, hd] per layer), and
 the ``cpu_offload.batched_decode.BatchDecoder`` of the engine's host decoder. A request:
@@ -6,12 +7,16 @@ the ``cpu_offload.batched_decode.BatchDecoder`` of the engine's host decoder. A 
     state = batch.start(slot, prompt_ids, max_new_tokens, sampling)   # its own prefill (as Engine.stream's), its
                                                                       # cache copied into the slot; state.token is
                                                                       # its first token
-    batch.step([state, ...])                                          # one token for every state given (their
-                                                                      # slots), state.token the next one
+    batch.step([state, ...], steps=8)                                 # up to 8 tokens for every state given (their
+                                                                      # slots) in one call: state.new
+    batch.wake()                                                      # from any thread: the running step() returns
+                                                                      # after its current decode step
 
 A slot with no state in a step is skipped by the host kernels (position -1), so requests join and leave between
-steps without recompiling: one executable per (pool length, sampling mode). The pool length S is a power of two
-that grows, once, to the longest cache a request has asked for (``Engine.plan``'s bucket).
+calls without recompiling: one executable per (pool length, sampling mode, steps). The pool length S is a power of
+two that grows, once, to the longest cache a request has asked for (``Engine.plan``'s bucket). Several steps per
+call because a call costs about as much host time as a one-token step's compute (the Python around it, the
+dispatch, the sampling of every slot); wake() keeps a joining request from waiting for the rest of a call.
 
 Every request's tokens are Engine.stream's for it alone, bit for bit: the same prefill and key splits, the host
 layers and head give each slot the single-token decoder's numbers (batched_decode), and the XLA parts around them
@@ -46,15 +51,19 @@ def unsupported(engine) -> str | None:
 
 @dataclasses.dataclass
 class State:
-    """One request in the batch: its slot, the token it feeds next (its newest), how many it has produced, its
-    key (as key data), its repetition window and its sampling."""
+    """One request in the batch: its slot, the token it feeds next (its newest), how many more it may produce,
+    its position (where `token` goes in the cache is position + 1), its key (as key data), its repetition window
+    (the ids before `token`), its stop ids (int32 [MAX_STOP_IDS], -1 padded), its sampling, and the tokens the
+    last `Batch.step` gave it (`new`)."""
     slot: int
     token: int
-    produced: int
-    position: int           # where `token` goes in the cache
+    remaining: int
+    position: int
     key: np.ndarray
     recent: np.ndarray
+    stops: np.ndarray
     sampling: Sampling
+    new: list = dataclasses.field(default_factory=list)
 
 
 @partial(jax.jit, donate_argnames=("pool",))
@@ -70,29 +79,53 @@ def _grow(pool: KVCache, length):
     return KVCache(k=[pad(p) for p in pool.k], v=[pad(p) for p in pool.v])
 
 
-@partial(jax.jit, static_argnames=("graph", "decoder", "mode"), donate_argnames=("pool",))
-def _step(graph, state, decoder, tokens, pos, pool, keys, params, recent, greedy, *, mode):
-    """tokens, pos [B] (pos -1: empty slot), keys [B, 2] key data, params: Sampling.params() stacked [B] each,
-    recent [B, window], greedy [B] -> (next tokens [B], pool, keys [B, 2]). mode "greedy": every live slot is
-    greedy (argmax only); "mixed": sample every slot, greedy ones take the argmax."""
+@partial(jax.jit, static_argnames=("graph", "decoder", "mode", "steps"), donate_argnames=("pool",))
+def _steps(graph, state, decoder, tokens, pos, remaining, stops, pool, keys, params, recent, greedy, *, mode, steps):
+    """Up to `steps` decode steps of every live slot (pos >= 0, the position its token goes to): each step feeds
+    every live slot's token and samples its next one. A slot leaves the loop after its `remaining` tokens or a
+    stop id (stops [B, MAX_STOP_IDS]); the loop ends when no slot is live, after `steps`, or after the step during
+    which the host called decoder.wake(). keys [B, 2] key data, params: Sampling.params() stacked [B] each, recent
+    [B, window] the ids before each token, greedy [B]. mode "greedy": every live slot is greedy (argmax only);
+    "mixed": sample every slot, greedy ones take the argmax. Returns (out [steps, B], count [B]: the tokens each
+    slot produced, in out[:count[b], b]; pool, keys, recent)."""
     model = graph.merge(state)
-    x = embedding_rows(model.embed, tokens[:, None])                       # [B, 1, d]
-    ks, vs = [], []
-    for l, (k, v) in enumerate(zip(pool.k, pool.v)):
-        x, k, v = decoder.layer(l, x, pos, k, v)
-        ks.append(k)
-        vs.append(v)
-    hidden = model.final_norm(x)[:, 0]
-    logits = decoder.head(hidden, pos)
-    split = jax.vmap(jax.random.split)(jax.random.wrap_key_data(keys))
-    keys, subs = split[:, 0], split[:, 1]
-    argmax = jax.vmap(lambda lg, r, p: sample(lg, None, p, True, r))(logits, recent, params)
-    if mode == "greedy":
-        out = argmax
-    else:
-        drawn = jax.vmap(lambda lg, k, r, p: sample(lg, k, p, False, r))(logits, subs, recent, params)
-        out = jnp.where(greedy, argmax, drawn)
-    return out, KVCache(k=ks, v=vs), jax.random.key_data(keys)
+
+    def step(carry):
+        n, out, count, tokens, pos, remaining, pool, keys, recent, _ = carry
+        live = pos >= 0
+        recent = jnp.where(live[:, None], jnp.concatenate([recent[:, 1:], tokens[:, None]], axis=1), recent)
+        x = embedding_rows(model.embed, tokens[:, None])                       # [B, 1, d]
+        ks, vs = [], []
+        for l, (k, v) in enumerate(zip(pool.k, pool.v)):
+            x, k, v = decoder.layer(l, x, pos, k, v)
+            ks.append(k)
+            vs.append(v)
+        hidden = model.final_norm(x)[:, 0]
+        logits = decoder.head(hidden, pos)
+        split = jax.vmap(jax.random.split)(jax.random.wrap_key_data(keys))
+        next_keys, subs = split[:, 0], split[:, 1]
+        argmax = jax.vmap(lambda lg, r, p: sample(lg, None, p, True, r))(logits, recent, params)
+        if mode == "greedy":
+            new = argmax
+        else:
+            drawn = jax.vmap(lambda lg, k, r, p: sample(lg, k, p, False, r))(logits, subs, recent, params)
+            new = jnp.where(greedy, argmax, drawn)
+        out = out.at[n].set(jnp.where(live, new, -1))
+        remaining = remaining - live
+        done = ~live | (remaining <= 0) | jnp.any(new[:, None] == stops, axis=1)
+        keys = jnp.where(live[:, None], jax.random.key_data(next_keys), keys)
+        return (n + 1, out, count + live, jnp.where(live, new, tokens), jnp.where(done, -1, pos + 1), remaining,
+                KVCache(k=ks, v=vs), keys, recent, decoder.woken() != 0)
+
+    def more(carry):
+        n, pos, woken = carry[0], carry[4], carry[9]
+        return (n < steps) & jnp.any(pos >= 0) & ~woken
+
+    b = tokens.shape[0]
+    carry = (jnp.int32(0), jnp.full((steps, b), -1, jnp.int32), jnp.zeros(b, jnp.int32), tokens, pos, remaining,
+             pool, keys, recent, jnp.bool_(False))
+    _, out, count, _, _, _, pool, keys, recent, _ = jax.lax.while_loop(more, step, carry)
+    return out, count, pool, keys, recent
 
 
 class Batch:
@@ -107,8 +140,9 @@ class Batch:
         self.pool = KVCache.create(engine.config, max_batch, gen.MIN_CACHE_BUCKET)
         self.widest = 0     # the most requests one step has advanced (for tests and logs)
 
-    def start(self, slot: int, prompt_ids, max_new_tokens: int, sampling: Sampling) -> State:
-        """Prefill a request (Engine.plan refuses what the context cannot hold) into `slot`."""
+    def start(self, slot: int, prompt_ids, max_new_tokens: int, sampling: Sampling, stop_ids=None) -> State:
+        """Prefill a request (Engine.plan refuses what the context cannot hold) into `slot`. stop_ids: as
+        Engine.stream's (None: the tokenizer's end ids)."""
         e = self.engine
         _, cache_len = e.plan(len(prompt_ids), max_new_tokens)
         key, sub = jax.random.split(jax.random.key(sampling.seed))
@@ -116,31 +150,45 @@ class Batch:
         if cache_len > self.pool.length:
             self.pool = _grow(self.pool, length=cache_len)
         self.pool = _insert(self.pool, cache, jnp.int32(slot))
-        return State(slot, int(token), 0, len(prompt_ids) - 1, np.asarray(jax.random.key_data(key)),
-                     recent_ids(prompt_ids), sampling)
+        return State(slot, int(token), max_new_tokens - 1, len(prompt_ids) - 1, np.asarray(jax.random.key_data(key)),
+                     recent_ids(prompt_ids), np.asarray(e.stop_tokens(stop_ids)), sampling)
 
-    def step(self, states: list[State]) -> None:
-        """One token for each state (state.token fed at its next position, the new one stored in state.token)."""
+    def wake(self) -> None:
+        """From any thread: a `step` running now returns after its current decode step."""
+        self.decoder.wake()
+
+    def step(self, states: list[State], steps: int = 1) -> None:
+        """Up to `steps` tokens for each state, in one jitted call: each state's new tokens in state.new (fewer
+        when it used up its max_new_tokens, sampled a stop id, or wake() was called), its newest in state.token.
+        A state that has nothing left to produce (remaining 0: its budget is spent, or its newest token is a stop
+        id) gets none."""
         b = self.max_batch
         self.widest = max(self.widest, len(states))
-        tokens, pos = np.zeros(b, np.int32), np.full(b, -1, np.int32)
+        tokens, pos, remaining = np.zeros(b, np.int32), np.full(b, -1, np.int32), np.zeros(b, np.int32)
+        stops = np.full((b, gen.MAX_STOP_IDS), -1, np.int32)
         keys = np.zeros((b, 2), np.uint32)
         recent = np.full((b, len(states[0].recent)), -1, np.int32)
         params = [np.zeros(b, np.asarray(p).dtype) for p in Sampling().params()]
         greedy = np.ones(b, bool)
         for s in states:
-            s.position += 1
-            s.recent = np.append(s.recent[1:], np.int32(s.token))
-            tokens[s.slot], pos[s.slot], keys[s.slot], recent[s.slot] = s.token, s.position, s.key, s.recent
+            tokens[s.slot], keys[s.slot], recent[s.slot], stops[s.slot] = s.token, s.key, s.recent, s.stops
+            if s.remaining > 0:
+                pos[s.slot], remaining[s.slot] = s.position + 1, s.remaining
             for arr, value in zip(params, s.sampling.params()):
                 arr[s.slot] = np.asarray(value)
             greedy[s.slot] = s.sampling.greedy
-        mode = "greedy" if greedy.all() else "mixed"
+        mode = "greedy" if greedy[pos >= 0].all() else "mixed"
         e = self.engine
-        out, self.pool, keys = _step(e.graph, e.state, self.decoder, jnp.asarray(tokens), jnp.asarray(pos),
-                                     self.pool, jnp.asarray(keys), tuple(jnp.asarray(p) for p in params),
-                                     jnp.asarray(recent), jnp.asarray(greedy), mode=mode)
-        out, keys = np.asarray(out), np.asarray(keys)
+        self.decoder.clear_wake()
+        out, count, self.pool, keys, recent = _steps(
+            e.graph, e.state, self.decoder, jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(remaining),
+            jnp.asarray(stops), self.pool, jnp.asarray(keys), tuple(jnp.asarray(p) for p in params),
+            jnp.asarray(recent), jnp.asarray(greedy), mode=mode, steps=steps)
+        out, count, keys, recent = np.asarray(out), np.asarray(count), np.asarray(keys), np.asarray(recent)
         for s in states:
-            s.token, s.key = int(out[s.slot]), keys[s.slot]
-            s.produced += 1
+            n = int(count[s.slot])
+            s.new = out[:n, s.slot].tolist()
+            if n:
+                s.token, s.key, s.recent = s.new[-1], keys[s.slot], recent[s.slot]
+                s.position += n
+                s.remaining = 0 if s.token in s.stops else s.remaining - n

@@ -2,13 +2,15 @@
 
 The server's request handlers submit `Job`s from any thread; the scheduler thread alone calls the engine. Each round
 admits waiting jobs (up to `max_active`; a new job's prefill runs when it is admitted and gives its first token),
-then advances every active job by one token. A job that is cancelled (its client went away) is dropped at the next
-round, freeing its place. Every job's tokens are what `Engine.stream` gives for it alone, bit for bit, so a
-request's output does not depend on what else runs.
+then advances every active job. A job that is cancelled (its client went away) is dropped at the next round, freeing
+its place. Every job's tokens are what `Engine.stream` gives for it alone, bit for bit, so a request's output does
+not depend on what else runs.
 
-With the dense host decode (--weights q4_1 or int8, no bundle) a round is one batched step (`pjinfer.runtime.batch`): every
-active job's token in one call that reads the weights once. Other engines cannot batch: their jobs take turns, one
-decode step per job per round (the scheduler says so on stderr once), so N jobs share one stream's rate.
+With the dense host decode (--weights q4_1 or int8, no bundle) a round is one call of batched steps
+(`pjinfer.runtime.batch`): up to STEPS tokens of every active job, each step reading the weights once for all of
+them. A submitted or cancelled job wakes the call, which then returns after its current step, so a new request
+still joins, and a cancelled one leaves, at the next step. Other engines cannot batch: their jobs take turns, one
+token per job per round (the scheduler says so on stderr once), so N jobs share one stream's rate.
 """
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ from typing import Callable
 from pjinfer.load.tokenizer import StreamDecoder
 from pjinfer.runtime import batch as batching
 from pjinfer.runtime.sampling import Sampling
+
+
+STEPS = 8   # batched decode steps per call at most (Batch.step): a call's host overhead spread over them
 
 
 class SchedulerClosed(Exception):
@@ -77,10 +82,22 @@ class Scheduler:
         if self._closing.is_set():
             raise SchedulerClosed("the server is shutting down")
         self._waiting.put(job)
+        self._wake()
+
+    def cancel(self, job: Job) -> None:
+        """From any thread: the job ends at the next step (a no-op once it is done)."""
+        job.cancelled.set()
+        if job.finished is None:
+            self._wake()
+
+    def _wake(self) -> None:
+        if self.batch is not None:
+            self.batch.wake()
 
     def close(self) -> None:
-        """Takes no new job; waiting and active jobs end at the next round ("stop"). Safe from a signal handler."""
+        """Takes no new job; waiting and active jobs end at the next step ("stop"). Safe from a signal handler."""
         self._closing.set()
+        self._wake()
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
@@ -116,24 +133,28 @@ class Scheduler:
                 continue
             taken = {e.state.slot for e in self._active if e.state is not None}
             slot = min(set(range(self.max_active)) - taken)
-            entry.stops = frozenset(self.engine.stop_tokens(job.stop_ids).tolist())
             try:
-                entry.state = self.batch.start(slot, job.prompt_ids, job.max_tokens, job.sampling)
+                entry.state = self.batch.start(slot, job.prompt_ids, job.max_tokens, job.sampling, job.stop_ids)
             except Exception as e:            # the engine refusing, or a bug: the job ends, the server goes on
                 self._finish(entry, None, error=f"{type(e).__name__}: {e}")
                 continue
+            entry.stops = frozenset(entry.state.stops.tolist())
             self._deliver(entry, entry.state.token)
 
     def _step(self, entries: list[_Active]) -> None:
-        """One batched decode step for every entry, then each one's new token."""
+        """Batched decode steps for every entry (up to STEPS), then each one's new tokens in order; an entry that
+        ends on the way (a stop string, its budget) drops the rest of its tokens."""
         try:
-            self.batch.step([e.state for e in entries])
+            self.batch.step([e.state for e in entries], steps=STEPS)
         except Exception as e:                # a bug: these jobs end, the server goes on
             for entry in entries:
                 self._finish(entry, None, error=f"{type(e).__name__}: {e}")
             return
         for entry in entries:
-            self._deliver(entry, entry.state.token)
+            for token in entry.state.new:
+                if entry not in self._active:
+                    break
+                self._deliver(entry, token)
 
     def _advance(self, entry: _Active) -> None:
         """A turn: one token from the job's own Engine.stream."""

@@ -249,7 +249,7 @@ class Server:
                     self._log(rid, job)
                     return reply.whole("".join(pieces), value, job.completion_tokens)
         finally:
-            job.cancelled.set()      # a no-op once done; frees the place if the handler is cancelled
+            self.scheduler.cancel(job)   # a no-op once done; frees the place if the handler is cancelled
 
     async def _stream(self, job: Job, events: asyncio.Queue, reply: "_Reply", include_usage: bool):
         try:
@@ -270,7 +270,7 @@ class Server:
                     break
             yield "data: [DONE]\n\n"
         finally:
-            job.cancelled.set()      # the client went away: the scheduler drops the job at its next turn
+            self.scheduler.cancel(job)   # the client went away: the scheduler drops the job at its next step
 
     def _outbox(self) -> "_Outbox":
         """The running event loop's outbox (one per loop: tests may serve the same Server from several loops)."""
