@@ -321,9 +321,9 @@ class Engine:
 
     def stream(self, prompt_ids, *, max_new_tokens: int = 64, sampling: Sampling = Sampling(),
                stop_ids=None) -> Iterator[int]:
-        """Yields generated ids as they come: the first from the prefill, then up to gen.STREAM_CHUNK at a time from one
-        jitted loop of decode steps each (gen.decode_chunk). The ids, key schedule and stops are generate()'s.
-        Stopping early wastes at most the rest of a chunk."""
+        """Yields generated ids as they come: the first from the prefill, then up to gen.STREAM_CHUNK at a time,
+        each batch from one jitted loop of decode steps (gen.decode_chunk). The ids, key schedule and stops are
+        generate()'s. Stopping early wastes at most the rest of a chunk."""
         _, cache_len = self.plan(len(prompt_ids), max_new_tokens)
         stops = self.stop_tokens(stop_ids)
         stop_set = set(np.asarray(stops).tolist())
