@@ -220,9 +220,9 @@ def test_real_model_batch_equals_engine_stream_for_every_request(q4_engine):
     assert batch.widest == 8
 
 
-def test_real_model_batch_steps_end_at_a_stop_id_a_budget_and_a_wake(q4_engine, monkeypatch):
+def test_real_model_batch_steps_end_at_a_stop_id_a_budget_and_a_wake(q4_engine):
     """In one call of several steps: a request that samples one of its stop ids stops there (the id is its last
-    token), one with a budget stops at it, and wake() ends the call after the step it came in."""
+    token), one with a budget stops at it, and wake() ends every call after its first step until clear_wake()."""
     from pjinfer.runtime.batch import Batch
     from pjinfer.runtime.sampling import Sampling
 
@@ -240,10 +240,14 @@ def test_real_model_batch_steps_end_at_a_stop_id_a_budget_and_a_wake(q4_engine, 
     batch.step([a, b], steps=12)
     assert a.new == [] and b.new == []                               # nothing left to produce
     c = batch.start(3, ids, 12, Sampling(), stop_ids=[])
-    monkeypatch.setattr(batch.decoder, "clear_wake", lambda: None)   # step() clears it on entry: keep it set
     batch.wake()
     batch.step([c], steps=8)
-    assert c.new == free[1:2]
+    assert c.new == free[1:2]                                        # one step, then the flag ended the call
+    batch.step([c], steps=8)
+    assert c.new == free[2:3]                                        # still set: one step again
+    batch.clear_wake()
+    batch.step([c], steps=8)
+    assert c.new == free[3:11]
 
 
 def test_real_model_host_prompt_matches_xla_prefill(q4_engine):

@@ -9,8 +9,9 @@ the ``cpu_offload.batched_decode.BatchDecoder`` of the engine's host decoder. A 
                                                                       # its first token
     batch.step([state, ...], steps=8)                                 # up to 8 tokens for every state given (their
                                                                       # slots) in one call: state.new
-    batch.wake()                                                      # from any thread: the running step() returns
-                                                                      # after its current decode step
+    batch.wake()                                                      # from any thread: step() calls return after
+    batch.clear_wake()                                                # one decode step, the running one too, until
+                                                                      # the flag is cleared
 
 A slot with no state in a step is skipped by the host kernels (position -1), so requests join and leave between
 calls without recompiling: one executable per (pool length, sampling mode, steps). The pool length S is a power of
@@ -154,8 +155,14 @@ class Batch:
                      recent_ids(prompt_ids), np.asarray(e.stop_tokens(stop_ids)), sampling)
 
     def wake(self) -> None:
-        """From any thread: a `step` running now returns after its current decode step."""
+        """From any thread: a `step` running now, or the next one, returns after its current decode step (until
+        clear_wake)."""
         self.decoder.wake()
+
+    def clear_wake(self) -> None:
+        """Steps run their whole count again. The caller clears before it looks at what may wake it (the
+        scheduler: before it reads its queue), so a wake in between is not lost."""
+        self.decoder.clear_wake()
 
     def step(self, states: list[State], steps: int = 1) -> None:
         """Up to `steps` tokens for each state, in one jitted call: each state's new tokens in state.new (fewer
@@ -179,7 +186,6 @@ class Batch:
             greedy[s.slot] = s.sampling.greedy
         mode = "greedy" if greedy[pos >= 0].all() else "mixed"
         e = self.engine
-        self.decoder.clear_wake()
         out, count, self.pool, keys, recent = _steps(
             e.graph, e.state, self.decoder, jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(remaining),
             jnp.asarray(stops), self.pool, jnp.asarray(keys), tuple(jnp.asarray(p) for p in params),

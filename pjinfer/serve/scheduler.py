@@ -108,6 +108,8 @@ class Scheduler:
             if self._closing.is_set():
                 self._end_all()
                 return
+            if self.batch is not None:
+                self.batch.clear_wake()   # before looking at the queue: a job submitted from here on wakes the step
             self._admit(block=not self._active)
             if self.batch is None:
                 for entry in list(self._active):
