@@ -188,3 +188,35 @@ def test_bench_serve_no_http_counts_every_token_of_both_phases(q4_engine):
     assert sum(made) == 8 * 4
     assert result["pairs"] == 1 and len(result["ratios"]) == 1 and result["http"] is False
     assert result["single_stream_tok_s"][0] > 0 and result["aggregate_tok_s"][0] > 0
+
+
+@pytest.mark.parametrize("queued, want", [
+    ([("text", "a"), ("text", "b"), ("text", "c"), ("done", "length")], ["abc", "length"]),
+    ([("text", "a"), ("done", "stop")], ["a", "stop"]),
+    ([("text", "x"), ("text", "y"), ("error", "boom")], ["xy", "boom"]),
+])
+def test_a_stream_sends_the_pieces_already_queued_as_one_chunk(served, queued, want):
+    """A batched call hands a request several tokens at once: the SSE stream sends the text that is already
+    waiting in one chunk, then the event after it (the finish, or an error object), then [DONE]."""
+    import asyncio
+
+    from pjinfer.runtime.sampling import Sampling
+    from pjinfer.serve.scheduler import Job
+    from pjinfer.serve.server import _Reply
+
+    server = served[0]
+    job = Job([1, 2], 3, Sampling(), emit=lambda event: None)
+    job.first_token = job.finished = time.perf_counter()
+    job.completion_tokens = 3
+
+    async def collect():
+        events = asyncio.Queue()
+        for event in queued:
+            events.put_nowait(event)
+        return [part async for part in server._stream(job, events, _Reply("r", "m", False, 2), False)]
+
+    parts = asyncio.run(collect())
+    assert parts[-1] == "data: [DONE]\n\n" and len(parts) == 3
+    first, second = (json.loads(p[len("data: "):]) for p in parts[:2])
+    assert first["choices"][0]["text"] == want[0] and first["choices"][0]["finish_reason"] is None
+    assert (second["choices"][0]["finish_reason"] if "choices" in second else second["error"]["message"]) == want[1]

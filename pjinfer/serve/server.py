@@ -255,9 +255,18 @@ class Server:
         try:
             if reply.chat:
                 yield _sse(reply.chunk(role=True))
+            held = None
             while True:
-                kind, value = await events.get()
+                kind, value = held or await events.get()
+                held = None
                 if kind == "text":
+                    # The pieces already here go out as one chunk: a batched call delivers several tokens at once.
+                    while not events.empty():
+                        event = events.get_nowait()
+                        if event[0] != "text":
+                            held = event
+                            break
+                        value += event[1]
                     yield _sse(reply.chunk(text=value))
                 elif kind == "error":
                     yield _sse({"error": {"message": value, "type": "server_error", "param": None, "code": None}})
@@ -288,8 +297,8 @@ class Server:
 
 
 class _Outbox:
-    """Carries the scheduler thread's events to the requests' queues on the event loop. A batched step emits one
-    event per request; the loop is woken once for all the events that arrive before it runs (one
+    """Carries the scheduler thread's events to the requests' queues on the event loop. A batched call emits up
+    to a few events per request; the loop is woken once for all the events that arrive before it runs (one
     call_soon_threadsafe, not one per event), and each queue receives its events in the order they were sent."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
