@@ -86,6 +86,11 @@ def _one(base: str, prompt: str, tokens: int) -> dict:
 SINGLE_REQUESTS = 2
 
 
+def _span(values) -> list:
+    """[min, max] of rates, to 0.1."""
+    return [round(min(values), 1), round(max(values), 1)]
+
+
 def _concurrent(base: str, *, requests: int, clients: int, tokens: int, bar) -> tuple[list[dict], float]:
     """`requests` requests from `clients` threads: their results and the phase's wall seconds."""
     results, lock, next_index = [], threading.Lock(), iter(range(requests))
@@ -134,9 +139,8 @@ def run(base: str, *, requests: int, clients: int, tokens: int, pairs: int = 3) 
         ratios.append(aggregate / single)
     bar.close()
     ttfts.sort()
-    span = lambda v, digits=1: [round(min(v), digits), round(max(v), digits)]  # noqa: E731
     return {"requests": requests, "clients": clients, "tokens": tokens, "pairs": pairs,
-            "single_stream_tok_s": span(singles), "aggregate_tok_s": span(aggregates),
+            "single_stream_tok_s": _span(singles), "aggregate_tok_s": _span(aggregates),
             "aggregate_over_single": round(statistics.median(ratios), 2),
             "ratios": [round(r, 2) for r in ratios],
             "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
@@ -171,9 +175,8 @@ def run_direct(engine, *, requests: int, clients: int, tokens: int, pairs: int =
         singles.append(rate(SINGLE_REQUESTS, 1))
         aggregates.append(rate(requests, clients))
     ratios = [a / s for a, s in zip(aggregates, singles)]
-    span = lambda v: [round(min(v), 1), round(max(v), 1)]  # noqa: E731
     return {"requests": requests, "clients": clients, "tokens": tokens, "pairs": pairs, "http": False,
-            "single_stream_tok_s": span(singles), "aggregate_tok_s": span(aggregates),
+            "single_stream_tok_s": _span(singles), "aggregate_tok_s": _span(aggregates),
             "aggregate_over_single": round(statistics.median(ratios), 2), "ratios": [round(r, 2) for r in ratios]}
 
 

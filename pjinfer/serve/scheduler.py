@@ -53,12 +53,11 @@ class Job:
 
 @dataclasses.dataclass
 class _Active:
-    """An admitted job: its text decoder, and either its token iterator (turns) or its batch state and stop ids."""
+    """An admitted job: its text decoder, and either its token iterator (turns) or its batch state."""
     job: Job
     decoder: StreamDecoder
     tokens: object = None
     state: batching.State | None = None
-    stops: frozenset = frozenset()
 
 
 class Scheduler:
@@ -140,7 +139,6 @@ class Scheduler:
             except Exception as e:            # the engine refusing, or a bug: the job ends, the server goes on
                 self._finish(entry, None, error=f"{type(e).__name__}: {e}")
                 continue
-            entry.stops = frozenset(entry.state.stops.tolist())
             self._deliver(entry, entry.state.token)
 
     def _step(self, entries: list[_Active]) -> None:
@@ -176,7 +174,7 @@ class Scheduler:
     def _deliver(self, entry: _Active, token: int) -> None:
         """Hands a job its next token, and ends the job where Engine.stream would stop."""
         job, decoder = entry.job, entry.decoder
-        if token in entry.stops:
+        if entry.state is not None and token in entry.state.stops:
             self._finish(entry, "stop")       # an end-of-text id (batched; Engine.stream drops it itself)
             return
         if job.first_token is None:
