@@ -33,7 +33,7 @@ from numba import carray, cfunc, njit, types
 
 from pjinfer.config import ConfigError
 
-from . import attention, ffi, host_decode, int8, kernels, q4, q4_gemm, tables, team, vector_ir
+from . import activation, attention, ffi, host_decode, int8, kernels, q4, q4_gemm, tables, team, vector_ir
 from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F16, DT_F32, DT_S32,
                   ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, buffer_numel, cstr, load_i32,
                   load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i32, ptr_u8, ptr_u16, store_i64, unlock)
@@ -42,7 +42,7 @@ from .host_decode import (F_Q4_1, H_EPS, H_FORMAT, H_HEAD, H_HEAD_SCALES, H_INV_
                           L_FFN_NORM, L_GATE, L_K, L_O, L_Q, L_UP, L_V, L_WIDTH, ST_ATTN, ST_DOWN,
                           ST_GATE_UP, ST_HEAD, ST_O, ST_QKV, add_qkv_bias, cache_rows, dims, f32_view, int8_matrix, rmsnorm, rope,
                           thread_share)
-from .kernels import act
+from .activation import act_span
 
 
 TARGET_NAME = "pjinfer_host_decode_batch"
@@ -137,8 +137,7 @@ def _stage_py(header, tid, n):
         _matmul(header, layer, L_UP, ff, h, up, nt, lo, hi)
         code = load_i64(header + 8 * host_decode.H_ACT)
         for t in range(nt):
-            for i in range(lo, hi):
-                gate[t, i] = act(gate[t, i], up[t, i], code)
+            act_span(gate[t], up[t], lo, hi, code)
     elif stage == ST_DOWN:
         lo, hi = thread_share(d, tid, n, 4)
         _matmul(header, layer, L_DOWN, d, gate, down, nt, lo, hi)
@@ -151,8 +150,8 @@ def _stage_py(header, tid, n):
         q4_gemm.gemm_int8(w, s, h, out, _i64s(header, B_SLOTS), nt, lo, hi)
 
 
-ffi.purge_stale_cache("batched_decode", attention, kernels, ffi, int8, q4, q4_gemm, host_decode, tables, team,
-                      vector_ir)
+ffi.purge_stale_cache("batched_decode", attention, activation, kernels, ffi, int8, q4, q4_gemm, host_decode, tables,
+                      team, vector_ir)
 
 _stage = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True, cache=True)(_stage_py)
 

@@ -14,7 +14,7 @@ import os
 
 from pjinfer.config import ConfigError
 
-from . import ffi, kernels, tables
+from . import activation, ffi, kernels, tables, vector_ir
 from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F32, DT_PRED, DT_S32,
                   ERRC_FAILED_PRECONDITION, ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, R_BATCH_THREADS,
                   R_EXECUTES, R_THREADS, RUNTIME as _RUNTIME, RUNTIME_ADDR as _RUNTIME_ADDR, buffer_numel, cstr,
@@ -240,7 +240,7 @@ def _handler_py(frame):
     return _execute(frame, load_i64(frame + ffi.CF_API))
 
 
-ffi.purge_stale_cache("cold_handler", kernels, ffi, tables)
+ffi.purge_stale_cache("cold_handler", activation, kernels, ffi, tables, vector_ir)
 
 # XLA_FFI_Error* handler(XLA_FFI_CallFrame*): pointers travel as pointer-sized integers (same registers on LP64).
 _handler = cfunc(types.intp(types.intp), nopython=True, cache=True)(_handler_py)

@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import attention, ffi, int8, kernels, q4, quants, tables, team, vector_ir
+from . import activation, attention, ffi, int8, kernels, q4, quants, tables, team, vector_ir
 from .ffi import (BUF_DATA, BUF_DIMS, BUF_DTYPE, BUF_RANK, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F16, DT_F32, DT_S32,
                   ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, buffer_numel, cstr,
                   last_dim, load_i32, load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i8, ptr_i32, ptr_u8, ptr_u16,
                   store_i64, unlock)
-from .kernels import QBLOCK, act
+from .activation import act_span
+from .kernels import QBLOCK
 
 from numba import carray, cfunc, njit, types  # noqa: E402
 
@@ -248,8 +249,7 @@ def _stage_py(header, tid, n):
         _matvec(header, layer, L_GATE, ff, h, gate, lo, hi)
         _matvec(header, layer, L_UP, ff, h, up, lo, hi)
         code = load_i64(header + 8 * H_ACT)
-        for i in range(lo, hi):
-            gate[i] = act(gate[i], up[i], code)
+        act_span(gate, up, lo, hi, code)
     elif stage == ST_DOWN:
         lo, hi = thread_share(d, tid, n, 4)
         _matvec(header, layer, L_DOWN, d, gate, down, lo, hi)
@@ -258,7 +258,7 @@ def _stage_py(header, tid, n):
 
 
 
-ffi.purge_stale_cache("host_decode", attention, kernels, ffi, int8, q4, quants, tables, team, vector_ir)
+ffi.purge_stale_cache("host_decode", attention, activation, kernels, ffi, int8, q4, quants, tables, team, vector_ir)
 
 # void stage(int64 header, int64 tid, int64 n): what the team runs.
 stage_cfunc = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True, cache=True)(_stage_py)

@@ -42,6 +42,11 @@ from numba import njit, prange, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
+from . import activation, ffi, vector_ir  # noqa: E402
+from .activation import act  # noqa: E402
+
+ffi.purge_stale_cache("kernels", activation, vector_ir)  # act's IR is compiled into this module's cached functions
+
 
 # Below this many weight floats touched (count * d * rows), one thread does the whole job: a workqueue launch
 # costs ~30-100 us on this 2-vCPU VM (more when other processes compete for the cores), while one core streams
@@ -51,26 +56,8 @@ SERIAL_FLOATS = 1 << 18
 MIN_NEURONS_PER_THREAD = 8
 
 _F0 = np.float32(0.0)
-_HALF = np.float32(0.5)
-_ONE = np.float32(1.0)
-_GELU_C = np.float32(math.sqrt(2.0 / math.pi))
-_GELU_A = np.float32(0.044715)
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
-
-
-@njit(inline="always", **_JIT)
-def act(g, u, code):
-    """The activation of pjinfer.activations with this `code`, in Numba (float32)."""
-    if code == 0:  # swiglu
-        return g / (_ONE + np.exp(-g)) * u
-    if code == 1:  # geglu (tanh approximation)
-        return _HALF * g * (_ONE + np.tanh(_GELU_C * (g + _GELU_A * g * g * g))) * u
-    if code == 2:  # reglu
-        return max(g, _F0) * u
-    if code == 3:  # drelu
-        return max(g, _F0) * max(u, _F0)
-    return max(u, _F0)  # relu (no gate)
 
 
 @intrinsic

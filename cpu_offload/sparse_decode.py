@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import attention, decoder, ffi, host_decode as hd, int8, kernels, q4, q4_sparse, tables, team, vector_ir
+from . import (activation, attention, decoder, ffi, host_decode as hd, int8, kernels, q4, q4_sparse, tables, team,
+               vector_ir)
 from .ffi import (CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, ERRC_INVALID_ARGUMENT, NOJIT, RUNTIME_ADDR, cstr, load_i64,
                   lock, make_error, ptr_f32, ptr_f64, ptr_i32, ptr_u8, ptr_u16, store_i64, unlock)
 from .host_decode import (H_EPS, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS, H_RUNTIME, H_TABLE, H_TASK, H_VOCAB,
                           K_LAYER, K_STAGE, ST_ATTN, ST_DOWN, ST_GATE_UP, ST_HEAD, ST_O, ST_QKV)
-from .kernels import act
+from .activation import act_span
 from .q4 import BLOCK
 from .qtensor import Int8Tensor
 from pjinfer.config import THRESHOLD_INPUTS, ConfigError
@@ -118,15 +119,15 @@ def _stage_py(header, tid, n):
     elif stage == ST_ACT:
         code = load_i64(header + 8 * hd.H_ACT)
         lo, hi = hd.thread_share(ff, tid, n, 16)
-        for i in range(lo, hi):
-            gate[i] = act(gate[i], up[i], code)
+        act_span(gate, up, lo, hi, code)
     elif stage == ST_DOWN:
         _matvec(header, layer, L_DOWN, ff, gate, count, down, tid, n)
     elif stage == ST_HEAD:
         hd.head_share(header, h, tid, n)
 
 
-ffi.purge_stale_cache("sparse_decode", attention, kernels, ffi, int8, q4, q4_sparse, tables, team, hd, vector_ir)
+ffi.purge_stale_cache("sparse_decode", attention, activation, kernels, ffi, int8, q4, q4_sparse, tables, team, hd,
+                      vector_ir)
 
 _stage = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True, cache=True)(_stage_py)
 

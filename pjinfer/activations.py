@@ -1,7 +1,7 @@
 """The FFN activations, in one place: each one's name, whether it is gated (act(gate) and up) and whether an inactive
 neuron is exactly zero (the ReLU family, where skipping it is exact), with its JAX form (the model, the Pallas
 kernels) and a float64 numpy reference (the tests). The Numba form lives with the Numba kernels
-(cpu_offload.kernels.act), which select it by `code`.
+(cpu_offload.activation.act), which select it by `code`.
 
 A bottom-level module: it imports no other pjinfer module, so the kernel packages may import it.
 """

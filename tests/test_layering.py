@@ -101,7 +101,7 @@ def test_every_form_of_each_activation_agrees():
     import jax.numpy as jnp
     from numba import njit
 
-    from cpu_offload.kernels import act
+    from cpu_offload.activation import act
     from pjinfer import activations
     from pjinfer.config import ACTIVATIONS as PER_ARCH
 

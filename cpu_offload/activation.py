@@ -1,0 +1,122 @@
+"""The FFN activations in Numba, for every host kernel: ``act(g, u, code)`` for one neuron and ``act_span(gate, up,
+lo, hi, code)`` for a range of them in place, ``code`` being pjinfer.activations' (swiglu 0, geglu 1, reglu 2,
+drelu 3, relu 4).
+
+SwiGLU's exp is written as LLVM IR (``emit_swiglu``), once for a float and once for 16 lanes with the same operations
+lane by lane, so act_span computes 16 neurons per pass and every path (the dense and batched decode, the sparse
+decode, the cold-neuron kernels) gets the same bits for a neuron whichever form computed it. libm's expf through
+Numba took 12-13 ns a neuron here, most of the SwiGLU stage's time in the batched decode step.
+"""
+from __future__ import annotations
+
+import math
+
+from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
+
+import numpy as np  # noqa: E402
+from llvmlite import ir  # noqa: E402
+from numba import njit, types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
+
+from .vector_ir import strict  # noqa: E402
+
+_JIT = dict(fastmath=True, cache=True, nogil=True)
+_F0 = np.float32(0.0)
+_HALF = np.float32(0.5)
+_ONE = np.float32(1.0)
+_GELU_C = np.float32(math.sqrt(2.0 / math.pi))
+_GELU_A = np.float32(0.044715)
+
+# SwiGLU's exp, as Cephes' expf: n = rint(x log2 e), r = x - n ln 2 (in two parts), exp(r) by a degree-7 polynomial,
+# times 2^n. Within 2 ulp of libm's expf; x is clamped to [_EXP_LO, _EXP_HI], so 2^n stays a normal float.
+_EXP_LO, _EXP_HI = -87.0, 88.0
+_LOG2E, _LN2_HI, _LN2_LO = 1.44269504088896341, 0.693359375, -2.12194440e-4
+_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+
+
+def emit_swiglu(builder, g, u):
+    """IR: g / (1 + exp(-g)) * u, for float32 or <16 x float32> values, lane by lane the same operations (strict
+    flags, explicit fma): the scalar form (``act``) and the vector form (``act_span``) give the same bits."""
+    ty = g.type
+    lanes = ty.count if isinstance(ty, ir.VectorType) else 0
+    ity = ir.VectorType(ir.IntType(32), lanes) if lanes else ir.IntType(32)
+    suffix = f"v{lanes}f32" if lanes else "f32"
+
+    def const(value, t=ty):
+        return ir.Constant(t, [value] * lanes) if lanes else ir.Constant(t, value)
+
+    def call(name, *args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty] * len(args)),
+                                            f"llvm.{name}.{suffix}")
+        return builder.call(fn, list(args))
+
+    x = call("maxnum", call("minnum", strict(builder.fneg(g)), const(_EXP_HI)), const(_EXP_LO))
+    n = call("rint", strict(builder.fmul(x, const(_LOG2E))))
+    r = call("fma", n, const(-_LN2_HI), x)
+    r = call("fma", n, const(-_LN2_LO), r)
+    p = const(_EXP_POLY[0])
+    for c in _EXP_POLY[1:]:
+        p = call("fma", p, r, const(c))
+    e = call("fma", p, strict(builder.fmul(r, r)), strict(builder.fadd(r, const(1.0))))
+    scale = builder.shl(builder.add(builder.fptosi(n, ity), const(127, ity)), const(23, ity))
+    e = strict(builder.fmul(e, builder.bitcast(scale, ty)))
+    return strict(builder.fmul(strict(builder.fdiv(g, strict(builder.fadd(e, const(1.0))))), u))
+
+
+@intrinsic
+def _swiglu(typingctx, g, u):
+    """float32 g / (1 + exp(-g)) * u (emit_swiglu)."""
+    if not (g == types.float32 and u == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return emit_swiglu(builder, *args)
+    return types.float32(types.float32, types.float32), codegen
+
+
+@intrinsic
+def _swiglu16(typingctx, gate, up):
+    """The 16 floats at address gate become emit_swiglu of themselves and the 16 at address up (integer
+    addresses, no bounds checks)."""
+    if not (isinstance(gate, types.Integer) and isinstance(up, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = ir.VectorType(ir.FloatType(), 16).as_pointer()
+        at = builder.inttoptr(args[0], ptr)
+        g = builder.load(at, align=4)
+        u = builder.load(builder.inttoptr(args[1], ptr), align=4)
+        builder.store(emit_swiglu(builder, g, u), at, align=4)
+        return context.get_dummy_value()
+    return types.void(gate, up), codegen
+
+
+@njit(inline="always", **_JIT)
+def act(g, u, code):
+    """The activation of pjinfer.activations with this `code`, in Numba (float32)."""
+    if code == 0:  # swiglu
+        return _swiglu(np.float32(g), np.float32(u))
+    if code == 1:  # geglu (tanh approximation)
+        return _HALF * g * (_ONE + np.tanh(_GELU_C * (g + _GELU_A * g * g * g))) * u
+    if code == 2:  # reglu
+        return max(g, _F0) * u
+    if code == 3:  # drelu
+        return max(g, _F0) * max(u, _F0)
+    return max(u, _F0)  # relu (no gate)
+
+
+@njit(**_JIT)
+def act_span(gate, up, lo, hi, code):
+    """gate[i] = act(gate[i], up[i], code) for i in [lo, hi) (float32, contiguous): SwiGLU 16 at a time, with the
+    same bits as act."""
+    i = lo
+    if code == 0:
+        while i + 16 <= hi:
+            _swiglu16(gate.ctypes.data + 4 * i, up.ctypes.data + 4 * i)
+            i += 16
+    while i < hi:
+        gate[i] = act(gate[i], up[i], code)
+        i += 1
+
+
