@@ -43,6 +43,7 @@ from .host_decode import (F_Q4_1, H_EPS, H_FORMAT, H_HEAD, H_HEAD_SCALES, H_INV_
                           ST_GATE_UP, ST_HEAD, ST_O, ST_QKV, add_qkv_bias, cache_rows, dims, f32_view, int8_matrix, rmsnorm, rope,
                           thread_share)
 from .activation import act_span
+from .qtensor import aligned_zeros
 
 
 TARGET_NAME = "pjinfer_host_decode_batch"
@@ -368,10 +369,10 @@ class BatchDecoder:
         header[:H_WIDTH] = np.frombuffer(ctypes.string_at(host.address, 8 * H_WIDTH), np.int64)
         nqkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
         mb = self.max_batch
-        f32 = lambda cols: np.zeros((mb, cols), np.float32)  # noqa: E731
+        f32 = lambda cols: aligned_zeros((mb, cols), np.float32)  # noqa: E731  (rows on 64-byte lines: cols % 16 == 0)
         self._keep = [f32(c.d_model), f32(c.d_model), f32(nqkv), f32(c.n_heads * c.head_dim), f32(c.d_model),
                       f32(c.d_ff), f32(c.d_ff), f32(c.d_model),
-                      np.zeros((mb * c.n_heads, self.span), np.float32),
+                      aligned_zeros((mb * c.n_heads, self.span), np.float32),
                       np.zeros(mb, np.int64), np.zeros(mb, np.int64), np.arange(mb, dtype=np.int64),
                       np.zeros(mb, np.int64)]
         header[B_X:B_SEQS + 1] = [a.ctypes.data for a in self._keep]

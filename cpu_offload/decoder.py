@@ -27,7 +27,7 @@ from .host_decode import (FORMATS, H_ACT, H_D, H_EPS, H_FF, H_FORMAT, H_HD, H_HE
                           H_TABLE, H_TASK, H_TEAM, H_VOCAB, H_WIDTH, L_ATTN_NORM, L_FFN_NORM, L_QKV_BIAS, L_WIDTH,
                           MAGIC, MATRICES, TARGET_NAME, handler_cfunc, stage_cfunc)
 from .kernels import QBLOCK
-from .qtensor import Int8Tensor, Q4Tensor, QBlocks, aligned_empty, is_quantized
+from .qtensor import Int8Tensor, Q4Tensor, QBlocks, aligned_empty, aligned_zeros, is_quantized
 
 from numba import njit, prange  # noqa: E402  (ffi sets the threading layer first)
 
@@ -216,8 +216,8 @@ class HostDecoder:
         inv_freq = (1.0 / (np.float32(c.rope_theta) ** (np.arange(0, c.head_dim, 2, dtype=np.float32)
                                                         / np.float32(c.head_dim)))).astype(np.float32)
         nqkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
-        scratch = np.zeros(3 * c.d_model + nqkv + c.n_heads * c.head_dim + 2 * c.d_ff
-                           + c.n_heads * c.max_seq_len, np.float32)
+        scratch = aligned_zeros(3 * c.d_model + nqkv + c.n_heads * c.head_dim + 2 * c.d_ff
+                             + c.n_heads * c.max_seq_len, np.float32)
         header = np.zeros(H_WIDTH, np.int64)
         header[[H_NLAYERS, H_D, H_HEADS, H_KV, H_HD, H_FF, H_VOCAB, H_ACT, H_MAXLEN]] = [
             c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size,

@@ -42,6 +42,14 @@ def aligned_empty(shape, dtype) -> np.ndarray:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
+def aligned_zeros(shape, dtype) -> np.ndarray:
+    """aligned_empty, zeroed. The host kernels' scratch: their 64-byte vector loads from rows that start off a
+    cache line boundary cost a second line each (the batched Q4_1 GEMM took 1.3-1.5x as long)."""
+    out = aligned_empty(shape, dtype)
+    out[...] = 0
+    return out
+
+
 def is_aligned(a: np.ndarray) -> bool:
     """Whether XLA takes a without a copy (an empty array has no data to copy)."""
     return a.flags.c_contiguous and (a.size == 0 or a.ctypes.data % XLA_ALIGNMENT == 0)

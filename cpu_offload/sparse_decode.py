@@ -41,7 +41,7 @@ from .host_decode import (H_EPS, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS, H_RUN
                           K_LAYER, K_STAGE, ST_ATTN, ST_DOWN, ST_GATE_UP, ST_HEAD, ST_O, ST_QKV)
 from .activation import act_span
 from .q4 import BLOCK
-from .qtensor import Int8Tensor
+from .qtensor import Int8Tensor, aligned_zeros
 from pjinfer.config import THRESHOLD_INPUTS, ConfigError
 
 from numba import carray, cfunc, njit, types  # noqa: E402
@@ -271,8 +271,8 @@ class SparseHostDecoder(decoder.HostDecoder):
                                                         / np.float32(c.head_dim)))).astype(np.float32)
         nqkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
         widest = max(c.d_model, c.n_heads * c.head_dim, c.d_ff)
-        scratch = np.zeros(3 * c.d_model + nqkv + c.n_heads * c.head_dim + 2 * c.d_ff
-                           + c.n_heads * c.max_seq_len, np.float32)  # host_decode.scratch's views
+        scratch = aligned_zeros(3 * c.d_model + nqkv + c.n_heads * c.head_dim + 2 * c.d_ff
+                             + c.n_heads * c.max_seq_len, np.float32)  # host_decode.scratch's views
         task = np.zeros(8, np.int64)
         task[K_THREADS] = self.team.size
         header = np.zeros(HEADER_WIDTH, np.int64)
