@@ -8,9 +8,9 @@ active list ``ids[:count]`` (indices into the C rows, any order):
 
     out = sum_k act(w_gate[n_k] . x, w_up[n_k] . x + b_up[n_k]) * w_down_t[n_k]
 
-Activations: ``act`` is pjinfer.activations' table in Numba, selected by code (swiglu silu(g)*u, geglu
-gelu_tanh(g)*u, reglu relu(g)*u, drelu relu(g)*relu(u), relu relu(u), whose ``w_gate`` may be empty, shape
-[0, d]). ``b_up`` is optional for every activation (pass an empty [0] array for none); OPT's fc1 bias is the
+Activations: ``act`` (cpu_offload.activation) is pjinfer.activations' table in Numba, selected by code (swiglu
+silu(g)*u, geglu gelu_tanh(g)*u, reglu relu(g)*u, drelu relu(g)*relu(u), relu relu(u), whose ``w_gate`` may be
+empty, shape [0, d]). ``b_up`` is optional for every activation (pass an empty [0] array for none); OPT's fc1 bias is the
 "relu" case.
 
 Semantics shared by every entry point here and by the FFI bridge:
@@ -28,8 +28,6 @@ more than it saves there. Thread count is Numba's (``numba.set_num_threads``); s
 the threading layer (workqueue by default).
 """
 from __future__ import annotations
-
-import math
 
 from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
 
