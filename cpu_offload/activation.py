@@ -19,7 +19,10 @@ from numba import njit, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
+from . import ffi, vector_ir  # noqa: E402
 from .vector_ir import strict  # noqa: E402
+
+ffi.purge_stale_cache("activation", vector_ir)  # strict's flags are compiled into this module's cached functions
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 _F0 = np.float32(0.0)
