@@ -25,9 +25,9 @@ from .ffi import RUNTIME_ADDR
 from .host_decode import (FORMATS, H_ACT, H_D, H_EPS, H_FF, H_FORMAT, H_HD, H_HEAD, H_HEAD_KIND, H_HEAD_SCALES,
                           H_HEADS, H_INV_FREQ, H_KV, H_MAGIC, H_MAXLEN, H_NLAYERS, H_RUNTIME, H_SCRATCH, H_STAGE,
                           H_TABLE, H_TASK, H_TEAM, H_VOCAB, H_WIDTH, L_ATTN_NORM, L_FFN_NORM, L_QKV_BIAS, L_WIDTH,
-                          MAGIC, MATRICES, TARGET_NAME, handler_cfunc, stage_cfunc)
+                          MAGIC, MATRICES, TARGET_NAME, handler_cfunc, new_scratch, stage_cfunc)
 from .kernels import QBLOCK
-from .qtensor import Int8Tensor, Q4Tensor, QBlocks, aligned_empty, aligned_zeros, is_quantized
+from .qtensor import Int8Tensor, Q4Tensor, QBlocks, aligned_empty, is_quantized
 
 from numba import njit, prange  # noqa: E402  (ffi sets the threading layer first)
 
@@ -215,9 +215,6 @@ class HostDecoder:
             head_q, head_s, head_kind = np.asarray(self._head.q), np.asarray(self._head.scales), 0
         inv_freq = (1.0 / (np.float32(c.rope_theta) ** (np.arange(0, c.head_dim, 2, dtype=np.float32)
                                                         / np.float32(c.head_dim)))).astype(np.float32)
-        nqkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
-        scratch = aligned_zeros(3 * c.d_model + nqkv + c.n_heads * c.head_dim + 2 * c.d_ff
-                             + c.n_heads * c.max_seq_len, np.float32)
         header = np.zeros(H_WIDTH, np.int64)
         header[[H_NLAYERS, H_D, H_HEADS, H_KV, H_HD, H_FF, H_VOCAB, H_ACT, H_MAXLEN]] = [
             c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size,
@@ -225,7 +222,7 @@ class HostDecoder:
         header.view(np.float64)[H_EPS] = c.norm_eps
         header[[H_TABLE, H_HEAD, H_HEAD_SCALES, H_INV_FREQ, H_SCRATCH, H_TASK, H_TEAM]] = [
             self._hold(table), self._hold(head_q), self._hold(head_s), self._hold(inv_freq),
-            self._hold(scratch), self._hold(np.zeros(8, np.int64)), self.team.address]
+            self._hold(new_scratch(c)), self._hold(np.zeros(8, np.int64)), self.team.address]
         # Addresses travel in the header, never as Numba globals: cached machine code would keep another
         # process's values.
         header[[H_STAGE, H_RUNTIME]] = [stage_cfunc.address, RUNTIME_ADDR]

@@ -43,6 +43,7 @@ from .ffi import (BUF_DATA, BUF_DIMS, BUF_DTYPE, BUF_RANK, CF_ARGS, CF_NARGS, CF
                   store_i64, unlock)
 from .activation import act_span
 from .kernels import QBLOCK
+from .qtensor import aligned_zeros
 
 from numba import carray, cfunc, njit, types  # noqa: E402
 
@@ -123,6 +124,14 @@ def f32_view_2d(addr, rows, cols):
 def dims(header):
     return (load_i64(header + 8 * H_D), load_i64(header + 8 * H_HEADS), load_i64(header + 8 * H_KV),
             load_i64(header + 8 * H_HD), load_i64(header + 8 * H_FF))
+
+
+def new_scratch(c) -> np.ndarray:
+    """Zeroed float32 memory for ``scratch``'s views of a model with config c, starting on a 64-byte line (the
+    GEMMs' vector loads from a row off a line read two lines)."""
+    nqkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+    return aligned_zeros(3 * c.d_model + nqkv + c.n_heads * c.head_dim + 2 * c.d_ff + c.n_heads * c.max_seq_len,
+                         np.float32)
 
 
 @njit(**NOJIT)

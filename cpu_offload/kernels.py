@@ -10,8 +10,8 @@ active list ``ids[:count]`` (indices into the C rows, any order):
 
 Activations: ``act`` (cpu_offload.activation) is pjinfer.activations' table in Numba, selected by code (swiglu
 silu(g)*u, geglu gelu_tanh(g)*u, reglu relu(g)*u, drelu relu(g)*relu(u), relu relu(u), whose ``w_gate`` may be
-empty, shape [0, d]). ``b_up`` is optional for every activation (pass an empty [0] array for none); OPT's fc1 bias is the
-"relu" case.
+empty, shape [0, d]). ``b_up`` is optional for every activation (pass an empty [0] array for none); OPT's fc1 bias
+is the "relu" case.
 
 Semantics shared by every entry point here and by the FFI bridge:
 - ``out`` is overwritten, never accumulated into (a NaN-filled ``out`` comes back clean).

@@ -41,7 +41,7 @@ from .host_decode import (H_EPS, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS, H_RUN
                           K_LAYER, K_STAGE, ST_ATTN, ST_DOWN, ST_GATE_UP, ST_HEAD, ST_O, ST_QKV)
 from .activation import act_span
 from .q4 import BLOCK
-from .qtensor import Int8Tensor, aligned_zeros
+from .qtensor import Int8Tensor
 from pjinfer.config import THRESHOLD_INPUTS, ConfigError
 
 from numba import carray, cfunc, njit, types  # noqa: E402
@@ -269,10 +269,7 @@ class SparseHostDecoder(decoder.HostDecoder):
         self._head_name, self._head = head_name, (head_q, head_s)
         inv_freq = (1.0 / (np.float32(c.rope_theta) ** (np.arange(0, c.head_dim, 2, dtype=np.float32)
                                                         / np.float32(c.head_dim)))).astype(np.float32)
-        nqkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
         widest = max(c.d_model, c.n_heads * c.head_dim, c.d_ff)
-        scratch = aligned_zeros(3 * c.d_model + nqkv + c.n_heads * c.head_dim + 2 * c.d_ff
-                             + c.n_heads * c.max_seq_len, np.float32)  # host_decode.scratch's views
         task = np.zeros(8, np.int64)
         task[K_THREADS] = self.team.size
         header = np.zeros(HEADER_WIDTH, np.int64)
@@ -282,7 +279,7 @@ class SparseHostDecoder(decoder.HostDecoder):
         header.view(np.float64)[H_EPS] = c.norm_eps
         header[[H_TABLE, hd.H_HEAD, hd.H_HEAD_SCALES, H_INV_FREQ, hd.H_SCRATCH, H_TASK, hd.H_TEAM]] = [
             self._hold(table), self._hold(head_q), self._hold(head_s), self._hold(inv_freq),
-            self._hold(scratch), self._hold(task), self.team.address]
+            self._hold(hd.new_scratch(c)), self._hold(task), self.team.address]
         header[[H_THRESH, H_IDX]] = [self._hold(thresholds),
                                      self._hold(np.zeros(widest + widest // BLOCK + 1, np.int32))]
         header[[hd.H_STAGE, H_RUNTIME]] = [_stage.address, RUNTIME_ADDR]
