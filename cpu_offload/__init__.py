@@ -6,7 +6,7 @@
 - ``cpu_offload.host_decode``: ``HostDecoder``, the dense decode step with int8 weights, one FFI call per layer,
   its stages split over ``cpu_offload.team``'s spinning threads. ``cpu_offload.ffi``: the shared FFI plumbing.
 
-Threading layer: Numba's default on this machine (OpenMP) spins 4-16 ms per parallel call on 2 vCPUs; the
+Threading layer: Numba's default (OpenMP) spins for milliseconds per parallel call on 2 vCPUs; the
 ``workqueue`` layer does not. Importing this package therefore defaults ``NUMBA_THREADING_LAYER`` to ``workqueue``
 (an explicit environment setting wins; see ``_threading.py``). The layer is chosen at Numba's first parallel launch,
 so import ``cpu_offload`` before running any other parallel Numba code. Workqueue does not allow concurrent or nested

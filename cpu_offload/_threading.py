@@ -1,6 +1,6 @@
 """Pick Numba's threading layer before Numba is imported (imported first by cpu_offload/__init__ and kernels).
 
-On 2 vCPUs the default layer here (OpenMP) spins 4-16 ms per parallel call; ``workqueue`` does not. An explicit
+On 2 vCPUs the default layer (OpenMP) spins for milliseconds per parallel call; ``workqueue`` does not. An explicit
 ``NUMBA_THREADING_LAYER`` in the environment wins. The layer is fixed at Numba's first parallel launch, so if Numba
 was imported earlier we set ``numba.config.THREADING_LAYER`` directly, which still works as long as nothing has
 launched a parallel Numba function yet. (Both cpu_offload/__init__ and kernels.py import this module, because a

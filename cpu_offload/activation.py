@@ -5,7 +5,7 @@ drelu 3, relu 4).
 SwiGLU's exp is written as LLVM IR (``emit_swiglu``), once for a float and once for 16 lanes with the same operations
 lane by lane, so act_span computes 16 neurons per pass and every path (the dense and batched decode, the sparse
 decode, the cold-neuron kernels) gets the same bits for a neuron whichever form computed it. libm's expf through
-Numba took 12-13 ns a neuron here, most of the SwiGLU stage's time in the batched decode step.
+Numba, one neuron at a time, was most of the SwiGLU stage's time in the batched decode step.
 """
 from __future__ import annotations
 

@@ -217,9 +217,9 @@ def _execute_masked(frame, api, header):
 def _default_threads() -> int:
     """PJINFER_COLD_THREADS if set, else 1 on machines with <= 2 Numba threads, else all of them.
 
-    Measured on the 2-vCPU VMs of this project (workqueue layer): through the bridge, 2 threads were 15-40% *slower*
-    than 1 for a 30-layer token (waking the second worker costs ~30-100 us per launch here, and XLA's own idle
-    threads compete for the second core), so one thread is the default there."""
+    On 2-vCPU machines (workqueue layer) 2 threads were *slower* than 1 through the bridge: waking the second
+    worker costs more per launch than it saves, and XLA's own idle threads compete for the second core
+    (docs/performance.md, "Measurements behind the code's choices"), so one thread is the default there."""
     n = numba.config.NUMBA_NUM_THREADS
     env = os.environ.get("PJINFER_COLD_THREADS")
     if env:

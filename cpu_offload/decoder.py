@@ -40,7 +40,7 @@ HEADERS: list[np.ndarray] = []  # every header ever made; never freed (executabl
 @njit(parallel=True, cache=True, nogil=True)
 def _quantize_rows(w, q, s):
     """kernels.quantize_rows for cols a multiple of 64, row by row on every thread, the same float32 operations
-    (no fastmath: the division and the rounding must be numpy's) so the bytes are the same; 20-30x faster."""
+    (no fastmath: the division and the rounding must be numpy's) so the bytes are the same, in parallel."""
     nb = w.shape[1] // QBLOCK
     for r in prange(w.shape[0]):
         for b in range(nb):
@@ -91,7 +91,7 @@ def _int8_from_q8_0(qs, d, q, s):
 
 def int8_from_q8_0(blocks, cols: int) -> Int8Tensor:
     """A GGUF Q8_0 matrix (uint8 [rows, cols / 32 * 34]) as the host decode's int8 head: the bytes quantize gives
-    for its float32 values (the int8 GEMV takes a float32 scale per 64; issue 16 may read Q8_0 as stored)."""
+    for its float32 values (the int8 GEMV takes a float32 scale per 64, not Q8_0's per-32 float16 one)."""
     if cols % QBLOCK:
         raise ConfigError(f"int8 rows need a multiple of {QBLOCK} columns, got {cols}")
     rows = blocks.shape[0]

@@ -2,7 +2,7 @@
 ``pjinfer_host_decode`` target. The Python side (HostDecoder, the weights it stores) is cpu_offload/decoder.py.
 
 Why: at batch 1 a decode step reads every weight once. XLA on the CPU keeps weights in float32 (a jitted dot on
-int8 weights converted to float32 measured slower, not faster) and spends ~1000 thunks on one token's small ops.
+int8 weights converted to float32 measured slower, not faster) and spends a thunk on each of one token's many small ops.
 Here every matrix of a Llama-family layer is stored quantized and one Numba call does the whole layer. Two
 formats (``FORMATS``): "int8", a float32 scale per block of 64 inputs (``kernels.quantize_rows``: 17/64 of the
 float32 bytes), and "q4_1", the GGUF's own 4-bit blocks (``q4.py``: 5/32 of the bytes; for a Q4_1 GGUF it is the
@@ -18,7 +18,7 @@ One layer (``_execute_layer``), under the ffi lock:
     h = rmsnorm(x) * ffn_norm                             caller thread
     a = act(Wgate h, Wup h)                               team: neurons split (GATE_UP)
     x += Wdown a                                          team: rows split (DOWN)
-The team (``team.py``) is this thread plus workers that wait spinning, so a stage costs ~1 us to hand out. The
+The team (``team.py``) is this thread plus workers that wait spinning, so a stage is cheap to hand out. The
 KV cache arrays (float16, [..., S, KV, hd]) are operands aliased to results: XLA donates them and the layer writes
 position ``pos`` in place.
 

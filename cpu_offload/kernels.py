@@ -46,9 +46,9 @@ from .activation import act  # noqa: E402
 ffi.purge_stale_cache("kernels", activation, vector_ir)  # act's IR is compiled into this module's cached functions
 
 
-# Below this many weight floats touched (count * d * rows), one thread does the whole job: a workqueue launch
-# costs ~30-100 us on this 2-vCPU VM (more when other processes compete for the cores), while one core streams
-# 2^18 floats (1 MB; ~150 neurons at d 576) in ~50 us from cache, ~110 us from DRAM.
+# Below this many weight floats touched (count * d * rows), one thread does the whole job: waking a workqueue
+# launch costs about as much as one core streaming 2^18 floats (1 MB) itself (docs/performance.md, "Measurements
+# behind the code's choices").
 SERIAL_FLOATS = 1 << 18
 # Do not give a thread fewer than this many neurons.
 MIN_NEURONS_PER_THREAD = 8
@@ -92,7 +92,7 @@ QBLOCK = 64  # int8 weights: one float32 scale per 64 consecutive elements of a 
 
 
 # The int8 dot products look the scale up per element (scales[k, n, j // QBLOCK]) rather than summing block by
-# block: LLVM vectorizes that form, while a horizontal sum per 32-element block measured 5x slower here.
+# block: LLVM vectorizes that form, while a horizontal sum per 32-element block measured several times slower.
 
 @njit(inline="always", **_JIT)
 def _dot(w, n, x, scales, k):
@@ -132,7 +132,7 @@ def _axpy(acc, a, w, n, scales, k):
             acc[j] += a * w[n, j]
         return
     full = d // QBLOCK
-    for blk in range(full):  # a constant trip count of 64 vectorizes (32 measured 5x slower)
+    for blk in range(full):  # a constant trip count of 64 vectorizes (32 measured several times slower)
         base = blk * QBLOCK
         ab = a * scales[k, n, blk]
         for j in range(QBLOCK):
@@ -152,8 +152,7 @@ def _accumulate(x, w_gate, w_up, w_down_t, b_up, scales, ids, lo, hi, code, acc)
     biased = b_up.shape[0] > 0
     # Rows are visited in the active list's (random) order, so the hardware prefetcher misses each row's start:
     # prefetch the head of this neuron's down row and of the next neuron's gate/up rows while the dot products
-    # run (measured here, one thread, 768 of 1536 rows, d 576: ~7.6 -> ~8.8 GB/s from DRAM; whole rows: slower
-    # when cache-hot, no better from DRAM).
+    # run (faster from DRAM; prefetching whole rows was slower when cache-hot and no better from DRAM).
     for k in range(lo, hi):
         n = ids[k]
         if k + 1 < hi:

@@ -44,7 +44,7 @@ ffi.purge_stale_cache("q4", kernels, vector_ir)  # prefetch is compiled into thi
 
 BLOCK = 32          # weights per block
 BLOCK_BYTES = 20    # float16 d, float16 m, 16 bytes of nibbles
-PREFETCH_ROWS = 8   # rows ahead to prefetch (8 measured 13.9 G weights/s on one thread, 16: 12.4, 32: 12.1)
+PREFETCH_ROWS = 8   # rows ahead to prefetch (8 beat 16 and 32 on one thread: docs/performance.md)
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 

@@ -1,9 +1,10 @@
 """A fixed team of host threads that split one FFI call's work: the calling thread plus workers that wait by
 spinning, so handing them a stage costs about a microsecond.
 
-Why not Numba's ``prange``: a parallel launch through the workqueue layer measured ~170 us on this 2-vCPU VM (and
-the OpenMP layer spins for milliseconds when XLA's threads compete). A decode layer has five
-stages that each last 50-300 us, so a launch per stage would cost more than the second thread saves.
+Why not Numba's ``prange``: a parallel launch through the workqueue layer costs about as much as a whole decode
+stage (and the OpenMP layer spins for milliseconds when XLA's threads compete). A decode layer has five short
+stages, so a launch per stage would cost more than the second thread saves (docs/performance.md, "Measurements
+behind the code's choices").
 
 Protocol (all words int64 in one control block that is never freed):
 - ``run(ctrl, fn, arg)`` (Numba, caller holds the ffi lock): stores the task (``fn``: the address of a cfunc
@@ -12,7 +13,7 @@ Protocol (all words int64 in one control block that is never freed):
 - worker ``w`` (1..n-1, a daemon Python thread inside a nogil Numba loop): waits for a new generation, takes the
   caller's floating-point environment (MXCSR: denormal flushing), runs ``fn(arg, w, n)``, stores the generation
   in its done word. It spins with ``pause`` for a while, then yields the core with ``sched_yield``, and after
-  ~20 ms without work sleeps 200 us between looks, so an idle team costs almost nothing while back-to-back
+  YIELDS rounds without work sleeps SLEEP_US between looks, so an idle team costs almost nothing while back-to-back
   decode steps find it awake.
 - Tasks split their work by ``tid`` and ``n`` and write disjoint outputs; ``run`` returns once all are done.
 
@@ -40,8 +41,8 @@ from numba.extending import intrinsic  # noqa: E402
 
 C_GEN, C_FN, C_ARG, C_SIZE, C_STOP, C_USLEEP, C_YIELD, C_FPENV = range(8)
 LINE = 8  # int64 words per 64-byte cache line: each worker's done word sits on its own line
-SPINS = 4000  # pause rounds before yielding (~100-500 us)
-YIELDS = 20000  # sched_yield rounds before sleeping (~20 ms when nothing else wants the core)
+SPINS = 4000  # pause rounds before yielding
+YIELDS = 20000  # sched_yield rounds before sleeping
 SLEEP_US = 200
 
 

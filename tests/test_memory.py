@@ -1,4 +1,4 @@
-"""The model held once, in its file's blocks (issue 17): the GGUF reader, Q4_1 blocks kept as stored, XLA's
+"""The model held once, in its file's blocks: the GGUF reader, Q4_1 blocks kept as stored, XLA's
 per-layer dequantizing, the int8 head made without a float32 copy, and no float32 copy alive on the q4_1 path."""
 import mmap
 import subprocess

@@ -153,9 +153,9 @@ def train_predictor(x, y, *, rank: int, recall_target: float = 0.95, epochs: int
     held-back test part (see `evaluate`), plus rank, threshold, train_loss (first and last epoch's
     mean), params and seconds. progress(done, total), if given, is called after each epoch.
 
-    Defaults (measured on SmolLM2-135M layers, 16k tokens): 12 epochs of 128-token batches, about
-    1250 steps, 3-6 s per rank on 2 cores. Twice as many steps gained under half a point of
-    predicted sparsity; the same steps with larger batches gained nothing, fewer steps lost 1-3."""
+    Defaults (chosen on SmolLM2-135M layers, docs/performance.md): 12 epochs of 128-token batches.
+    Twice as many steps gained little predicted sparsity; the same steps with larger batches gained
+    nothing, fewer steps lost some."""
     start = time.perf_counter()
     x, y = np.asarray(x, np.float32), np.asarray(y, bool)
     train, val, test = split_indices(len(x))

@@ -20,7 +20,7 @@ from pjinfer.config import ConfigError
 
 @dataclasses.dataclass
 class Hardware:
-    cpu_bandwidth: float = 12e9      # bytes/s: Numba row-gather GEMV on this machine reaches 11-12 GB/s
+    cpu_bandwidth: float = 12e9      # bytes/s: what the Numba row-gather GEMV reaches (docs/performance.md)
     device_bandwidth: float = 2e12   # bytes/s of the accelerator (H100-class HBM ~ 2-3 TB/s)
     sync_seconds: float = 20e-6      # one host<->device synchronisation per layer
 

@@ -25,8 +25,7 @@ STREAM_CHUNK = 8   # decode steps per dispatch when streaming (Engine.stream)
 
 class Graph:
     """A model's nnx graphdef as a jit static argument, hashed once. jit hashes its static arguments on every
-    call, and flax's GraphDef hashes its whole node tree each time (1.4 ms for the default model: a quarter of a
-    decode step)."""
+    call, and flax's GraphDef hashes its whole node tree each time (a large share of a decode step)."""
     __slots__ = ("graphdef", "_hash")
 
     def __init__(self, graphdef):

@@ -8,8 +8,8 @@ computes the whole layer, or the head, in one call on the CPU threads.
 
 `prefill` runs a prompt of at most PROMPT_ROWS tokens on the dense host decoder too, as the rows of one batched
 step per layer (cpu_offload.batched_decode's prompt form): every token gets the numbers the one-token decoder
-would give it. XLA's prefill dequantizes every matrix to float32 first, about 110 ms for the default model
-whatever the prompt's length; the host reads the 4-bit blocks as they are."""
+would give it. XLA's prefill dequantizes every matrix to float32 first, a cost paid whatever the prompt's length; the host
+reads the 4-bit blocks as they are (docs/performance.md, "Short prompts")."""
 from __future__ import annotations
 
 import jax
@@ -18,7 +18,7 @@ from flax import nnx
 
 from pjinfer.runtime.model import Block, Head, KVCache, Transformer, embedding_rows
 
-PROMPT_ROWS = 64   # prompts up to this many tokens prefill on the host (XLA: 120 ms at 6 tokens, 183 ms at 64)
+PROMPT_ROWS = 64   # prompts up to this many tokens prefill on the host (XLA is slower below it)
 
 
 class HostBlock(Block):

@@ -47,7 +47,7 @@ class Sampling:
 
     def params(self):
         """The traced part: changing these values does not recompile. numpy scalars: a jnp scalar is a device
-        array, about 0.3 ms each to make, which the batched step paid for every request on every token."""
+        array, costly to make, which the batched step paid for every request on every token."""
         return (np.float32(max(self.temperature, 1e-6)), np.int32(self.top_k), np.float32(self.top_p),
                 np.float32(self.min_p), np.float32(self.repeat_penalty))
 
