@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 export NUMBA_THREADING_LAYER ?= workqueue
 
-.PHONY: setup run test mutants bench bench-peer bench-quants bench-long bench-serve bench-scale bench-pallas perplexity bundle clean
+.PHONY: setup run test test-fast mutants bench bench-peer bench-quants bench-long bench-serve bench-scale bench-pallas perplexity bundle clean
 
 # Idempotent: re-runs pip only when pyproject.toml changed.
 setup: $(STAMP)
@@ -23,6 +23,10 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q --durations=20
+
+# The unit tier (tests/conftest.py): no real model, nothing slow; a few minutes on 2 cores.
+test-fast: setup
+	$(PY) -m pytest -q -m unit --durations=10
 
 # A check that the suite can fail: deliberate faults, one at a time in a temporary copy (tests/mutants.py).
 mutants: setup

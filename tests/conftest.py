@@ -33,6 +33,21 @@ def pytest_configure(config):
         jax.config.update("jax_default_matmul_precision", "highest")
 
 
+# Test tiers (pytest markers, registered in pyproject.toml): `real_model` for tests that load the default model
+# (through these fixtures, or marked in their file), `slow` for the long ones, `gpu` for the Pallas kernel tests
+# (compiled where JAX has a GPU, interpret mode elsewhere), `unit` for every test that is neither real_model nor
+# slow. `make test-fast` runs `-m unit`; `make test` runs them all.
+REAL_MODEL_FIXTURES = {"engine", "q4_engine", "small_bundle", "sparse_engine"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real_model)
+        if not (item.get_closest_marker("real_model") or item.get_closest_marker("slow")):
+            item.add_marker(pytest.mark.unit)
+
+
 def pytest_unconfigure(config):
     if _CACHE_HOME:
         shutil.rmtree(_CACHE_HOME, ignore_errors=True)

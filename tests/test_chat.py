@@ -8,6 +8,8 @@ import pytest
 from pjinfer.cli.chat import Conversation
 from pjinfer.config import ConfigError
 
+pytestmark = pytest.mark.real_model
+
 
 def test_history_goes_through_the_template_and_old_turns_make_room(engine):
     chat = Conversation(engine, system="You are terse.", max_new_tokens=8)

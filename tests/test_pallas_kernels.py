@@ -23,6 +23,8 @@ from pallas_kernels.hot_ffn import _prepare, hot_ffn_triton
 from pjinfer.activations import GATED, activate
 from tests.conftest import INTERPRET
 
+pytestmark = pytest.mark.gpu   # compiled where JAX has a GPU, interpret mode elsewhere
+
 RTOL = 1e-5
 
 

@@ -23,6 +23,8 @@ from tests.conftest import PALLAS, random_weights, tiny_config
 from tests.test_cli import assert_clean_error, run_cli
 from tests.test_sparse import decode_steps, logits, placements
 
+pytestmark = pytest.mark.gpu   # compiled where JAX has a GPU, interpret mode elsewhere
+
 PROMPT = [5, 17, 42, 8, 60]
 
 

@@ -16,6 +16,8 @@ from pjinfer.runtime import host as pjinfer_host
 from pjinfer.runtime.engine import Engine
 from pjinfer.runtime.model import KVCache
 
+pytestmark = pytest.mark.real_model
+
 LLAMA_CPP_PERPLEXITY = 17.18   # llama.cpp, wiki protocol, same GGUF
 
 

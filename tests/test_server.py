@@ -15,6 +15,8 @@ import uvicorn
 from pjinfer.measure.bench_serve import free_port, wait_healthy
 from pjinfer.serve.server import Server
 
+pytestmark = pytest.mark.real_model
+
 KEY = "test-key"
 
 
