@@ -25,14 +25,14 @@ def permute_like_llama_cpp(w, n_heads):
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_bpe_vocab(w):
+def write_bpe_vocab(w, *, model="gpt2", pre="smollm"):
     """The tiny byte-level BPE vocabulary (SmolLM's tokenizer kind) with a ChatML template; returns its size."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokens = specials + byte_level_vocab() + ["Ġt", "he", "Ġthe"]
     merges = ["Ġ t", "h e", "Ġt he"]
     types = [3] * len(specials) + [1] * (len(tokens) - len(specials))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
+    w.add_tokenizer_model(model)
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_merges(merges)
     w.add_token_types(types)

@@ -124,3 +124,81 @@ def test_fallback_chat_template_is_llama_cpps_chatml_after_the_bos():
     assert tok.encode(text, add_special=False)[0] == tok.token_id("<s>")
     phi3 = tokenizer_of(vocab_file("phi-3"))        # a file with its own template keeps it
     assert phi3.apply_chat([{"role": "user", "content": "Hi"}]).endswith("<|user|>\nHi<|end|>\n<|assistant|>\n")
+
+
+# ---------------------------------------------------------------- a tiny Llama GGUF with a SentencePiece vocabulary
+def spm_vocab_writer(*, scores=True):
+    """A write_tiny_gguf vocab: llama-spm's tokens, scores and types as a Llama-2 GGUF stores them, no template."""
+    fields = GGUFFile(vocab_file("llama-spm")).fields
+
+    def write(w):
+        w.add_tokenizer_model("llama")
+        w.add_token_list(fields["tokenizer.ggml.tokens"])
+        if scores:
+            w.add_token_scores([float(s) for s in fields["tokenizer.ggml.scores"]])
+        w.add_token_types([int(t) for t in fields["tokenizer.ggml.token_type"]])
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+        return len(fields["tokenizer.ggml.tokens"])
+    return write
+
+
+def bpe_vocab_writer(model="gpt2", pre="smollm"):
+    from tests.test_gguf_loader import write_bpe_vocab
+
+    return lambda w: write_bpe_vocab(w, model=model, pre=pre)
+
+
+def tiny_gguf(path, vocab, embed_rows=None):
+    from tests.conftest import random_weights, tiny_config
+    from tests.test_gguf_loader import write_tiny_gguf
+
+    config = tiny_config(tie_embeddings=True)
+    write_tiny_gguf(path, config, random_weights(config, seed=2), vocab=vocab, embed_rows=embed_rows)
+    return path
+
+
+def test_tiny_llama_with_a_sentencepiece_vocabulary_generates(tmp_path, capsys):
+    import json
+
+    from tests.test_cli import run_cli
+
+    model = tiny_gguf(tmp_path / "spm.gguf", spm_vocab_writer())
+    code, out, err = run_cli(capsys, "generate", "--model", str(model), "--prompt", "Hello world",
+                             "--max-new-tokens", "8", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    tok = tokenizer_of(model)
+    assert len(result["token_ids"]) == 8 and result["text"] == tok.decode(result["token_ids"]) and result["text"]
+    code, out, err = run_cli(capsys, "generate", "--model", str(model), "--prompt", "Hello world",
+                             "--max-new-tokens", "8")
+    assert code == 0 and out.strip(), err
+
+
+def test_tiny_llama_chats_through_the_fallback_template(tmp_path, capsys, monkeypatch):
+    import io
+    import sys
+
+    from tests.test_cli import run_cli
+
+    model = tiny_gguf(tmp_path / "spm.gguf", spm_vocab_writer())
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi there\n"))
+    code, out, err = run_cli(capsys, "chat", "--model", str(model), "--max-new-tokens", "4")
+    assert code == 0, err
+    reply = out.split("> ", 1)[1]
+    assert reply.strip() and "Traceback" not in err
+
+
+@pytest.mark.parametrize("vocab,embed_rows,fragment", [
+    (lambda: spm_vocab_writer(scores=False), None, "SentencePiece vocabulary has no tokenizer.ggml.scores"),
+    (lambda: spm_vocab_writer(), 32001, "has 32000 tokens in its vocabulary but 32001 rows in token_embd.weight"),
+    (lambda: bpe_vocab_writer(), 300, "tokens in its vocabulary but 300 rows in token_embd.weight"),
+    (lambda: bpe_vocab_writer(pre="falcon"), None, "unsupported GGUF pre-tokenizer 'falcon'"),
+    (lambda: bpe_vocab_writer(model="bert"), None, "unsupported GGUF tokenizer model 'bert'"),
+])
+def test_bad_vocabulary_is_refused_in_one_line(tmp_path, capsys, vocab, embed_rows, fragment):
+    from tests.test_cli import assert_clean_error, run_cli
+
+    model = tiny_gguf(tmp_path / "bad.gguf", vocab(), embed_rows)
+    assert_clean_error(run_cli(capsys, "generate", "--model", str(model), "--prompt", "x"), fragment)

@@ -170,23 +170,25 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
 def gguf_tokenizer(reader) -> Tokenizer:
     """The tokenizer and chat template stored in a GGUF's metadata (`reader`: a GGUFFile; a vocabulary-only file
     will do). A tokenizer pjinfer does not implement is refused in one line."""
-    field = reader.fields.get
+    def field(key, default=None):
+        return reader.fields.get(f"tokenizer.{key}", default)
 
-    def token_id(key):
-        value = field(f"tokenizer.ggml.{key}_token_id")
+    def token_id(name):   # an id, or None where the file names none
+        value = field(f"ggml.{name}_token_id")
         return None if value is None else int(value)
 
-    tokens = field("tokenizer.ggml.tokens")
+    def flag(name):       # True / False, or None where the file leaves it to the model's default
+        value = field(f"ggml.{name}")
+        return None if value is None else bool(value)
+
+    tokens, eos = field("ggml.tokens"), token_id("eos")
     if tokens is None:
         raise ConfigError("the file has no vocabulary (tokenizer.ggml.tokens)")
-    eos, add_bos, add_prefix = token_id("eos"), field("tokenizer.ggml.add_bos_token"), field("tokenizer.ggml.add_space_prefix")
     return Tokenizer.from_gguf_fields(
-        tokens=tokens, merges=field("tokenizer.ggml.merges"), token_types=field("tokenizer.ggml.token_type"),
-        model=field("tokenizer.ggml.model"), pre=field("tokenizer.ggml.pre"),
-        chat_template=field("tokenizer.chat_template"), eos_ids=() if eos is None else (eos,), bos_id=token_id("bos"),
-        add_bos=None if add_bos is None else bool(add_bos), scores=field("tokenizer.ggml.scores"),
-        unk_id=token_id("unknown"), add_space_prefix=None if add_prefix is None else bool(add_prefix),
-        add_eos=bool(field("tokenizer.ggml.add_eos_token", False)))
+        tokens=tokens, merges=field("ggml.merges"), token_types=field("ggml.token_type"), scores=field("ggml.scores"),
+        model=field("ggml.model"), pre=field("ggml.pre"), chat_template=field("chat_template"),
+        eos_ids=() if eos is None else (eos,), bos_id=token_id("bos"), unk_id=token_id("unknown"),
+        add_bos=flag("add_bos_token"), add_eos=bool(flag("add_eos_token")), add_space_prefix=flag("add_space_prefix"))
 
 
 def _check_vocab_size(reader, path: Path) -> None:

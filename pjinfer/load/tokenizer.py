@@ -11,10 +11,10 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 
 from pjinfer.config import ConfigError
-from pjinfer.load.spm import SpmVocab
+from pjinfer.load.spm import CONTROL, UNKNOWN, USER_DEFINED, SpmVocab
 
-# GGUF token types (llama.cpp): 3 = control, 4 = user-defined; both are matched whole, never split.
-_SPECIAL_TOKEN_TYPES = (3, 4)
+# GGUF token types (llama.cpp) matched whole, never split: control and user-defined.
+_SPECIAL_TOKEN_TYPES = (CONTROL, USER_DEFINED)
 # llama.cpp's chat template for a model file that stores none (common/chat.cpp: ChatML).
 CHATML_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message.role + '\n' + message.content + "
                    "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
@@ -59,6 +59,34 @@ _WHOLE_WORDS_FIRST = ("llama-bpe",)
 TOKENIZER_MODELS = ("gpt2", "llama")
 
 
+def _spm_vocab(tokens, scores, token_types, unk_id, add_space_prefix) -> SpmVocab:
+    if scores is None:
+        raise ConfigError("the SentencePiece vocabulary has no tokenizer.ggml.scores, which its merges need")
+    if len(scores) != len(tokens):
+        raise ConfigError(f"the SentencePiece vocabulary has {len(scores)} scores for {len(tokens)} tokens")
+    return SpmVocab(tokens, scores, token_types, unk_id=unk_id, add_space_prefix=bool(add_space_prefix))
+
+
+def _byte_level_bpe(tokens, merges, token_types, pre, bos_id) -> HFTokenizer:
+    """The `tokenizers` BPE of a "gpt2" GGUF vocabulary; bos_id: the BOS that encode(add_special=True) puts first."""
+    if pre not in _PRE_TOKENIZERS:
+        raise ConfigError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: {', '.join(_PRE_TOKENIZERS)})")
+    if merges is None:
+        raise ConfigError("the BPE vocabulary has no tokenizer.ggml.merges")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False,
+                     ignore_merges=pre in _WHOLE_WORDS_FIRST)
+    tok = HFTokenizer(bpe)
+    tok.pre_tokenizer = _PRE_TOKENIZERS[pre]()
+    tok.decoder = decoders.ByteLevel()
+    special = [t for t, kind in zip(tokens, token_types) if kind in _SPECIAL_TOKEN_TYPES]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    if bos_id is not None:
+        bos = tokens[bos_id]
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, bos_id)])
+    return tok
+
+
 class Tokenizer:
     """Byte-level BPE. `special_text` ({"bos_token": ..., "eos_token": ...}) is what a chat template may use."""
 
@@ -75,42 +103,22 @@ class Tokenizer:
         """The tokenizer a GGUF's `tokenizer.*` metadata describes; a model, pre-tokenizer or vocabulary pjinfer
         cannot run exactly is refused (ConfigError). add_bos / add_space_prefix None: the model's default
         (llama.cpp: SentencePiece adds a BOS and a leading space, BPE neither). Without a chat template, llama.cpp's
-        ChatML fallback (CHATML_TEMPLATE), after the BOS where the model adds one."""
+        fallback: ChatML (CHATML_TEMPLATE), after the BOS where the model adds one."""
         if model not in TOKENIZER_MODELS:
             raise ConfigError(f"unsupported GGUF tokenizer model {model!r} "
                               "(supported: gpt2 byte-level BPE, llama SentencePiece)")
         spm = model == "llama"
-        add_bos = spm if add_bos is None else bool(add_bos)
+        bos_id = bos_id if (spm if add_bos is None else add_bos) else None    # None: no BOS added
         special_text = {name: tokens[i] for name, i in (("bos_token", bos_id), ("eos_token", (eos_ids or [None])[0]))
                         if i is not None and 0 <= i < len(tokens)}
         if chat_template is None:
-            chat_template = ("{{ bos_token }}" if add_bos and "bos_token" in special_text else "") + CHATML_TEMPLATE
+            chat_template = ("{{ bos_token }}" if bos_id is not None else "") + CHATML_TEMPLATE
+        common = dict(eos_ids=eos_ids, chat_template=chat_template, special_text=special_text)
         if spm:
-            if scores is None:
-                raise ConfigError("the SentencePiece vocabulary has no tokenizer.ggml.scores, which its merges need")
-            if len(scores) != len(tokens):
-                raise ConfigError(f"the SentencePiece vocabulary has {len(scores)} scores for {len(tokens)} tokens")
-            vocab = SpmVocab(tokens, scores, token_types, unk_id=unk_id,
-                             add_space_prefix=True if add_space_prefix is None else bool(add_space_prefix))
-            return SpmTokenizer(vocab, bos_id=bos_id if add_bos else None,
-                                eos_id=eos_ids[0] if add_eos and eos_ids else None, eos_ids=eos_ids,
-                                chat_template=chat_template, special_text=special_text)
-        if pre not in _PRE_TOKENIZERS:
-            raise ConfigError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: {', '.join(_PRE_TOKENIZERS)})")
-        if merges is None:
-            raise ConfigError("the BPE vocabulary has no tokenizer.ggml.merges")
-        vocab = {t: i for i, t in enumerate(tokens)}
-        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False,
-                         ignore_merges=pre in _WHOLE_WORDS_FIRST)
-        tok = HFTokenizer(bpe)
-        tok.pre_tokenizer = _PRE_TOKENIZERS[pre]()
-        tok.decoder = decoders.ByteLevel()
-        special = [t for t, kind in zip(tokens, token_types) if kind in _SPECIAL_TOKEN_TYPES]
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-        if add_bos and bos_id is not None:
-            bos = tokens[bos_id]
-            tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, bos_id)])
-        return cls(tok, eos_ids=eos_ids, chat_template=chat_template, special_text=special_text)
+            prefix = True if add_space_prefix is None else add_space_prefix
+            vocab = _spm_vocab(tokens, scores, token_types, unk_id, prefix)
+            return SpmTokenizer(vocab, bos_id=bos_id, eos_id=eos_ids[0] if add_eos and eos_ids else None, **common)
+        return cls(_byte_level_bpe(tokens, merges, token_types, pre, bos_id), **common)
 
     @classmethod
     def from_hf_dir(cls, path: Path, *, eos_ids=()):
@@ -165,8 +173,8 @@ class SpmTokenizer(Tokenizer):
         super().__init__(None, eos_ids=eos_ids, chat_template=chat_template, special_text=special_text)
         self.vocab = vocab
         self.bos_id, self.eos_id = bos_id, eos_id
-        whole = sorted((t for t, kind in zip(vocab.tokens, vocab.types) if kind in (2, 3, 4) and t),
-                       key=len, reverse=True)
+        kinds = (UNKNOWN, *_SPECIAL_TOKEN_TYPES)
+        whole = sorted((t for t, kind in zip(vocab.tokens, vocab.types) if kind in kinds and t), key=len, reverse=True)
         self._special = re.compile("|".join(map(re.escape, whole))) if whole else None
 
     @property
