@@ -88,7 +88,8 @@ def _byte_level_bpe(tokens, merges, token_types, pre, bos_id) -> HFTokenizer:
 
 
 class Tokenizer:
-    """Byte-level BPE. `special_text` ({"bos_token": ..., "eos_token": ...}) is what a chat template may use."""
+    """A `tokenizers` tokenizer: a GGUF's byte-level BPE, or an HF tokenizer.json. `special_text`
+    ({"bos_token": ..., "eos_token": ...}) is what the chat template may refer to."""
 
     def __init__(self, tok: HFTokenizer | None, *, eos_ids=(), chat_template: str | None = None,
                  special_text: dict | None = None):
