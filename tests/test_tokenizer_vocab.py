@@ -202,3 +202,15 @@ def test_bad_vocabulary_is_refused_in_one_line(tmp_path, capsys, vocab, embed_ro
 
     model = tiny_gguf(tmp_path / "bad.gguf", vocab(), embed_rows)
     assert_clean_error(run_cli(capsys, "generate", "--model", str(model), "--prompt", "x"), fragment)
+
+
+def test_sentencepiece_without_byte_tokens_writes_the_unknown_token():
+    from pjinfer.load.tokenizer import Tokenizer
+
+    tokens = ["<unk>", "<s>", "</s>", "▁", "a", "b", "▁a", "ab", "▁ab"]
+    tok = Tokenizer.from_gguf_fields(tokens=tokens, scores=[0, 0, 0, -1, -2, -2, -3, -4, -1], merges=None,
+                                     token_types=[2, 3, 3, 1, 1, 1, 1, 1, 1], model="llama", pre=None,
+                                     chat_template=None, eos_ids=(2,), bos_id=1, add_bos=None, unk_id=0)
+    # "▁a" is the better pair (over "ab"), then "▁ab"; "c" is no token and has no byte token: <unk>
+    assert tok.encode("ab c") == [1, 8, 3, 0]
+    assert tok.decode([1, 8, 3, 0]) == " ab " and tok.decode([8, 3, 0], skip_special=False) == "ab <unk>"
