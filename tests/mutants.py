@@ -76,6 +76,16 @@ FAULTS = [
     Fault("the decoders' scratch comes from plain np.zeros (rows off cache lines)", "cpu_offload/qtensor.py",
           "    out = aligned_empty(shape, dtype)\n    out[...] = 0\n", "    out = np.zeros(shape, dtype)\n",
           ("tests/test_batched_decode.py::test_the_decoders_scratch_starts_on_cache_lines",)),
+    Fault("SentencePiece joins the lowest-scoring pair first", "pjinfer/load/spm.py",
+          "heapq.heappush(queue, (-self.scores[token], left, right, joined))",
+          "heapq.heappush(queue, (self.scores[token], left, right, joined))", ("tests/test_tokenizer_vocab.py",)),
+    Fault("SentencePiece decode keeps the leading space encode put there", "pjinfer/load/spm.py",
+          "pieces[0] = pieces[0][1:]", "pass", ("tests/test_tokenizer_vocab.py",)),
+    Fault("SentencePiece text after a special token gets no leading space", "pjinfer/load/tokenizer.py",
+          "after_special, at = True, match.end()", "after_special, at = False, match.end()",
+          ("tests/test_tokenizer_vocab.py",)),
+    Fault("Llama-3's BPE merges words that are whole tokens", "pjinfer/load/tokenizer.py",
+          "ignore_merges=pre in _WHOLE_WORDS_FIRST", "ignore_merges=False", ("tests/test_tokenizer_vocab.py",)),
 ]
 
 IGNORE = shutil.ignore_patterns(".git", ".venv", "out", ".pytest_cache", "*.egg-info", "build")
@@ -102,6 +112,9 @@ def run(fault: Fault, workdir: Path) -> tuple[bool, str, float]:
     shutil.rmtree(tree, ignore_errors=True)
     # copy2 keeps modification times, so Numba's on-disk caches stay valid for every file but the mutated one.
     shutil.copytree(ROOT, tree, symlinks=True, ignore=IGNORE)
+    if (ROOT / ".venv" / "share").is_dir():   # data `make setup` put there (llama.cpp's vocabulary test files)
+        (tree / ".venv").mkdir()
+        (tree / ".venv" / "share").symlink_to(ROOT / ".venv" / "share")
     apply(fault, tree)
     env = {**os.environ, "PYTHONPATH": str(tree), "NUMBA_THREADING_LAYER": os.environ.get("NUMBA_THREADING_LAYER",
                                                                                            "workqueue")}

@@ -25,19 +25,37 @@ def permute_like_llama_cpp(w, n_heads):
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, config, weights, *, arch="llama", quantize=False, layer_type=None, down_t=False,
-                    extra=None, fields=None, magic=None):
-    """quantize: every matrix Q8_0; layer_type (a gguf.GGMLQuantizationType): the layers' matrices in it instead,
-    or a function of the canonical name giving each matrix's type (None: float32). K types are written by
-    tests/kquants.py (gguf has no quantizer for them). PowerInfer's layout: down_t writes blk.N.ffn_down_t
-    [d_ff, d] instead of ffn_down, extra {GGUF name: array} adds tensors as they are, fields {key: float} adds
-    float32 metadata, and magic (b"PWRI") overwrites the file's first four bytes, as PowerInfer's converters do."""
+def write_bpe_vocab(w, *, model="gpt2", pre="smollm"):
+    """The tiny byte-level BPE vocabulary (SmolLM's tokenizer kind) with a ChatML template; returns its size."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokens = specials + byte_level_vocab() + ["Ġt", "he", "Ġthe"]
     merges = ["Ġ t", "h e", "Ġt he"]
     types = [3] * len(specials) + [1] * (len(tokens) - len(specials))
-    config = config.replace(vocab_size=len(tokens))
+    w.add_tokenizer_model(model)
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types(types)
+    w.add_eos_token_id(2)
+    w.add_bos_token_id(1)
+    w.add_add_bos_token(False)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return len(tokens)
+
+
+def write_tiny_gguf(path, config, weights, *, arch="llama", quantize=False, layer_type=None, down_t=False,
+                    extra=None, fields=None, magic=None, vocab=write_bpe_vocab, embed_rows=None):
+    """quantize: every matrix Q8_0; layer_type (a gguf.GGMLQuantizationType): the layers' matrices in it instead,
+    or a function of the canonical name giving each matrix's type (None: float32). K types are written by
+    tests/kquants.py (gguf has no quantizer for them). PowerInfer's layout: down_t writes blk.N.ffn_down_t
+    [d_ff, d] instead of ffn_down, extra {GGUF name: array} adds tensors as they are, fields {key: float} adds
+    float32 metadata, and magic (b"PWRI") overwrites the file's first four bytes, as PowerInfer's converters do.
+    vocab(writer) writes the tokenizer's metadata and returns its size (write_bpe_vocab: a tiny byte-level BPE);
+    the embedding gets that many rows, or embed_rows."""
     w = gguf.GGUFWriter(str(path), arch)
+    n_tokens = vocab(w)
+    config = config.replace(vocab_size=embed_rows or n_tokens)
     w.add_block_count(config.n_layers)
     w.add_context_length(config.max_seq_len)
     w.add_embedding_length(config.d_model)
@@ -47,20 +65,10 @@ def write_tiny_gguf(path, config, weights, *, arch="llama", quantize=False, laye
     w.add_rope_dimension_count(config.head_dim)
     w.add_rope_freq_base(config.rope_theta)
     w.add_layer_norm_rms_eps(config.norm_eps)
-    w.add_vocab_size(len(tokens))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_merges(merges)
-    w.add_token_types(types)
-    w.add_eos_token_id(2)
-    w.add_bos_token_id(1)
-    w.add_add_bos_token(False)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    w.add_vocab_size(config.vocab_size)
     rng = np.random.default_rng(5)
-    if weights["embed"].shape[0] != len(tokens):  # an embedding for this vocabulary
-        weights = dict(weights, embed=(rng.standard_normal((len(tokens), config.d_model)) * 0.1).astype(np.float32))
+    if weights["embed"].shape[0] != config.vocab_size:  # an embedding for this vocabulary
+        weights = dict(weights, embed=(rng.standard_normal((config.vocab_size, config.d_model)) * 0.1).astype(np.float32))
     names = {"embed": "token_embd.weight", "final_norm.scale": "output_norm.weight", "lm_head": "output.weight"}
     per_layer = {"attn_norm.scale": "attn_norm", "ffn_norm.scale": "ffn_norm", "wq": "attn_q", "wk": "attn_k",
                  "wv": "attn_v", "wo": "attn_output", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down_t": "ffn_down"}

@@ -148,7 +148,7 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
     bos = field("tokenizer.ggml.bos_token_id")
     config = ModelConfig(
         arch="llama",
-        vocab_size=int(field(f"{a}.vocab_size", len(tokens))),
+        vocab_size=int(field(f"{a}.vocab_size", len(tokens or ()))),
         d_model=d_model,
         n_layers=int(field(f"{a}.block_count")),
         n_heads=n_heads,
@@ -167,14 +167,37 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
     return config
 
 
-def _gguf_tokenizer(reader, config: ModelConfig) -> Tokenizer:
-    """The tokenizer and chat template stored in a GGUF's metadata."""
-    field = reader.fields.get
+def gguf_tokenizer(reader) -> Tokenizer:
+    """The tokenizer and chat template stored in a GGUF's metadata (`reader`: a GGUFFile; a vocabulary-only file
+    will do). A tokenizer pjinfer does not implement is refused in one line."""
+    def field(key, default=None):
+        return reader.fields.get(f"tokenizer.{key}", default)
+
+    def token_id(name):   # an id, or None where the file names none
+        value = field(f"ggml.{name}_token_id")
+        return None if value is None else int(value)
+
+    def flag(name):       # True / False, or None where the file leaves it to the model's default
+        value = field(f"ggml.{name}")
+        return None if value is None else bool(value)
+
+    tokens, eos = field("ggml.tokens"), token_id("eos")
+    if tokens is None:
+        raise ConfigError("the file has no vocabulary (tokenizer.ggml.tokens)")
     return Tokenizer.from_gguf_fields(
-        tokens=field("tokenizer.ggml.tokens"), merges=field("tokenizer.ggml.merges"), token_types=field("tokenizer.ggml.token_type"),
-        model=field("tokenizer.ggml.model"), pre=field("tokenizer.ggml.pre"),
-        chat_template=field("tokenizer.chat_template"), eos_ids=config.eos_ids, bos_id=config.bos_id,
-        add_bos=bool(field("tokenizer.ggml.add_bos_token", False)))
+        tokens=tokens, merges=field("ggml.merges"), token_types=field("ggml.token_type"), scores=field("ggml.scores"),
+        model=field("ggml.model"), pre=field("ggml.pre"), chat_template=field("chat_template"),
+        eos_ids=() if eos is None else (eos,), bos_id=token_id("bos"), unk_id=token_id("unknown"),
+        add_bos=flag("add_bos_token"), add_eos=bool(flag("add_eos_token")), add_space_prefix=flag("add_space_prefix"))
+
+
+def _check_vocab_size(reader, path: Path) -> None:
+    """The vocabulary must have one token per row of the embedding."""
+    n_tokens = len(reader.fields.get("tokenizer.ggml.tokens"))
+    for t in reader.tensors:
+        if t.name == "token_embd.weight" and t.shape[0] != n_tokens:
+            raise ConfigError(f"{path.name} has {n_tokens} tokens in its vocabulary but {t.shape[0]} rows in "
+                              "token_embd.weight")
 
 
 def open_gguf(path: Path, what: str = "model"):
@@ -201,7 +224,8 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks
     import sys
 
     reader, config = gguf_header(path)
-    tokenizer = _gguf_tokenizer(reader, config)   # an unsupported tokenizer is refused before any weight is read
+    tokenizer = gguf_tokenizer(reader)   # an unsupported or mismatched vocabulary is refused before any weight is read
+    _check_vocab_size(reader, path)
     arch = reader.fields.get("general.architecture")
     names = {"token_embd.weight": "embed", "output.weight": "lm_head", "output_norm.weight": "final_norm.scale"}
     per_layer = {"attn_norm.weight": "attn_norm.scale", "ffn_norm.weight": "ffn_norm.scale",
