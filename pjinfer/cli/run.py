@@ -77,6 +77,7 @@ def cmd_generate(args):
     rest = decoder.flush()
     if not args.json:
         sys.stdout.write(rest + "\n")
+        sys.stdout.flush()          # the text ends before the summary line on stderr
     reason = finish_reason(interrupted, decoder.stop, len(out), args.max_new_tokens)
     timing = _generate_timing(engine, stats, marks, len(ids), len(out))
     seed = None if sampling.greedy else sampling.seed
