@@ -69,7 +69,8 @@ def sampling_options(p):
                    "(1 is none; llama.cpp's --repeat-penalty)")
     p.add_argument("--seed", type=int, help="sampling's random seed, in [0, 2**32); none or -1: a random one, "
                    "printed (greedy runs use no seed)")
-    p.add_argument("--threads", type=positive_int, help="host threads of the CPU kernels (default: every CPU)")
+    p.add_argument("--threads", type=positive_int, help="host threads of the CPU kernels, at most the cores this "
+                   "process may use (default: all of them)")
 
 
 def say(*parts):
