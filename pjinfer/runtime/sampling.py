@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import secrets
 
 import jax
 import jax.numpy as jnp
@@ -59,8 +60,6 @@ def choose_seed(seed: int | None, temperature: float) -> int | None:
     """The seed a run samples with: `seed` when given in [0, 2**32); a fresh random one when it is None or
     SEED_RANDOM and the run samples (temperature > 0); None for a greedy run without one (no seed is used).
     Any other value is refused (ConfigError)."""
-    import secrets
-
     if seed is not None and seed != SEED_RANDOM and not 0 <= seed < 2**32:
         raise ConfigError(f"seed must be in [0, 2**32), or -1 for a random one; got {seed}")
     if seed is not None and seed != SEED_RANDOM:
