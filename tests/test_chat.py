@@ -1,11 +1,12 @@
 """`pjinfer chat`: history through the chat template, and the terminal session driven through a real pty."""
+import io
 import os
 import sys
 
 import pexpect
 import pytest
 
-from pjinfer.cli.chat import Conversation
+from pjinfer.cli.chat import Conversation, repl
 from pjinfer.config import ConfigError
 
 pytestmark = pytest.mark.real_model
@@ -28,25 +29,51 @@ def test_history_goes_through_the_template_and_old_turns_make_room(engine):
         chat.prompt_ids()
 
 
+def test_a_reply_cut_at_the_token_limit_is_marked(engine):
+    lines = iter(["Write a long story about a dragon.", "/reset", "Say hi.", "/exit"])
+    out = io.StringIO()
+    chat = Conversation(engine, max_new_tokens=6)
+    repl(chat, read=lambda prompt: next(lines), out=out)
+    text = out.getvalue()
+    assert text.count("[cut at 6 tokens]") == 2 and chat.cut         # "Say hi." needs more than 6 tokens too
+    out = io.StringIO()
+    chat = Conversation(engine, max_new_tokens=64)
+    lines = iter(["Say hi.", "/exit"])
+    repl(chat, read=lambda prompt: next(lines), out=out)
+    assert "[cut at" not in out.getvalue() and not chat.cut and chat.turns[-1]["content"]
+
+
 # pexpect forks this (JAX-threaded) process and execs at once in the child, which is safe; the warning is not.
 @pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called")
-def test_terminal_session_two_turns_ctrl_c_and_ctrl_d():
+def test_terminal_session_history_quiet_typing_cut_ctrl_c_and_ctrl_d():
     env = dict(os.environ, COLUMNS="100", LINES="24")
     child = pexpect.spawn(sys.executable, ["-m", "pjinfer.cli.main", "chat", "--weights", "q4_1",
-                                           "--max-new-tokens", "400"], env=env, encoding="utf-8", timeout=600)
+                                           "--max-new-tokens", "100"], env=env, encoding="utf-8", timeout=600)
+    story = "Write a very long story about a dragon who learns to bake bread."
     try:
         child.expect_exact("> ")
         child.sendline("What is the capital of France?")
         child.expect("Paris")
         child.expect_exact("\r\n> ")
-        child.sendline("Write a very long story about a dragon who learns to bake bread.")
+        child.sendline(story)
         child.expect_exact("bread.\r\n")             # the terminal's echo of the line
         child.expect(r"\w+ \w+ \w+ \w+")            # then the reply, streaming
+        child.send("zzqq")                           # typed during the reply: neither shown nor kept
+        child.expect_exact("[cut at 100 tokens]")
+        assert "zzqq" not in child.before
+        child.expect_exact("> ")
+        child.sendline("/reset")                     # "zzqq/reset" had the typing been kept
+        child.expect_exact("[conversation cleared]")
+        child.expect_exact("> ")
+        child.send("\x1b[A\r")                        # the up arrow recalls the last line (readline history)
+        child.expect_exact("/reset")
+        child.expect_exact("[conversation cleared]")
+        child.expect_exact("> ")
+        child.sendline(story)
+        child.expect_exact("bread.\r\n")
+        child.expect(r"\w+ \w+ \w+ \w+")
         child.sendcontrol("c")
         child.expect_exact("[stopped]")
-        child.expect_exact("> ")
-        child.sendline("/reset")
-        child.expect_exact("[conversation cleared]")
         child.expect_exact("> ")
         child.sendeof()
         child.expect(pexpect.EOF)

@@ -121,3 +121,173 @@ def test_host_decode_where_jax_runs_on_a_gpu(tmp_path, capsys, monkeypatch):
         Engine.load(tmp_path / "missing.gguf", weights="int8")
     assert_clean_error(run_cli(capsys, "generate", "--prompt", "x", "--weights", "q4_1"),
                        "--weights q4_1 (the host decode) runs on the host through XLA FFI targets for the CPU")
+
+
+def refuse_loading(monkeypatch):
+    """Reading a checkpoint from here on fails the test."""
+    from pjinfer.load import loader
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(loader, "load_gguf", no_load)
+    monkeypatch.setattr(loader, "load_hf", no_load)
+
+
+def test_more_threads_than_usable_cores_are_refused_before_loading(capsys, monkeypatch):
+    import os
+    import time
+
+    from cpu_offload import team
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("PJINFER_HOST_THREADS", raising=False)
+    assert team.default_size() == cores                    # the default: every usable core
+    refuse_loading(monkeypatch)
+    start = time.perf_counter()
+    result = run(capsys, "generate", "--prompt", "x", "--threads", str(cores + 1))
+    assert_one_line_error(*result, f"--threads {cores + 1} is more than the {cores} CPU cores this process may use")
+    monkeypatch.setenv("PJINFER_HOST_THREADS", "1000")
+    assert_one_line_error(*run(capsys, "generate", "--prompt", "x"), "PJINFER_HOST_THREADS=1000 is more than")
+    assert_one_line_error(*run(capsys, "perplexity", "--text-file", __file__), "PJINFER_HOST_THREADS=1000 is more")
+    assert time.perf_counter() - start < 5
+    monkeypatch.setenv("PJINFER_HOST_THREADS", str(cores))
+    assert team.default_size() == cores
+
+
+def test_decode_rate_counts_only_the_timed_decode_steps():
+    from pjinfer.cli.run import decode_rate
+
+    # A slow clock: the prefill's token at 10 s, then decode chunks of two tokens each arriving together.
+    marks = [0.0, 10.0, 12.0, 12.0, 14.0, 14.0]
+    assert decode_rate(marks) == pytest.approx(4 / 4.0)    # 4 tokens after the first, over 4 s since it came
+    assert decode_rate([0.0, 10.0, 11.0, 12.5]) == pytest.approx(2 / 2.5)
+    assert decode_rate([0.0, 10.0, 11.0]) is None          # one decode step: nothing to time
+    assert decode_rate([0.0, 10.0]) is None and decode_rate([0.0]) is None
+    assert decode_rate([0.0, 10.0, 10.0, 10.0]) is None    # no time passed: no rate rather than infinity
+
+
+@pytest.mark.parametrize("seed", ["-2", str(2**32)])
+def test_seeds_outside_the_range_are_refused(capsys, monkeypatch, seed):
+    refuse_loading(monkeypatch)
+    result = run(capsys, "generate", "--prompt", "x", "--temperature", "0.8", "--seed", seed)
+    assert_one_line_error(*result, "seed must be in [0, 2**32), or -1 for a random one")
+
+
+def generate_json(capsys, *args):
+    code, out, err = run(capsys, "generate", *args, "--json")
+    assert code == 0, err
+    return json.loads(out), err
+
+
+def test_sampling_without_a_seed_draws_one_and_reports_it(capsys):
+    args = ("--prompt", "Once upon a time", "--max-new-tokens", "4", "--temperature", "1.5")
+    first, _ = generate_json(capsys, *args)
+    assert 0 <= first["seed"] < 2**32
+    again, _ = generate_json(capsys, *args, "--seed", str(first["seed"]))   # the printed seed replays the run
+    assert again["token_ids"] == first["token_ids"] and again["seed"] == first["seed"]
+    code, out, err = run(capsys, "generate", *args, "--seed", "-1")           # -1: random, as without --seed
+    seed = int(err.splitlines()[-1].split(", seed ")[1].split()[0])
+    assert code == 0 and 0 <= seed < 2**32 and seed != first["seed"]
+
+
+def test_finish_reason_and_token_ids_agree_with_the_text(capsys, engine):
+    prompt = ("--prompt", "The capital of France is")
+    # Greedy goes on " Paris.\n\nThe answer ...": the stop string is seen once " answer" has come.
+    stopped, _ = generate_json(capsys, *prompt, "--max-new-tokens", "16", "--stop", "The answer")
+    assert stopped["finish_reason"] == "stop" and stopped["stop"] == "The answer"
+    text, ids, decode = stopped["text"], stopped["token_ids"], engine.tokenizer.decode
+    assert text == " Paris.\n\n"
+    # Cut after the token in which the stop string begins: with it the text reaches the stop, without it not.
+    assert decode(ids).startswith(text + "T") and len(decode(ids[:-1])) <= len(text)
+    assert stopped["new_tokens"] > len(ids)       # the ids after that one are not reported
+    full, _ = generate_json(capsys, *prompt, "--max-new-tokens", "5")
+    assert full["finish_reason"] == "length" and full["stop"] is None and len(full["token_ids"]) == 5
+    assert full["seed"] is None                    # greedy: no seed used
+    assert decode(full["token_ids"]) == full["text"]
+    eos, _ = generate_json(capsys, "--prompt", "Say hi.", "--chat", "--max-new-tokens", "64")
+    assert eos["finish_reason"] == "stop" and eos["stop"] is None and len(eos["token_ids"]) < 64
+
+
+def test_ctrl_c_reports_interrupted(capsys, monkeypatch):
+    import signal
+
+    from pjinfer.load.tokenizer import StreamDecoder
+
+    push = StreamDecoder.push
+
+    def push_then_ctrl_c(self, token):   # a real SIGINT, as Ctrl-C sends, once three tokens have come
+        piece = push(self, token)
+        if len(self.ids) == 3:
+            signal.raise_signal(signal.SIGINT)
+        return piece
+
+    monkeypatch.setattr(StreamDecoder, "push", push_then_ctrl_c)
+    code, out, err = run(capsys, "generate", "--prompt", "Once upon a time", "--max-new-tokens", "40", "--json")
+    result = json.loads(out)
+    assert code == 130 and err.strip().endswith("pjinfer: interrupted")
+    assert result["finish_reason"] == "interrupted" and result["interrupted"] is True
+    assert 3 <= len(result["token_ids"]) < 40
+
+
+def test_results_file_honours_the_umask(tmp_path):
+    import os
+
+    from pjinfer.cli.common import write_json
+
+    for umask, mode in ((0o022, 0o644), (0o077, 0o600), (0o002, 0o664)):
+        old = os.umask(umask)
+        try:
+            write_json(tmp_path / f"r{umask:o}.json", {"tasks": {}})
+        finally:
+            os.umask(old)
+        assert (tmp_path / f"r{umask:o}.json").stat().st_mode & 0o777 == mode
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r2.json", "r22.json", "r77.json"]
+
+
+def test_version_help_defaults_and_json_only_where_it_does_something(capsys):
+    from importlib.metadata import version
+
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.strip() == f"pjinfer {version('pjinfer')}"
+    code, out, _ = run(capsys, "generate", "--help")
+    flat = " ".join(out.split())
+    assert code == 0 and "--max-new-tokens MAX_NEW_TOKENS the most tokens generated (default: 64)" in flat
+    assert "add up to this (1 keeps every token) (default: 1.0)" in flat
+    assert "0 is greedy (default) --top-k" in flat        # a help that names its default is left as it was
+    assert "(default: None)" not in flat and "(default: False)" not in flat
+    for command in ("chat", "serve"):
+        assert_one_line_error(*run(capsys, command, "--json"), "unrecognized arguments: --json")
+
+
+def test_kernel_compilation_is_announced_in_one_line():
+    from numba import njit
+
+    from pjinfer.runtime.compile_cache import KernelCompileNotice
+
+    quiet = io.StringIO()
+    notice = KernelCompileNotice(stream=quiet)
+    notice.start()
+    notice.finish()
+    assert quiet.getvalue() == ""                          # nothing compiled: nothing said
+
+    @njit(cache=False)
+    def outer(x):
+        return inner(x) + 1
+
+    @njit(cache=False)
+    def inner(x):
+        return x * 2
+
+    said = io.StringIO()
+    notice = KernelCompileNotice(stream=said)
+    notice.start()
+    assert outer(3) == 7                                   # compiles outer, and inner inside it
+    notice.finish()
+    line = said.getvalue()
+    assert line.startswith("compiling the CPU kernels, once") and line.endswith(" s\n") and line.count("\n") == 1
+    assert notice.compiles == 1 and 0 < notice.seconds < 60
+    notice.start()                                         # said once: a later compilation is not announced
+    assert njit(cache=False)(lambda x: x - 1)(3) == 2
+    notice.finish()
+    assert said.getvalue() == line

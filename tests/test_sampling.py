@@ -123,3 +123,15 @@ def test_generate_and_stream_apply_the_same_penalty(engine):
     b = list(engine.stream(ids, max_new_tokens=12, sampling=penalized, stop_ids=[]))
     assert a == b
     assert a != engine.generate(ids, max_new_tokens=12, stop_ids=[])
+
+
+def test_seed_choice_random_when_sampling_without_one():
+    from pjinfer.runtime.sampling import SEED_RANDOM, choose_seed
+
+    assert choose_seed(7, 0.8) == 7 and choose_seed(0, 0.8) == 0 and choose_seed(2**32 - 1, 0.8) == 2**32 - 1
+    assert choose_seed(None, 0.0) is None and choose_seed(SEED_RANDOM, 0.0) is None   # greedy uses no seed
+    drawn = {choose_seed(None, 0.8) for _ in range(8)} | {choose_seed(SEED_RANDOM, 0.8) for _ in range(8)}
+    assert all(0 <= s < 2**32 for s in drawn) and len(drawn) > 8    # 16 draws of 32 bits: repeats are unlikely
+    for bad in (-2, 2**32, -(2**40)):
+        with pytest.raises(ConfigError, match=r"seed must be in \[0, 2\*\*32\), or -1 for a random one"):
+            choose_seed(bad, 0.8)

@@ -197,7 +197,7 @@ def test_bad_bundles_are_clear_errors(engine, tmp_path, capsys):
     other = Bundle.create(tmp_path / "other", model={"identity": "0123456789abcdef", "name": "another model"})
     other.save_stage("profile", {"freq": np.zeros((2, 2), np.float32)}, {})
     # Refused before the model loads (the manifest and the model's hash are read, no weights).
-    for bundle, fragment in ((tmp_path / "none", "not a pjinfer bundle"), (other.path, "made for another model")):
+    for bundle, fragment in ((tmp_path / "none", "does not exist"), (other.path, "made for another model")):
         assert_clean_error(run_cli(capsys, "generate", "--prompt", "Hi", "--bundle", str(bundle)), fragment)
     # Unreadable stage data shows only when the engine reads it.
     corrupt = Bundle.create(tmp_path / "corrupt", model=model_record(engine.config, engine.source))

@@ -6,6 +6,7 @@ history would not leave room for a full reply in the model's context. Lines star
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Iterator
 
@@ -23,6 +24,7 @@ class Conversation:
             raise ConfigError("this model has no chat template, so it cannot chat; use `pjinfer generate`")
         self.engine, self.system, self.max_new_tokens, self.sampling = engine, system, max_new_tokens, sampling
         self.turns: list[dict] = []
+        self.cut = False   # whether the last reply stopped at max_new_tokens rather than at the end of its turn
 
     def reset(self) -> None:
         self.turns = []
@@ -42,20 +44,24 @@ class Conversation:
 
     def reply(self, text: str) -> Iterator[str]:
         """Streams the reply to `text` as pieces of text. The reply joins the history as far as it got, even
-        when the caller stops early (Ctrl-C)."""
+        when the caller stops early (Ctrl-C). Afterwards `cut` says whether it ran into max_new_tokens."""
         self.turns.append({"role": "user", "content": text})
         ids = self.prompt_ids()
         decoder = StreamDecoder(self.engine.tokenizer)
+        self.cut = False
         try:
             for token in self.engine.stream(ids, max_new_tokens=self.max_new_tokens, sampling=self.sampling):
                 yield decoder.push(token)
+            self.cut = len(decoder.ids) == self.max_new_tokens
         finally:
             self.turns.append({"role": "assistant", "content": decoder.text.strip()})
 
 
-def repl(conversation: Conversation, *, read=input, out=sys.stdout) -> None:
+def repl(conversation: Conversation, *, read=input, out=sys.stdout, quiet_input=None) -> None:
     """Reads a line, streams the reply, until /exit or end of input. Ctrl-C during a reply stops that reply and
-    keeps the session; Ctrl-C at the prompt discards the line."""
+    keeps the session; Ctrl-C at the prompt discards the line. A reply cut at the token limit ends with a
+    "[cut at N tokens]" line. quiet_input: a context manager that keeps what is typed during a reply out of it
+    (TerminalInput.quiet), or None."""
     print(f"[{COMMANDS_HELP}]", file=out, flush=True)
     while True:
         try:
@@ -77,10 +83,48 @@ def repl(conversation: Conversation, *, read=input, out=sys.stdout) -> None:
         if line.startswith("/"):
             print(f"[unknown command {line.split()[0]}; {COMMANDS_HELP}]", file=out, flush=True)
             continue
+        with quiet_input() if quiet_input else contextlib.nullcontext():
+            _stream_reply(conversation, line, out)
+
+
+def _stream_reply(conversation: Conversation, line: str, out) -> None:
+    try:
+        for piece in conversation.reply(line):
+            out.write(piece)
+            out.flush()
+        print(file=out, flush=True)
+        if conversation.cut:
+            print(f"[cut at {conversation.max_new_tokens} tokens]", file=out, flush=True)
+    except KeyboardInterrupt:
+        print("\n[stopped]", file=out, flush=True)
+
+
+class TerminalInput:
+    """The chat's terminal, when standard input is one: line editing and a history of this session's lines
+    (the stdlib readline; no history file), and `quiet`, which keeps keys pressed during a reply out of it."""
+
+    def __init__(self, stdin=sys.stdin):
+        import readline   # importing it gives input() line editing and history
+
+        readline.parse_and_bind("set enable-bracketed-paste off")   # no escape codes around the prompt
+        self.fd = stdin.fileno()
+
+    @contextlib.contextmanager
+    def quiet(self):
+        """Terminal echo off while the body runs; then what was typed meanwhile is discarded and echo restored."""
+        import termios
+
+        saved = termios.tcgetattr(self.fd)
+        quiet = list(saved)
+        quiet[3] &= ~termios.ECHO      # lflag
+        termios.tcsetattr(self.fd, termios.TCSANOW, quiet)
         try:
-            for piece in conversation.reply(line):
-                out.write(piece)
-                out.flush()
-            print(file=out, flush=True)
-        except KeyboardInterrupt:
-            print("\n[stopped]", file=out, flush=True)
+            yield
+        finally:
+            termios.tcflush(self.fd, termios.TCIFLUSH)
+            termios.tcsetattr(self.fd, termios.TCSANOW, saved)
+
+
+def terminal_input(stdin=sys.stdin) -> TerminalInput | None:
+    """TerminalInput for `stdin` when it is a terminal, else None (a pipe or file is read as it is)."""
+    return TerminalInput(stdin) if stdin.isatty() else None

@@ -61,31 +61,49 @@ def weight_options(p, many=False):
 def sampling_options(p):
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 keeps every token")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="keep the most likely tokens whose probabilities "
+                   "add up to this (1 keeps every token)")
     p.add_argument("--min-p", type=float, default=0.0, help="keep tokens at least this share as likely as the "
                    "most likely one (0 keeps every token)")
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="penalty on the last 64 tokens' ids "
                    "(1 is none; llama.cpp's --repeat-penalty)")
-    p.add_argument("--seed", type=int, default=0, help="in [0, 2**32)")
-    p.add_argument("--threads", type=positive_int, help="host threads of the CPU kernels (default: every CPU)")
+    p.add_argument("--seed", type=int, help="sampling's random seed, in [0, 2**32); none or -1: a random one, "
+                   "printed (greedy runs use no seed)")
+    p.add_argument("--threads", type=positive_int, help="host threads of the CPU kernels, at most the cores this "
+                   "process may use (default: all of them)")
 
 
 def say(*parts):
     print(*parts, file=sys.stderr, flush=True)
 
 
-def load(args, bundle=None, weights=None):
-    """The model of --model; sparse when `bundle` names a bundle to run with."""
+def load(args, bundle=None, weights=None, *, until_first_token=False):
+    """The model of --model; sparse when `bundle` names a bundle to run with. Kernels compiled meanwhile (a cold
+    cache) are announced in one line (compile_cache.kernel_notice), which ends here, or, with until_first_token,
+    where the caller finishes it once the first token came (the first prompt compiles kernels of its own)."""
     from pjinfer.progress import Progress
-    from pjinfer.runtime.compile_cache import enable_compilation_cache
+    from pjinfer.runtime.compile_cache import enable_compilation_cache, kernel_notice
     from pjinfer.runtime.engine import Engine
 
     check_sparse_options(args)
+    check_host_threads()
     enable_compilation_cache()
-    return Engine.load(args.model, bundle=bundle, hot_backend=getattr(args, "hot_backend", "xla"),
-                       cold_weights=getattr(args, "cold_weights", "float32"),
-                       weights=weights or getattr(args, "weights", "float32"),
-                       sparse_rule=getattr(args, "sparse_rule", "auto"), progress=Progress("loading tensors", 0))
+    kernel_notice.start()
+    engine = Engine.load(args.model, bundle=bundle, hot_backend=getattr(args, "hot_backend", "xla"),
+                         cold_weights=getattr(args, "cold_weights", "float32"),
+                         weights=weights or getattr(args, "weights", "float32"),
+                         sparse_rule=getattr(args, "sparse_rule", "auto"), progress=Progress("loading tensors", 0))
+    if not until_first_token:
+        kernel_notice.finish()
+    return engine
+
+
+def check_host_threads() -> None:
+    """PJINFER_HOST_THREADS (set by the user, or by --threads) is a whole number no larger than the usable cores;
+    checked here, before the model loads, rather than when the first host kernel starts the team."""
+    from cpu_offload.team import default_size
+
+    default_size()
 
 
 def check_sparse_options(args) -> None:
@@ -100,15 +118,20 @@ def check_sparse_options(args) -> None:
 
 
 def sampling(args):
-    """The sampling settings of generate and chat, checked before the model loads; --threads applied."""
+    """The sampling settings of generate and chat, checked before the model loads; --threads checked and applied.
+    The seed: --seed, or a random one when the run samples without one (runtime.sampling.choose_seed)."""
     import os
 
-    from pjinfer.runtime.sampling import Sampling
+    from pjinfer.runtime.sampling import Sampling, choose_seed
 
     if args.threads:
+        from cpu_offload.team import check_size
+
+        check_size(args.threads, f"--threads {args.threads}")
         os.environ["PJINFER_HOST_THREADS"] = os.environ["PJINFER_COLD_THREADS"] = str(args.threads)
-    return Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                    min_p=args.min_p, repeat_penalty=args.repeat_penalty)
+    seed = choose_seed(args.seed, args.temperature)
+    return Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                    seed=0 if seed is None else seed, min_p=args.min_p, repeat_penalty=args.repeat_penalty)
 
 
 def check_bundle(args, path) -> None:
@@ -171,7 +194,8 @@ def check_writable(path) -> None:
 
 
 def write_json(path, obj) -> None:
-    """Atomic: a temporary file beside `path`, renamed over it; never a half-written results file or a stray temp."""
+    """Atomic: a temporary file beside `path`, renamed over it; never a half-written results file or a stray temp.
+    The file gets the mode any new file gets (0666 less the umask), not mkstemp's private 0600."""
     import os
     import tempfile
     from pathlib import Path
@@ -179,9 +203,19 @@ def write_json(path, obj) -> None:
     target = Path(path)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=1)
         os.replace(tmp, target)
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def current_umask() -> int:
+    """This process's umask (reading it means setting it: it is put straight back)."""
+    import os
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

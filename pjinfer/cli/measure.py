@@ -10,24 +10,26 @@ from pjinfer.config import ConfigError
 
 def add_commands(command) -> None:
     """Register this module's subcommands: command(name, function, help) -> their parser."""
-    p = command("perplexity", cmd_perplexity, "perplexity of a text file (no BOS; consecutive windows from the start)")
+    p = command("perplexity", cmd_perplexity, "perplexity of a text file (no BOS; consecutive windows from the start)",
+                json=True)
     p.add_argument("--text-file", required=True)
-    p.add_argument("--windows", type=common.positive_int, default=4)
+    p.add_argument("--windows", type=common.positive_int, default=4, help="windows scored")
     p.add_argument("--window-len", type=common.positive_int, default=256, help="tokens scored per window")
     common.sparse_options(p)
     common.weight_options(p)
 
-    p = command("bench", cmd_bench, "prefill and decode tokens per second of the jitted generate")
-    p.add_argument("--prompt-len", type=common.positive_int, default=16)
-    p.add_argument("--new-tokens", type=common.positive_int, default=128)
-    p.add_argument("--runs", type=common.positive_int, default=5)
+    p = command("bench", cmd_bench, "prefill and decode tokens per second of the jitted generate", json=True)
+    p.add_argument("--prompt-len", type=common.positive_int, default=16, help="prompt tokens")
+    p.add_argument("--new-tokens", type=common.positive_int, default=128, help="tokens generated per run")
+    p.add_argument("--runs", type=common.positive_int, default=5, help="timed runs of each engine")
     common.sparse_options(p)
     common.weight_options(p, many=True)
     p.add_argument("--breakdown", action="store_true", help="also time attention, FFN and head of one decode step")
     p.add_argument("--peer", choices=["llama-cpp"],
                    help="also run llama.cpp (llama-cpp-python, `make bench-peer`) on the same GGUF, alternating")
 
-    p = command("eval", cmd_eval, "downstream task accuracy (lm-evaluation-harness protocol), dense or with --bundle")
+    p = command("eval", cmd_eval, "downstream task accuracy (lm-evaluation-harness protocol), dense or with --bundle",
+                json=True)
     p.add_argument("--tasks", help="comma-separated, e.g. piqa,hellaswag,winogrande,arc_easy,arc_challenge")
     p.add_argument("--limit", type=int, help="first N items of each task (MMLU: per subject)")
     p.add_argument("--num-fewshot", type=int, help="shots (MMLU: 5 from its dev split by default)")

@@ -30,7 +30,7 @@ def add_commands(command) -> None:
     p.add_argument("--bundle", required=True)
     p.add_argument("--recall", type=float, default=0.95, help="held-back recall each layer must reach")
     p.add_argument("--max-rank", type=common.positive_int, default=256, help="largest predictor rank tried")
-    p.add_argument("--epochs", type=common.positive_int, default=12)
+    p.add_argument("--epochs", type=common.positive_int, default=12, help="passes over the profile")
 
     p = command("solve", cmd_solve, "place neurons on the accelerator or the CPU with an integer linear program (pulp/CBC)")
     p.add_argument("--bundle", required=True)

@@ -11,12 +11,12 @@ from pjinfer.config import ConfigError
 
 def add_commands(command) -> None:
     """Register this module's subcommands: command(name, function, help) -> their parser."""
-    p = command("generate", cmd_generate, "generate text from a prompt, streamed as it comes")
+    p = command("generate", cmd_generate, "generate text from a prompt, streamed as it comes", json=True)
     common.sparse_options(p)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", help="read the prompt from this file (UTF-8); - reads standard input")
-    p.add_argument("--max-new-tokens", type=common.positive_int, default=64)
+    p.add_argument("--max-new-tokens", type=common.positive_int, default=64, help="the most tokens generated")
     p.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop before this text (repeatable); the model's end-of-text tokens always stop")
     common.sampling_options(p)
@@ -30,8 +30,8 @@ def add_commands(command) -> None:
     common.weight_options(p)
 
     p = command("serve", cmd_serve, "an OpenAI-compatible HTTP server (completions, chat completions, streaming)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=common.port, default=8080)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=common.port, default=8080, help="port to listen on")
     p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 requests")
     p.add_argument("--max-batch", type=common.positive_int, default=8, help="requests decoding at once; more wait")
     common.weight_options(p)
@@ -39,7 +39,7 @@ def add_commands(command) -> None:
 
 def cmd_generate(args):
     from pjinfer.load.tokenizer import StreamDecoder
-    from pjinfer.runtime.compile_cache import CompileStats
+    from pjinfer.runtime.compile_cache import CompileStats, kernel_notice
 
     sampling = common.sampling(args)
     prompt = _prompt_text(args)
@@ -47,7 +47,7 @@ def cmd_generate(args):
         raise ConfigError("--stop needs a non-empty string")
     if args.bundle:
         common.check_bundle(args, args.bundle)
-    engine = common.load(args, args.bundle)
+    engine = common.load(args, args.bundle, until_first_token=True)
     tok = engine.tokenizer
     if args.chat:
         ids = tok.encode(tok.apply_chat([{"role": "user", "content": prompt}]), add_special=False)
@@ -65,6 +65,8 @@ def cmd_generate(args):
             out.append(token)
             piece = decoder.push(token)
             marks.append(time.perf_counter())
+            if len(out) == 1:
+                kernel_notice.finish()     # the kernels the first prompt needed are compiled by now
             if not args.json:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
@@ -75,18 +77,34 @@ def cmd_generate(args):
     rest = decoder.flush()
     if not args.json:
         sys.stdout.write(rest + "\n")
-    text, stopped_by = decoder.text, decoder.stop
+        sys.stdout.flush()          # the text ends before the summary line on stderr
+    reason = finish_reason(interrupted, decoder.stop, len(out), args.max_new_tokens)
     timing = _generate_timing(engine, stats, marks, len(ids), len(out))
+    seed = None if sampling.greedy else sampling.seed
     if args.json:
-        print(json.dumps({"text": text, "token_ids": out, "stop": stopped_by, "interrupted": interrupted,
+        print(json.dumps({"text": decoder.text, "token_ids": decoder.text_ids(), "finish_reason": reason,
+                          "stop": decoder.stop, "interrupted": interrupted, "seed": seed,
                           "weights": engine.weights_format, "sparse": engine.bundle is not None, **timing}))
     else:
-        decode = f", decode {timing['decode_tok_s']:.1f} tok/s" if timing["decode_tok_s"] else ""
+        rate = timing["decode_tok_s"]
+        decode = "n/a" if rate is None else f"{rate:.1f} tok/s"
+        sampled = "" if seed is None else f", seed {seed}"
         common.say(f"load {timing['load_s']:.1f} s, compile {timing['compile_s']:.1f} s "
-             f"({stats.executables} executables, {stats.cache_hits} from the disk cache), "
-             f"prefill {len(ids)} tokens {timing['prefill_s']:.2f} s, {len(out)} tokens{decode} [{engine.path}]")
+                   f"({stats.executables} executables, {stats.cache_hits} from the disk cache), "
+                   f"prefill {len(ids)} tokens {timing['prefill_s']:.2f} s, {len(out)} tokens, decode {decode}"
+                   f"{sampled} [{engine.path}]")
     if interrupted:
         raise KeyboardInterrupt
+
+
+def finish_reason(interrupted: bool, stop: str | None, new_tokens: int, max_new_tokens: int) -> str:
+    """Why generation ended: "interrupted" (Ctrl-C), "stop" (a stop string, or an end-of-text token: the stream
+    ended before max_new_tokens), or "length" (max_new_tokens reached)."""
+    if interrupted:
+        return "interrupted"
+    if stop is not None or new_tokens < max_new_tokens:
+        return "stop"
+    return "length"
 
 
 def _prompt_text(args) -> str:
@@ -114,22 +132,36 @@ def _prompt_text(args) -> str:
 
 
 def _generate_timing(engine, stats, marks, prompt_tokens, new_tokens) -> dict:
-    """prefill_s: start to the first token (prefill and, on a cold cache, its compilation); decode_tok_s: from the
-    second token on, past the decode step's compilation (None with fewer than three tokens)."""
-    decode = (new_tokens - 2) / (marks[-1] - marks[2]) if new_tokens > 2 and marks[-1] > marks[2] else None
+    """prefill_s: start to the first token (prefill and, on a cold cache, its compilation); decode_tok_s:
+    decode_rate(marks)."""
+    decode = decode_rate(marks)
     return {"load_s": round(engine.load_seconds, 3), "compile_s": round(stats.seconds, 3),
             "executables": stats.executables, "from_disk_cache": stats.cache_hits,
             "prefill_s": round(marks[1] - marks[0], 3) if new_tokens else None,
-            "decode_tok_s": round(decode, 2) if decode else None,
+            "decode_tok_s": None if decode is None else round(decode, 2),
             "generate_s": round(marks[-1] - marks[0], 3), "prompt_tokens": prompt_tokens, "new_tokens": new_tokens}
 
 
+def decode_rate(marks) -> float | None:
+    """Tokens per second of the decode steps alone. marks: clock readings at the start and after each token. The
+    first token comes from the prefill, so the rate counts the tokens after it over the time since it arrived
+    (tokens come in chunks: two marks can be equal). None with fewer than 2 decode steps (nothing to time)."""
+    steps = len(marks) - 2
+    if steps < 2 or marks[-1] <= marks[1]:
+        return None
+    return steps / (marks[-1] - marks[1])
+
+
 def cmd_chat(args):
-    from pjinfer.cli.chat import Conversation, repl
+    from pjinfer.cli.chat import Conversation, repl, terminal_input
 
     sampling = common.sampling(args)
     engine = common.load(args)
-    repl(Conversation(engine, system=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling))
+    if not sampling.greedy:
+        common.say(f"pjinfer: sampling with seed {sampling.seed}")
+    terminal = terminal_input()
+    repl(Conversation(engine, system=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling),
+         quiet_input=terminal.quiet if terminal else None)
 
 
 def cmd_serve(args):

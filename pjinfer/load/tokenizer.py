@@ -252,3 +252,22 @@ class StreamDecoder:
         """What was held back: the rest of the text."""
         piece, self.emitted = self.text[self.emitted:], len(self.text)
         return piece
+
+    def text_ids(self) -> list[int]:
+        """The ids `text` comes from: every id pushed, or, once a stop string cut the text, the ids up to and
+        including the one whose text holds the stop string's first character (the later ones are dropped)."""
+        if self.stop is None:
+            return list(self.ids)
+        cut = len(self.text)
+
+        def reaches(k):   # do the first k ids decode past the cut? (an unfinished character does not count)
+            return len(self.tokenizer.decode(self.ids[:k]).rstrip("\ufffd")) > cut
+
+        low, high = 0, len(self.ids)   # reaches(high) holds; find the smallest such k
+        while low < high:
+            mid = (low + high) // 2
+            if reaches(mid):
+                high = mid
+            else:
+                low = mid + 1
+        return self.ids[:high]

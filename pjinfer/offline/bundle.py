@@ -68,6 +68,8 @@ class Bundle:
         """The bundle at path; with source (a model path), checked to have been made for that model."""
         path = Path(path)
         file = path / MANIFEST
+        if not path.exists():
+            raise ConfigError(f"bundle {path} does not exist")
         if not file.exists():
             raise ConfigError(f"{path} is not a pjinfer bundle (no {MANIFEST}); build one with `make bundle`")
         try:

@@ -89,3 +89,75 @@ class CompileStats:
         if event == _CACHE_HIT:
             for s in CompileStats._live:
                 s.cache_hits += 1
+
+
+class KernelCompileNotice:
+    """One line on `stream` while the host's Numba kernels compile, which happens once per machine, model shape
+    and source version (a cache miss: the first run after install, another model); later runs read them from
+    Numba's cache and print nothing. The line begins at the first compilation after start() and ends, at
+    finish(), with the seconds spent compiling (outermost compilations summed: callees compile inside them)."""
+
+    def __init__(self, stream=None):
+        self.stream = stream
+        self.seconds = 0.0
+        self.compiles = 0
+        self._listener = None
+        self._depth = 0
+        self._began = None
+        self._begun = False      # the line's start was written
+        self._done = False       # the line was written in full: never again in this process
+
+    def start(self) -> None:
+        """Listen for compilations (no-op while listening, or once the line was written)."""
+        if self._listener is not None or self._done:
+            return
+        from numba.core import event
+
+        notice = self
+
+        class Listener(event.Listener):
+            def on_start(self, ev):
+                notice._on_start()
+
+            def on_end(self, ev):
+                notice._on_end()
+
+        self._listener = Listener()
+        event.register("numba:compile", self._listener)
+
+    def _on_start(self):
+        import sys
+        import time
+
+        if self._depth == 0:
+            self._began = time.perf_counter()
+            if not self._begun:
+                self._begun = True
+                print("compiling the CPU kernels, once (later runs read them from the cache) ...",
+                      end="", file=self.stream or sys.stderr, flush=True)
+        self._depth += 1
+
+    def _on_end(self):
+        import time
+
+        self._depth -= 1
+        if self._depth == 0:
+            self.seconds += time.perf_counter() - self._began
+            self.compiles += 1
+
+    def finish(self) -> None:
+        """Stop listening; end the line if one was begun."""
+        import sys
+
+        if self._listener is None:
+            return
+        from numba.core import event
+
+        event.unregister("numba:compile", self._listener)
+        self._listener = None
+        if self._begun:
+            print(f" {self.seconds:.1f} s", file=self.stream or sys.stderr, flush=True)
+            self._done = True
+
+
+kernel_notice = KernelCompileNotice()   # the process's: the CLI starts it before loading a model

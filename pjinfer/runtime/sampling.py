@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import secrets
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +51,20 @@ class Sampling:
         array, costly to make, which the batched step paid for every request on every token."""
         return (np.float32(max(self.temperature, 1e-6)), np.int32(self.top_k), np.float32(self.top_p),
                 np.float32(self.min_p), np.float32(self.repeat_penalty))
+
+
+SEED_RANDOM = -1     # a seed of -1 asks for a random one (llama.cpp's convention)
+
+
+def choose_seed(seed: int | None, temperature: float) -> int | None:
+    """The seed a run samples with: `seed` when given in [0, 2**32); a fresh random one when it is None or
+    SEED_RANDOM and the run samples (temperature > 0); None for a greedy run without one (no seed is used).
+    Any other value is refused (ConfigError)."""
+    if seed is not None and seed != SEED_RANDOM and not 0 <= seed < 2**32:
+        raise ConfigError(f"seed must be in [0, 2**32), or -1 for a random one; got {seed}")
+    if seed is not None and seed != SEED_RANDOM:
+        return seed
+    return secrets.randbelow(2**32) if temperature > 0 else None
 
 
 REPEAT_WINDOW = 64   # tokens the repetition penalty looks back over (llama.cpp's default)
