@@ -59,8 +59,10 @@ def write_tiny_gguf(path, config, weights, *, arch="llama", quantize=False, laye
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     rng = np.random.default_rng(5)
-    if weights["embed"].shape[0] != len(tokens):  # an embedding for this vocabulary
+    if weights["embed"].shape[0] != len(tokens):  # an embedding (and an untied head) for this vocabulary
         weights = dict(weights, embed=(rng.standard_normal((len(tokens), config.d_model)) * 0.1).astype(np.float32))
+        if "lm_head" in weights:
+            weights["lm_head"] = (rng.standard_normal((len(tokens), config.d_model)) * 0.1).astype(np.float32)
     names = {"embed": "token_embd.weight", "final_norm.scale": "output_norm.weight", "lm_head": "output.weight"}
     per_layer = {"attn_norm.scale": "attn_norm", "ffn_norm.scale": "ffn_norm", "wq": "attn_q", "wk": "attn_k",
                  "wv": "attn_v", "wo": "attn_output", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down_t": "ffn_down"}
