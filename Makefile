@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 export NUMBA_THREADING_LAYER ?= workqueue
 
-.PHONY: setup run test mutants bench bench-peer bench-quants bench-long bench-serve bench-scale bench-pallas perplexity bundle clean
+.PHONY: setup run test fuzz mutants bench bench-peer bench-quants bench-long bench-serve bench-scale bench-pallas perplexity bundle clean
 
 # Idempotent: re-runs pip only when pyproject.toml changed.
 setup: $(STAMP)
@@ -23,6 +23,11 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q --durations=20
+
+# The hostile-GGUF fuzz test with many more cases than `make test` runs (FUZZ_EXAMPLES), fresh ones each run.
+FUZZ_EXAMPLES ?= 50000
+fuzz: setup
+	PJINFER_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s tests/test_fuzz_gguf.py
 
 # A check that the suite can fail: deliberate faults, one at a time in a temporary copy (tests/mutants.py).
 mutants: setup

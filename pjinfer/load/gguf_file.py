@@ -30,6 +30,8 @@ _PLAIN = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32,
 # moved them to 24-26 and gave 16-18 to IQ types), so its GPU index stores gpu_idx as type 18: a PWRI file reads so.
 _POWERINFER_PLAIN = {16: np.int8, 17: np.int16, 18: np.int32}
 MAX_DIMS = 4               # ggml's GGML_MAX_DIMS
+MAX_NAME = 63              # a tensor name's bytes at most (ggml's GGML_MAX_NAME less its terminating zero)
+MAX_KEY = (1 << 16) - 1    # a metadata key's bytes at most (the format's limit)
 DEFAULT_ALIGNMENT = 32
 # The fewest bytes one metadata field (key length, type, a one-byte value) and one tensor description (name
 # length, dimension count, type, offset) take: a count is refused when the rest of the file cannot hold that many.
@@ -194,17 +196,23 @@ def _read_fields(cur: _Cursor, n_fields: int) -> dict:
     fields = {}
     for _ in range(n_fields):
         key = cur.string()
+        if len(key) > MAX_KEY or not key.isprintable():
+            raise GGUFError(f"a metadata key of {len(key)} characters is not {MAX_KEY} printable ones at most: "
+                            f"{key[:40]!r}")
         if key in fields:
-            raise GGUFError(f"metadata key {key!r} appears twice")
+            raise GGUFError(f"metadata key {key[:80]!r} appears twice")
         fields[key] = cur.value(cur.take("I"))
     return fields
 
 
 def _read_tensor_infos(cur: _Cursor, n_tensors: int) -> list:
-    """[(name, ne, type, offset)] as the header lists them, names unique, 1 to MAX_DIMS dimensions."""
+    """[(name, ne, type, offset)] as the header lists them: names unique and printable (messages quote them),
+    1 to MAX_DIMS dimensions."""
     infos, names = [], set()
     for _ in range(n_tensors):
         name = cur.string()
+        if len(name.encode()) > MAX_NAME or not name.isprintable():
+            raise GGUFError(f"a tensor name is not {MAX_NAME} bytes of printable text at most: {name[:40]!r}")
         if name in names:
             raise GGUFError(f"tensor {name} appears twice")
         names.add(name)

@@ -69,8 +69,13 @@ def _layer_tensors(path) -> set[tuple[str, str]] | None:
         reader = GGUFFile(path)
     except (GGUFError, ValueError, OSError):
         return None
-    return {(t.name.split(".")[2], gguf.GGMLQuantizationType(t.type).name) for t in reader.tensors
-            if t.name.startswith("blk.") and t.name.split(".")[2] in LAYER_MATRICES + ("ffn_down_t",)}
+    found = set()
+    for t in reader.tensors:
+        m = _LAYER_TENSOR_NAME.fullmatch(t.name)
+        matrix = m and m.group(2).split(".")[0]
+        if matrix in LAYER_MATRICES + ("ffn_down_t",):
+            found.add((matrix, gguf.GGMLQuantizationType(t.type).name))
+    return found
 
 
 def stored_format(path: str | os.PathLike | None = None) -> str | None:
@@ -179,12 +184,15 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
     if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
         raise ConfigError(f"{path.name}: metadata tokenizer.ggml.tokens must be an array of strings, "
                           f"got {_shown(tokens)}")
+    vocab_size = _int_field(reader, f"{a}.vocab_size", path, len(tokens))
+    if len(tokens) > vocab_size:
+        raise ConfigError(f"{path.name}: {len(tokens)} tokens, more than {a}.vocab_size {vocab_size}")
     eos = _int_field(reader, "tokenizer.ggml.eos_token_id", path, None)
     bos = _int_field(reader, "tokenizer.ggml.bos_token_id", path, None)
     name = reader.fields.get("general.name", path.stem)
     config = ModelConfig(
         arch="llama",
-        vocab_size=_int_field(reader, f"{a}.vocab_size", path, len(tokens)),
+        vocab_size=vocab_size,
         d_model=d_model,
         n_layers=_int_field(reader, f"{a}.block_count", path),
         n_heads=n_heads,
@@ -219,6 +227,10 @@ def _check_tokenizer_fields(reader, path: Path) -> None:
     if "tokenizer.ggml.add_bos_token" in fields and not isinstance(fields["tokenizer.ggml.add_bos_token"], bool):
         raise ConfigError(f"{path.name}: metadata tokenizer.ggml.add_bos_token must be a bool, "
                           f"got {_shown(fields['tokenizer.ggml.add_bos_token'])}")
+    if fields.get("tokenizer.ggml.model") == "gpt2":   # byte-level BPE reads both
+        for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.merges"):
+            if key not in fields:
+                raise ConfigError(f"{path.name} lacks the metadata {key} (its tokenizer is gpt2 byte-level BPE)")
     types = fields.get("tokenizer.ggml.token_type")
     if types is not None and (not isinstance(types, (list, np.ndarray)) or len(types) != len(tokens)
                               or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in types)):
