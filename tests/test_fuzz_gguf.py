@@ -35,39 +35,60 @@ D, HEADS, KV_HEADS, HEAD_DIM, D_FF = 32, 2, 1, 16, 32
 Q8_0, Q4_1 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1
 
 
-def write_small_gguf(path) -> None:
-    """A one-layer Llama with an 8-token BPE vocabulary; matrices in Q8_0 and Q4_1, the embedding F16, norms F32."""
+def small_metadata() -> dict:
+    """{key: (value, GGUFValueType)} of the small model, general.architecture aside (the writer adds it)."""
+    V = gguf.GGUFValueType
+    return {
+        "general.alignment": (32, V.UINT32), "llama.block_count": (1, V.UINT32),
+        "llama.context_length": (64, V.UINT32), "llama.embedding_length": (D, V.UINT32),
+        "llama.feed_forward_length": (D_FF, V.UINT32), "llama.attention.head_count": (HEADS, V.UINT32),
+        "llama.attention.head_count_kv": (KV_HEADS, V.UINT32), "llama.rope.dimension_count": (HEAD_DIM, V.UINT32),
+        "llama.attention.layer_norm_rms_epsilon": (1e-5, V.FLOAT32), "tokenizer.ggml.model": ("gpt2", V.STRING),
+        "tokenizer.ggml.pre": ("smollm", V.STRING), "tokenizer.ggml.tokens": (TOKENS, V.ARRAY),
+        "tokenizer.ggml.merges": (MERGES, V.ARRAY),
+        "tokenizer.ggml.token_type": ([3] + [1] * (len(TOKENS) - 1), V.ARRAY),
+        "tokenizer.ggml.eos_token_id": (0, V.UINT32), "tokenizer.ggml.bos_token_id": (0, V.UINT32),
+        "tokenizer.ggml.add_bos_token": (False, V.BOOL),
+        "tokenizer.chat_template": ("{% for m in messages %}{{ m['content'] }}{% endfor %}", V.STRING),
+    }
+
+
+def small_tensors() -> dict:
+    """{name: (array, ggml block type or None for the array's own type)} of the small model."""
     rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_custom_alignment(32)
-    w.add_block_count(1)
-    w.add_context_length(64)
-    w.add_embedding_length(D)
-    w.add_feed_forward_length(D_FF)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_rope_dimension_count(HEAD_DIM)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(TOKENS)
-    w.add_token_merges(MERGES)
-    w.add_token_types([3] + [1] * (len(TOKENS) - 1))
-    w.add_eos_token_id(0)
-    w.add_bos_token_id(0)
-    w.add_add_bos_token(False)
-    w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     mat = lambda rows, cols: (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
     q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    w.add_tensor("token_embd.weight", mat(len(TOKENS), D).astype(np.float16))
-    w.add_tensor("output_norm.weight", np.ones(D, np.float32))
-    w.add_tensor("blk.0.attn_norm.weight", np.ones(D, np.float32))
-    w.add_tensor("blk.0.ffn_norm.weight", np.ones(D, np.float32))
+    out = {"token_embd.weight": (mat(len(TOKENS), D).astype(np.float16), None),
+           "output_norm.weight": (np.ones(D, np.float32), None),
+           "blk.0.attn_norm.weight": (np.ones(D, np.float32), None),
+           "blk.0.ffn_norm.weight": (np.ones(D, np.float32), None)}
     for name, (rows, cols), kind in (("attn_q", (q, D), Q8_0), ("attn_k", (kv, D), Q4_1), ("attn_v", (kv, D), Q8_0),
                                      ("attn_output", (D, q), Q8_0), ("ffn_gate", (D_FF, D), Q8_0),
                                      ("ffn_up", (D_FF, D), Q4_1), ("ffn_down", (D, D_FF), Q8_0)):
-        blocks = gguf.quants.quantize(mat(rows, cols), kind)
-        w.add_tensor(f"blk.0.{name}.weight", blocks, raw_shape=blocks.shape, raw_dtype=kind)
+        out[f"blk.0.{name}.weight"] = (mat(rows, cols), kind)
+    return out
+
+
+def write_small_gguf(path, fields: dict | None = None, tensors: dict | None = None) -> None:
+    """A one-layer Llama with an 8-token BPE vocabulary: matrices in Q8_0 and Q4_1, the embedding F16, norms F32.
+    fields and tensors change small_metadata() and small_tensors() (a None value drops the entry)."""
+    metadata, arrays = small_metadata() | (fields or {}), small_tensors() | (tensors or {})
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, entry in metadata.items():
+        if entry is not None:
+            value, vtype = entry
+            sub = {str: gguf.GGUFValueType.STRING, int: gguf.GGUFValueType.INT32}.get(type(value[0])) \
+                if vtype == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, value, vtype, sub)
+    for name, entry in arrays.items():
+        if entry is None:
+            continue
+        value, kind = entry
+        if kind is None:
+            w.add_tensor(name, value)
+        else:
+            blocks = gguf.quants.quantize(value, kind)
+            w.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
