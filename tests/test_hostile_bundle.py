@@ -201,3 +201,18 @@ def test_cli_refuses_a_hostile_bundle_in_one_line(tmp_path):
     assert run.returncode == 2, run.stderr
     assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
     assert run.stderr.startswith("pjinfer: error: bundle manifest") and "model record" in run.stderr, run.stderr
+
+
+def test_cli_refuses_a_hostile_gpu_index_in_one_line(tmp_path, capsys):
+    from pjinfer.cli.main import main
+    from tests.conftest import random_weights
+    from tests.test_powerinfer import powerinfer_predictors, write_powerinfer
+
+    config = tiny_config(d_model=64, head_dim=16, d_ff=96, tie_embeddings=True, activation="reglu")
+    model, index, bundle = tmp_path / "m.gguf", tmp_path / "m.gpuidx", tmp_path / "b"
+    write_powerinfer(model, config, random_weights(config, seed=1), *powerinfer_predictors(config))
+    write_index(index, index_tensors(d_ff=95))
+    code = main(["import-powerinfer", "--model", str(model), "--bundle", str(bundle), "--gpu-index", str(index)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "blk.0.gpu_idx must be int32 [96] of 0 and 1" in err, err
+    assert not bundle.exists()
