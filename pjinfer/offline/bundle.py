@@ -109,20 +109,18 @@ class Bundle:
         `train-predictors`, or imported from a PowerInfer file by `import-powerinfer`: the record's "reads")."""
         from flax import nnx
 
-        from train.predictor import Predictor
-
-        from train.predictor import INPUTS
+        from train.predictor import INPUTS, Predictor
 
         record = self.require("predictors")
         ranks, reads = record.get("ranks"), record.get("reads", "ffn_in")
         if not isinstance(ranks, list) or len(ranks) != config.n_layers or \
-                not all(type(r) is int and 0 < r <= config.d_ff for r in ranks) or reads not in INPUTS:
+                not all(_is_int(r) and 0 < r <= config.d_ff for r in ranks) or reads not in INPUTS:
             raise ConfigError(f"bundle {self.path}: the predictors record needs {config.n_layers} ranks in "
                               f"1..{config.d_ff} and reads in {', '.join(INPUTS)}")
         tree = self.load_stage("predictors")
         out = []
         for l, rank in enumerate(ranks):
-            predictor = Predictor(config.d_model, config.d_ff, rank, rngs=nnx.Rngs(0), reads=reads)
+            predictor = Predictor(config.d_model, config.d_ff, int(rank), rngs=nnx.Rngs(0), reads=reads)
             state = nnx.state(predictor)
             _check_same_shapes(nnx.to_pure_dict(state), tree.get(str(l)), f"bundle {self.path}: predictor {l}")
             nnx.replace_by_pure_dict(state, tree[str(l)])
@@ -212,6 +210,10 @@ def _manifest_problem(manifest) -> str | None:
         if not isinstance(record, dict):
             return f"the {name} record is not an object"
     return None
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def _check_same_shapes(want: dict, got, where: str) -> None:
