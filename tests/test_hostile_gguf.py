@@ -140,6 +140,7 @@ V = __import__("gguf").GGUFValueType
      "layer_norm_rms_epsilon must be a finite number, got nan"),
     ({"llama.block_count": ((1 << 40), V.UINT64)}, {}, "block_count is 1099511627776, but the file holds only 11"),
     ({"llama.vocab_size": (4, V.UINT32)}, {}, "8 tokens, more than llama.vocab_size 4"),
+    ({"llama.rope.dimension_count": (15, V.UINT32)}, {}, "rope.dimension_count is 15; rotary pairs need an even"),
     ({"tokenizer.ggml.tokens": ([1, 2], V.ARRAY)}, {}, "tokenizer.ggml.tokens must be an array of strings"),
     ({"tokenizer.ggml.eos_token_id": (8, V.UINT32)}, {}, "eos_token_id is 8; the vocabulary has 8 tokens"),
     ({"tokenizer.ggml.merges": (["a c"], V.ARRAY)}, {}, "merge 0 ('a c') is not two tokens whose concatenation"),

@@ -178,6 +178,9 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
         eos_ids=() if eos is None else (eos,),
         name=name if isinstance(name, str) else path.stem,
     )
+    if config.head_dim % 2:
+        raise ConfigError(f"{path.name}: {a}.rope.dimension_count is {config.head_dim}; rotary pairs need an even "
+                          "head dimension")
     for key, token in (("bos", bos), ("eos", eos)):
         if token is not None and not 0 <= token < len(tokens):
             raise ConfigError(f"{path.name}: metadata tokenizer.ggml.{key}_token_id is {token}; the vocabulary has "
