@@ -223,6 +223,9 @@ def traced(path) -> tuple[str, int]:
 
 @pytest.fixture(scope="module")
 def valid(tmp_path_factory):
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    set_hypothesis_home_dir(tmp_path_factory.mktemp("hypothesis"))   # its caches, out of the source tree
     path = tmp_path_factory.mktemp("fuzz") / "small.gguf"
     write_small_gguf(path)
     assert load_or_refuse(path) == "loaded"
