@@ -216,3 +216,19 @@ def test_cli_refuses_a_hostile_gpu_index_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "blk.0.gpu_idx must be int32 [96] of 0 and 1" in err, err
     assert not bundle.exists()
+
+
+def test_a_profile_stage_that_does_not_agree_with_itself_is_refused(tmp_path):
+    from pjinfer.offline import stages
+
+    b = Bundle.create(tmp_path / "b", model=MODEL)
+    record = {"activation": "swiglu", "target_sparsity": 0.5, "tokens": 8}
+    b.save_stage("profile", {"thresholds": np.zeros(2, np.float32), "freq": np.zeros((2, 64), np.float32),
+                             "mass": np.zeros((2, 63), np.float32)}, record)
+    with pytest.raises(ConfigError) as e:
+        stages.load_stats(Bundle.open(b.path))
+    assert "the profile's thresholds [2], freq [2, 64] and mass [2, 63] do not agree" in one_line(e)
+    b.save_stage("profile", {"thresholds": np.zeros(2, np.float32)}, {"activation": "swiglu"})
+    with pytest.raises(ConfigError) as e:
+        stages.load_stats(Bundle.open(b.path))
+    assert "the profile record lacks target_sparsity, tokens; run `pjinfer profile" in one_line(e)

@@ -90,10 +90,17 @@ class Bundle:
             raise ConfigError(f"bundle {self.path} was made for another model ({made_for.get('name')}, "
                               f"hash {made_for.get('identity')}); this model's hash is {identity}")
 
-    def require(self, stage: str) -> dict:
+    def require(self, stage: str, *keys: str) -> dict:
+        """The manifest's record of `stage`, which must hold `keys`; refused in one line naming the command that
+        makes the stage when it is absent or lacks one."""
         if stage not in self.manifest["stages"]:
             raise ConfigError(f"bundle {self.path} has no {stage} yet; run `pjinfer {_MAKES[stage]} --bundle {self.path}`")
-        return self.manifest["stages"][stage]
+        record = self.manifest["stages"][stage]
+        missing = [key for key in keys if key not in record]
+        if missing:
+            raise ConfigError(f"bundle {self.path}: the {stage} record lacks {', '.join(missing)}; run "
+                              f"`pjinfer {_MAKES[stage]} --bundle {self.path}` again")
+        return record
 
     # ------------------------------------------------------------ what the runtime reads
     def thresholds(self, config) -> np.ndarray:
