@@ -7,7 +7,7 @@ LLAMA_VOCAB := $(VENV)/share/llama-vocab
 LLAMA_CPP_PYTHON := 0.3.36
 export NUMBA_THREADING_LAYER ?= workqueue
 
-.PHONY: setup run test test-fast mutants bench bench-peer bench-quants bench-long bench-serve bench-scale bench-pallas perplexity bundle clean
+.PHONY: setup run test test-fast fuzz mutants bench bench-peer bench-quants bench-long bench-serve bench-scale bench-pallas perplexity bundle clean
 
 # Idempotent: re-runs pip only when pyproject.toml changed.
 setup: $(STAMP) $(LLAMA_VOCAB)/.stamp
@@ -45,6 +45,11 @@ test: setup
 # The unit tier (tests/conftest.py): no real model, nothing slow; a few minutes on 2 cores.
 test-fast: setup
 	$(PY) -m pytest -q -m unit --durations=10
+
+# The hostile-GGUF fuzz test with many more cases than `make test` runs (FUZZ_EXAMPLES), fresh ones each run.
+FUZZ_EXAMPLES ?= 50000
+fuzz: setup
+	PJINFER_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s tests/test_fuzz_gguf.py
 
 # A check that the suite can fail: deliberate faults, one at a time in a temporary copy (tests/mutants.py).
 mutants: setup

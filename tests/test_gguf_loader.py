@@ -67,8 +67,10 @@ def write_tiny_gguf(path, config, weights, *, arch="llama", quantize=False, laye
     w.add_layer_norm_rms_eps(config.norm_eps)
     w.add_vocab_size(config.vocab_size)
     rng = np.random.default_rng(5)
-    if weights["embed"].shape[0] != config.vocab_size:  # an embedding for this vocabulary
+    if weights["embed"].shape[0] != config.vocab_size:  # an embedding (and an untied head) for this vocabulary
         weights = dict(weights, embed=(rng.standard_normal((config.vocab_size, config.d_model)) * 0.1).astype(np.float32))
+        if "lm_head" in weights:
+            weights["lm_head"] = (rng.standard_normal((config.vocab_size, config.d_model)) * 0.1).astype(np.float32)
     names = {"embed": "token_embd.weight", "final_norm.scale": "output_norm.weight", "lm_head": "output.weight"}
     per_layer = {"attn_norm.scale": "attn_norm", "ffn_norm.scale": "ffn_norm", "wq": "attn_q", "wk": "attn_k",
                  "wv": "attn_v", "wo": "attn_output", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down_t": "ffn_down"}

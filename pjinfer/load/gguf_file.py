@@ -11,6 +11,7 @@ magic with "PWRI" and leave the rest a GGUF; such a file reads the same, with `p
 from __future__ import annotations
 
 import dataclasses
+import math
 import mmap
 import struct
 from pathlib import Path
@@ -28,6 +29,14 @@ _PLAIN = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32,
 # PowerInfer's ggml numbered its integer types 16-18 (its gguf-py: I8 = 16, I16 = 17, I32 = 18; llama.cpp later
 # moved them to 24-26 and gave 16-18 to IQ types), so its GPU index stores gpu_idx as type 18: a PWRI file reads so.
 _POWERINFER_PLAIN = {16: np.int8, 17: np.int16, 18: np.int32}
+MAX_DIMS = 4               # ggml's GGML_MAX_DIMS
+MAX_NAME = 63              # a tensor name's bytes at most (ggml's GGML_MAX_NAME less its terminating zero)
+MAX_KEY = (1 << 16) - 1    # a metadata key's bytes at most (the format's limit)
+DEFAULT_ALIGNMENT = 32
+# The fewest bytes one metadata field (key length, type, a one-byte value) and one tensor description (name
+# length, dimension count, type, offset) take: a count is refused when the rest of the file cannot hold that many.
+_MIN_FIELD = 8 + 4 + 1
+_MIN_TENSOR_INFO = 8 + 4 + 4 + 8
 
 
 class GGUFError(ValueError):
@@ -43,35 +52,51 @@ class Tensor:
 
 
 class _Cursor:
+    """Reads the header front to back. Every count and length read from the file is checked against the bytes
+    left before anything of that size is made, so a hostile header costs at most the file's own size."""
+
     def __init__(self, buf: memoryview):
         self.buf, self.pos = buf, 0
+
+    @property
+    def left(self) -> int:
+        return len(self.buf) - self.pos
 
     def take(self, fmt: str):
         try:
             value = struct.unpack_from("<" + fmt, self.buf, self.pos)
         except struct.error:
-            raise GGUFError("the file ends inside its header") from None
+            raise GGUFError(f"the file ends inside its header (at byte {self.pos})") from None
         self.pos += struct.calcsize("<" + fmt)
         return value[0] if len(value) == 1 else value
 
+    def count(self, what: str, min_bytes: int) -> int:
+        """A uint64 count of items of at least min_bytes each, refused when the rest of the file cannot hold them."""
+        at, n = self.pos, self.take("Q")
+        if n * min_bytes > self.left:
+            raise GGUFError(f"{what} at byte {at} claims {n} items, more than the {self.left} bytes left hold")
+        return n
+
     def string(self) -> str:
-        n = self.take("Q")
+        at, n = self.pos, self.take("Q")
+        if n > self.left:
+            raise GGUFError(f"a string at byte {at} claims {n} bytes, more than the {self.left} bytes left")
         raw = bytes(self.buf[self.pos:self.pos + n])
-        if len(raw) != n:
-            raise GGUFError("the file ends inside its header")
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
     def strings(self, count: int) -> list[str]:
-        out, buf, pos = [], self.buf, self.pos
+        # The caller's count() has checked count * 8 <= left; each length is checked before its slice.
+        out, buf, pos, end = [], self.buf, self.pos, len(self.buf)
         unpack = struct.Struct("<Q").unpack_from
-        try:
-            for _ in range(count):
-                n = unpack(buf, pos)[0]
-                out.append(str(buf[pos + 8:pos + 8 + n], "utf-8", "replace"))
-                pos += 8 + n
-        except struct.error:
-            raise GGUFError("the file ends inside its header") from None
+        for _ in range(count):
+            if pos + 8 > end:
+                raise GGUFError(f"the file ends inside its header (at byte {pos})")
+            n = unpack(buf, pos)[0]
+            if n > end - pos - 8:
+                raise GGUFError(f"a string at byte {pos} claims {n} bytes, more than the {end - pos - 8} bytes left")
+            out.append(str(buf[pos + 8:pos + 8 + n], "utf-8", "replace"))
+            pos += 8 + n
         self.pos = pos
         return out
 
@@ -79,7 +104,7 @@ class _Cursor:
         dtype = np.dtype(dtype).newbyteorder("<")
         end = self.pos + dtype.itemsize * count
         if end > len(self.buf):
-            raise GGUFError("the file ends inside its header")
+            raise GGUFError(f"the file ends inside its header (an array of {count} {dtype.name} at byte {self.pos})")
         a = np.frombuffer(self.buf[self.pos:end], dtype).copy()
         self.pos = end
         return a
@@ -88,10 +113,11 @@ class _Cursor:
         if kind == T_STRING:
             return self.string()
         if kind == T_ARRAY:
-            sub, count = self.take("I"), self.take("Q")
+            sub = self.take("I")
             if sub == T_STRING:
-                return self.strings(count)
+                return self.strings(self.count("a string array", 8))
             if sub in _SCALARS:
+                count = self.count("an array", np.dtype(_SCALARS[sub]).itemsize)
                 return self.array(_SCALARS[sub], count).tolist() if count < 64 else self.array(_SCALARS[sub], count)
             raise GGUFError(f"unsupported metadata array type {sub}")
         if kind in _SCALARS:
@@ -105,9 +131,9 @@ class GGUFFile:
     arrays); tensors: list of Tensor in file order; powerinfer: the file carries PowerInfer's magic."""
 
     def __init__(self, path: str | Path):
-        import gguf  # block sizes of the quantized types
-
         path = Path(path)
+        if path.stat().st_size == 0:
+            raise GGUFError("the file is empty")
         with open(path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self.mmap = np.frombuffer(self._map, np.uint8)
@@ -120,40 +146,40 @@ class GGUFFile:
         version = cur.take("I")
         if version not in (2, 3):
             raise GGUFError(f"unsupported GGUF version {version}")
-        n_tensors, n_fields = cur.take("Q"), cur.take("Q")
-        self.fields = {}
-        for _ in range(n_fields):
-            key = cur.string()
-            self.fields[key] = cur.value(cur.take("I"))
-        infos = []
-        for _ in range(n_tensors):
-            name = cur.string()
-            ne = [cur.take("Q") for _ in range(cur.take("I"))]
-            infos.append((name, ne, cur.take("I"), cur.take("Q")))
-        align = int(self.fields.get("general.alignment", 32))
+        n_tensors = cur.count("the tensor count", _MIN_TENSOR_INFO)
+        n_fields = cur.count("the metadata count", _MIN_FIELD)
+        self.fields = _read_fields(cur, n_fields)
+        infos = _read_tensor_infos(cur, n_tensors)
+        align = _alignment(self.fields)
         start = -(-cur.pos // align) * align
-        self.tensors = []
         plain = _PLAIN | (_POWERINFER_PLAIN if self.powerinfer else {})
-        for name, ne, kind, offset in infos:
-            shape = tuple(int(n) for n in reversed(ne))
-            if kind in plain:
-                dtype = np.dtype(plain[kind])
-                nbytes, view_shape = int(np.prod(shape)) * dtype.itemsize, shape
-            else:
-                try:
-                    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
-                except (ValueError, KeyError):
-                    raise GGUFError(f"tensor {name} has unknown type {kind}") from None
-                if shape[-1] % block:
-                    raise GGUFError(f"tensor {name}: {shape[-1]} columns are not whole blocks of {block}")
-                row = shape[-1] // block * block_bytes
-                dtype, view_shape = np.dtype(np.uint8), (*shape[:-1], row)
-                nbytes = int(np.prod(view_shape))
-            lo = start + offset
-            if lo + nbytes > self.mmap.size:
-                raise GGUFError(f"the file ends inside tensor {name}")
-            data = self.mmap[lo:lo + nbytes].view(dtype).reshape(view_shape)
-            self.tensors.append(Tensor(name, kind, shape, data))
+        self.tensors = [self._tensor(name, ne, kind, offset, start, align, plain)
+                        for name, ne, kind, offset in infos]
+        _check_no_overlap(self.tensors, self.mmap)
+
+    def _tensor(self, name: str, ne: list, kind: int, offset: int, start: int, align: int, plain: dict) -> Tensor:
+        """The tensor's view of the map, once its offset, type and size are checked against the file."""
+        import gguf  # block sizes of the quantized types
+
+        if offset % align:
+            raise GGUFError(f"tensor {name} starts at offset {offset}, not a multiple of the alignment {align}")
+        shape = tuple(int(n) for n in reversed(ne))
+        if kind in plain:
+            dtype, view_shape = np.dtype(plain[kind]), shape
+        else:
+            try:
+                block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+            except (ValueError, KeyError):
+                raise GGUFError(f"tensor {name} has unknown type {kind}") from None
+            if shape[-1] % block:
+                raise GGUFError(f"tensor {name}: {shape[-1]} columns are not whole blocks of {block}")
+            dtype, view_shape = np.dtype(np.uint8), (*shape[:-1], shape[-1] // block * block_bytes)
+        nbytes = math.prod(view_shape) * dtype.itemsize   # Python ints: a product of huge dims cannot wrap
+        lo = start + offset
+        if lo + nbytes > self.mmap.size:
+            raise GGUFError(f"tensor {name} {list(shape)} needs bytes {lo} to {lo + nbytes}; the file ends at "
+                            f"{self.mmap.size}")
+        return Tensor(name, kind, shape, self.mmap[lo:lo + nbytes].view(dtype).reshape(view_shape))
 
     def release(self, tensor: Tensor) -> None:
         """Drop the pages of a tensor that has been copied (re-laid, converted) from this process's resident
@@ -164,3 +190,51 @@ class GGUFFile:
         end = (lo + tensor.data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
         if end > start:
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+def _read_fields(cur: _Cursor, n_fields: int) -> dict:
+    fields = {}
+    for _ in range(n_fields):
+        key = cur.string()
+        if len(key) > MAX_KEY or not key.isprintable():
+            raise GGUFError(f"a metadata key of {len(key)} characters is not {MAX_KEY} printable ones at most: "
+                            f"{key[:40]!r}")
+        if key in fields:
+            raise GGUFError(f"metadata key {key[:80]!r} appears twice")
+        fields[key] = cur.value(cur.take("I"))
+    return fields
+
+
+def _read_tensor_infos(cur: _Cursor, n_tensors: int) -> list:
+    """[(name, ne, type, offset)] as the header lists them: names unique and printable (messages quote them),
+    1 to MAX_DIMS dimensions."""
+    infos, names = [], set()
+    for _ in range(n_tensors):
+        name = cur.string()
+        if len(name.encode()) > MAX_NAME or not name.isprintable():
+            raise GGUFError(f"a tensor name is not {MAX_NAME} bytes of printable text at most: {name[:40]!r}")
+        if name in names:
+            raise GGUFError(f"tensor {name} appears twice")
+        names.add(name)
+        n_dims = cur.take("I")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise GGUFError(f"tensor {name} has {n_dims} dimensions (1 to {MAX_DIMS})")
+        ne = [cur.take("Q") for _ in range(n_dims)]
+        infos.append((name, ne, cur.take("I"), cur.take("Q")))
+    return infos
+
+
+def _alignment(fields: dict) -> int:
+    """general.alignment (default 32): an integer power of two, as the format requires."""
+    align = fields.get("general.alignment", DEFAULT_ALIGNMENT)
+    if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise GGUFError(f"general.alignment is {align!r}: it must be a power of two")
+    return align
+
+
+def _check_no_overlap(tensors: list, base: np.ndarray) -> None:
+    """No two tensors share a byte of the file (each was checked to lie inside it)."""
+    spans = sorted((t.data.ctypes.data - base.ctypes.data, t.data.nbytes, t.name) for t in tensors)
+    for (lo, n, name), (next_lo, _, next_name) in zip(spans, spans[1:]):
+        if lo + n > next_lo:
+            raise GGUFError(f"tensors {name} and {next_name} overlap in the file")

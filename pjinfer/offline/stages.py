@@ -55,10 +55,20 @@ def run_profile(engine: Engine, bundle_path, *, text_file=None, tokens: int, spa
 
 
 def load_stats(bundle: Bundle) -> prof.ActivationStats:
-    record = bundle.require("profile")
+    """The profile stage's statistics: thresholds [L], freq and mass [L, F], refused in one line when a key is
+    missing or the shapes do not agree."""
+    record = bundle.require("profile", "activation", "target_sparsity", "tokens")
     tree = bundle.load_stage("profile")
-    return prof.ActivationStats(record["activation"], record["target_sparsity"], np.asarray(tree["thresholds"]),
-                                np.asarray(tree["freq"]), np.asarray(tree["mass"]), record["tokens"])
+    try:
+        thresholds, freq, mass = (np.asarray(tree[key]) for key in ("thresholds", "freq", "mass"))
+    except KeyError as e:
+        raise ConfigError(f"bundle {bundle.path}: the profile stage has no {e}") from None
+    numbers = all(np.issubdtype(a.dtype, np.number) for a in (thresholds, freq, mass))
+    if not numbers or freq.ndim != 2 or mass.shape != freq.shape or thresholds.shape != freq.shape[:1]:
+        raise ConfigError(f"bundle {bundle.path}: the profile's thresholds {list(thresholds.shape)}, freq "
+                          f"{list(freq.shape)} and mass {list(mass.shape)} do not agree")
+    return prof.ActivationStats(record["activation"], record["target_sparsity"], thresholds, freq, mass,
+                                record["tokens"])
 
 
 def load_training_data(bundle: Bundle) -> prof.TrainingData:
@@ -95,7 +105,7 @@ def run_solve(engine: Engine, bundle_path, *, device_memory: int, kv_tokens: int
 
     bundle = Bundle.open(bundle_path, source=engine.source)
     stats = load_stats(bundle)
-    pred = bundle.require("predictors")
+    pred = bundle.require("predictors", "bytes", "layers")
     dense = dense_bytes(engine, predictor_bytes=pred["bytes"], kv_tokens=kv_tokens)
     budget = policy.neuron_budget(device_memory, dense["total"])
     nb = neuron_bytes(engine)
@@ -112,7 +122,7 @@ def run_solve(engine: Engine, bundle_path, *, device_memory: int, kv_tokens: int
               "hot_per_layer": counts}
     bundle.save_stage("placement", {"hot": ilp.hot}, record)
     # The bundle's whole story per layer: profile, predictor, placement.
-    prof_rec, layers = bundle.require("profile"), pred["layers"]
+    prof_rec, layers = bundle.require("profile", "sparsity", "locality80"), pred["layers"]
     table(["layer", "sparsity", "locality80", "rank", "recall", "precision", "pred. sparsity", "hot (ilp)",
            "hot (top-k)", "mass on device"],
           [[l, float(prof_rec["sparsity"][l]), float(prof_rec["locality80"][l]), layers[l]["rank"],

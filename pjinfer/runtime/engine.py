@@ -233,7 +233,7 @@ class Engine:
 
         bundle = Bundle.open(path, source=self.source)
         predictors = bundle.predictors(self.config)
-        hot = np.asarray(bundle.load_stage("placement")["hot"], bool)
+        hot = bundle.placement(self.config)
         model = nnx.merge(self.graphdef, self.state)
         sparse.sparsify(model, hot, predictors, hot_backend=hot_backend, cold_weights=cold_weights)
         self.graphdef, self.state = nnx.split(model)
