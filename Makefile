@@ -51,9 +51,9 @@ FUZZ_EXAMPLES ?= 50000
 fuzz: setup
 	PJINFER_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s tests/test_fuzz_gguf.py
 
-# A check that the suite can fail: deliberate faults, one at a time in a temporary copy (tests/mutants.py).
+# A check that the suite can fail: deliberate faults, one at a time in a temporary copy (tests/support/mutants.py).
 mutants: setup
-	$(PY) tests/mutants.py
+	$(PY) tests/support/mutants.py
 
 bench: setup
 	$(VENV)/bin/pjinfer bench --prompt-len 16 --new-tokens 128

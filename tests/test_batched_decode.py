@@ -318,7 +318,7 @@ def test_gguf_blocks_neither_batch_nor_prefill_on_the_host(tmp_path):
 
     from pjinfer.runtime.batch import unsupported
     from pjinfer.runtime.engine import Engine
-    from tests.test_gguf_loader import write_tiny_gguf
+    from tests.support.gguf_files import write_tiny_gguf
 
     config = tiny_config(d_model=64, n_heads=4, head_dim=16, d_ff=128, vocab_size=262)   # the writer's vocabulary
     path = tmp_path / "q8.gguf"

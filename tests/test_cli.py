@@ -10,25 +10,7 @@ import numpy as np
 import pytest
 
 from pjinfer.cli import main as cli
-
-
-def run_cli(capsys, *args):
-    """(exit status, stdout, stderr) of `pjinfer ARGS` run in this process."""
-    try:
-        code = cli.main(list(args))
-    except SystemExit as e:  # argparse's refusals
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_clean_error(result, fragment):
-    code, out, err = result
-    assert code == 2, err
-    lines = [l for l in err.splitlines() if l.startswith("pjinfer:")]
-    assert len(lines) == 1 and fragment in lines[0], err
-    assert "Traceback" not in err
-    assert out == ""
+from tests.support.cli import assert_clean_error, run_cli
 
 
 @pytest.mark.parametrize("args,fragment", [
@@ -80,7 +62,7 @@ def test_empty_and_binary_text_files(capsys, tmp_path):
 
 def test_truncated_unknown_and_garbage_models(capsys, tmp_path):
     from tests.conftest import random_weights, tiny_config
-    from tests.test_gguf_loader import write_tiny_gguf
+    from tests.support.gguf_files import write_tiny_gguf
 
     config = tiny_config()
     write_tiny_gguf(tmp_path / "m.gguf", config, random_weights(config))

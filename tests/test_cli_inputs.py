@@ -9,7 +9,7 @@ import pytest
 
 from pjinfer.config import ConfigError
 from pjinfer.measure import evaluate
-from tests.test_cli import assert_clean_error, run_cli
+from tests.support.cli import assert_clean_error, run_cli
 
 
 def run(capsys, *args):

@@ -267,7 +267,7 @@ def test_qwen2_matches_transformers(tmp_path, cfg):
 @pytest.mark.parametrize("cfg", QWEN2, ids=["tied-theta1e6", "untied"])
 def test_qwen2_gguf_matches_transformers(tmp_path, cfg):
     """The same model as a qwen2 GGUF (gguf's writer, llama.cpp's tensor names and keys, q/k rows not permuted)."""
-    from tests.test_gguf_loader import write_tiny_gguf
+    from tests.support.gguf_files import write_tiny_gguf
 
     vocab = 262  # write_tiny_gguf's byte-level vocabulary
     model = _hf_model("qwen2", seed=13, vocab_size=vocab, **cfg)

@@ -206,7 +206,7 @@ def test_cli_refuses_a_hostile_bundle_in_one_line(tmp_path):
 def test_cli_refuses_a_hostile_gpu_index_in_one_line(tmp_path, capsys):
     from pjinfer.cli.main import main
     from tests.conftest import random_weights
-    from tests.test_powerinfer import powerinfer_predictors, write_powerinfer
+    from tests.support.powerinfer_files import powerinfer_predictors, write_powerinfer
 
     config = tiny_config(d_model=64, head_dim=16, d_ff=96, tie_embeddings=True, activation="reglu")
     model, index, bundle = tmp_path / "m.gguf", tmp_path / "m.gpuidx", tmp_path / "b"

@@ -17,7 +17,7 @@ from pjinfer.load import loader
 from pjinfer.load.gguf_file import GGUFFile
 from pjinfer.runtime import model
 from tests.conftest import random_weights, tiny_config
-from tests.test_gguf_loader import write_tiny_gguf
+from tests.support.gguf_files import write_tiny_gguf
 
 
 def _q4_blocks(rng, rows, cols):

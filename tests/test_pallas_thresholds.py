@@ -20,7 +20,7 @@ from pjinfer.runtime.engine import Engine, bundle_rule, check_bundle_stages, che
 from pjinfer.runtime.model import KVCache, Transformer, set_thresholds
 from pjinfer.runtime.sparse import sparsify
 from tests.conftest import PALLAS, random_weights, tiny_config
-from tests.test_cli import assert_clean_error, run_cli
+from tests.support.cli import assert_clean_error, run_cli
 from tests.test_sparse import decode_steps, logits, placements
 
 pytestmark = pytest.mark.gpu   # compiled where JAX has a GPU, interpret mode elsewhere
@@ -180,7 +180,7 @@ def test_command_line_runs_thresholds_on_the_gather_kernels(tmp_path, capsys):
     """A float32 GGUF and a bundle with thresholds: generate on the Pallas backend says so and gives XLA's tokens;
     settings that cannot run get one line before the weights load."""
     from pjinfer.load import loader
-    from tests.test_gguf_loader import write_tiny_gguf
+    from tests.support.gguf_files import write_tiny_gguf
 
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, tiny_config(tie_embeddings=True), random_weights(tiny_config(tie_embeddings=True), seed=27))

@@ -9,7 +9,7 @@ import pytest
 
 from cpu_offload import blocks, quants
 from tests.conftest import random_weights, tiny_config
-from tests.test_gguf_loader import write_tiny_gguf
+from tests.support.gguf_files import write_tiny_gguf
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
@@ -81,7 +81,7 @@ def test_gemv_reads_a_row_through_its_stride():
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_our_k_quantizer_round_trips_through_gguf(name):
-    from tests import kquants
+    from tests.support import kquants
 
     rng = np.random.default_rng(7)
     w = (rng.standard_normal((9, 512)) * rng.uniform(0.01, 2, (9, 1))).astype(np.float32)

@@ -192,7 +192,7 @@ def test_bad_bundles_are_clear_errors(engine, tmp_path, capsys):
     import copy
 
     from pjinfer.offline.bundle import Bundle, model_record
-    from tests.test_cli import assert_clean_error, run_cli
+    from tests.support.cli import assert_clean_error, run_cli
 
     other = Bundle.create(tmp_path / "other", model={"identity": "0123456789abcdef", "name": "another model"})
     other.save_stage("profile", {"freq": np.zeros((2, 2), np.float32)}, {})

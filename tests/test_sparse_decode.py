@@ -157,7 +157,7 @@ def test_uniform_levels_hit_the_target_on_the_grid():
 def test_calibrate_and_q4_1_bundle_bad_input_get_one_line(tmp_path, capsys):
     import json
 
-    from tests.test_cli import assert_clean_error, run_cli
+    from tests.support.cli import assert_clean_error, run_cli
 
     def pjinfer(*args):
         return run_cli(capsys, *args)
@@ -217,7 +217,7 @@ def test_a_threshold_bundle_is_the_engine_path_that_runs(engine, tmp_path, capsy
     import json
 
     from pjinfer.offline.bundle import Bundle, model_record
-    from tests.test_cli import run_cli
+    from tests.support.cli import run_cli
 
     path = tmp_path / "thresholds"
     bundle = Bundle.create(path, model=model_record(engine.config, engine.source))

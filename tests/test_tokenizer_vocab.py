@@ -145,14 +145,14 @@ def spm_vocab_writer(*, scores=True):
 
 
 def bpe_vocab_writer(model="gpt2", pre="smollm"):
-    from tests.test_gguf_loader import write_bpe_vocab
+    from tests.support.gguf_files import write_bpe_vocab
 
     return lambda w: write_bpe_vocab(w, model=model, pre=pre)
 
 
 def tiny_gguf(path, vocab, embed_rows=None):
     from tests.conftest import random_weights, tiny_config
-    from tests.test_gguf_loader import write_tiny_gguf
+    from tests.support.gguf_files import write_tiny_gguf
 
     config = tiny_config(tie_embeddings=True)
     write_tiny_gguf(path, config, random_weights(config, seed=2), vocab=vocab, embed_rows=embed_rows)
@@ -162,7 +162,7 @@ def tiny_gguf(path, vocab, embed_rows=None):
 def test_tiny_llama_with_a_sentencepiece_vocabulary_generates(tmp_path, capsys):
     import json
 
-    from tests.test_cli import run_cli
+    from tests.support.cli import run_cli
 
     model = tiny_gguf(tmp_path / "spm.gguf", spm_vocab_writer())
     code, out, err = run_cli(capsys, "generate", "--model", str(model), "--prompt", "Hello world",
@@ -180,7 +180,7 @@ def test_tiny_llama_chats_through_the_fallback_template(tmp_path, capsys, monkey
     import io
     import sys
 
-    from tests.test_cli import run_cli
+    from tests.support.cli import run_cli
 
     model = tiny_gguf(tmp_path / "spm.gguf", spm_vocab_writer())
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi there\n"))
@@ -198,7 +198,7 @@ def test_tiny_llama_chats_through_the_fallback_template(tmp_path, capsys, monkey
     (lambda: bpe_vocab_writer(model="bert"), None, "unsupported GGUF tokenizer model 'bert'"),
 ])
 def test_bad_vocabulary_is_refused_in_one_line(tmp_path, capsys, vocab, embed_rows, fragment):
-    from tests.test_cli import assert_clean_error, run_cli
+    from tests.support.cli import assert_clean_error, run_cli
 
     model = tiny_gguf(tmp_path / "bad.gguf", vocab(), embed_rows)
     assert_clean_error(run_cli(capsys, "generate", "--model", str(model), "--prompt", "x"), fragment)

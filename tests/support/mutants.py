@@ -6,9 +6,9 @@ is enough). A fault is *caught* when those tests fail, *missed* when they pass. 
 fault and exits 1 if any fault is missed; 2 if a fault's target text is no longer in the source exactly once
 (the code moved on: update the fault, do not drop it), so a stale fault never passes silently.
 
-    python tests/mutants.py              # every fault
-    python tests/mutants.py --list       # their names
-    python tests/mutants.py -k top-p     # the faults whose name contains "top-p"
+    python tests/support/mutants.py              # every fault
+    python tests/support/mutants.py --list       # their names
+    python tests/support/mutants.py -k top-p     # the faults whose name contains "top-p"
 
 Not collected by pytest (its name does not start with test_).
 """
@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclasses.dataclass(frozen=True)
