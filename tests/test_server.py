@@ -346,3 +346,30 @@ def test_requests_past_the_batch_and_the_queue_get_429_with_retry_after(served):
             for s in streams:
                 s.__exit__(None, None, None)
     assert _wait(lambda: (server.scheduler.active, server.scheduler.waiting) == (0, 0), 10)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_whole_body_over_the_limit_gets_413_not_a_reset(served, chunked):
+    """The limit is 64 KiB here: a 100 KB body, sent whole (announced or chunked), is read and answered 413."""
+    _, base, _ = served
+    body = b"x" * 100_000
+    content = iter([body[i:i + 16384] for i in range(0, len(body), 16384)]) if chunked else body
+    r = httpx.post(f"{base}/v1/completions", content=content, headers=AUTH)
+    assert r.status_code == 413 and "request body over" in r.json()["error"]["message"], r.text
+
+
+def test_soak_refuses_too_few_clients_before_starting_a_server(capsys):
+    from pjinfer.measure import soak
+
+    with pytest.raises(SystemExit) as e:
+        soak.main(["--clients", "3"])
+    assert e.value.code == 2 and "--clients: must be >= 4" in capsys.readouterr().err
+
+
+def test_soak_bursts_fall_in_the_middle_of_each_slow_client_window():
+    from pjinfer.measure.soak import SLOW_WINDOW_S, SlowWindows
+
+    w, half = SlowWindows(100.0), SLOW_WINDOW_S / 2
+    for at, middle in [(100, 100 + half), (100 + half, 100 + 3 * half), (100 + 3 * half - 1, 100 + 3 * half)]:
+        assert at + w.to_next_middle(at) == pytest.approx(middle)
+    assert w.on(100) and not w.on(100 + SLOW_WINDOW_S) and w.on(100 + 2 * SLOW_WINDOW_S)

@@ -52,6 +52,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from pjinfer.config import ConfigError
 from pjinfer.runtime.sampling import Sampling
@@ -165,9 +166,23 @@ class ChatRequest(_Common):
 
 
 # ---------------------------------------------------------------- the app
+async def _drain(receive, budget: int) -> None:
+    """Reads and drops the rest of a request's body, up to `budget` bytes. A 413 goes out after the body it refuses
+    has been read (up to twice the limit): a server that closes the connection with the body still arriving makes
+    the client's kernel see a reset, which can lose the 413 before the client reads it."""
+    while budget > 0:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        budget -= len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
 class _Guard:
     """ASGI middleware that refuses, before any handler runs, a /v1/ request without the API key (when one is set)
     and a body whose Content-Length is over the limit (a chunked body is measured as it is read, in Server._parse).
+    A refused body up to twice the limit is read and dropped first (`_drain`); a longer one is not read at all.
     Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would pass every streamed chunk through an extra
     task and memory stream."""
 
@@ -181,8 +196,11 @@ class _Guard:
                 if request.url.path.startswith("/v1/"):
                     self.server.check_key(request)
                 length = request.headers.get("content-length")
-                if length is not None and length.isdigit() and int(length) > self.server.max_body_bytes:
-                    raise ApiError(413, f"request body over {self.server.max_body_bytes} bytes")
+                limit = self.server.max_body_bytes
+                if length is not None and length.isdigit() and int(length) > limit:
+                    if int(length) <= 2 * limit:
+                        await _drain(receive, 2 * limit)
+                    raise ApiError(413, f"request body over {limit} bytes")
             except ApiError as e:
                 await e.response()(scope, receive, send)
                 return
@@ -269,13 +287,20 @@ class Server:
                            type="authentication_error", code="invalid_api_key")
 
     async def _read_body(self, request: Request) -> bytes:
-        """The body, refused (413) as soon as it passes the limit: a chunked body is never held whole past it."""
+        """The body, refused (413) once it passes the limit: a chunked body is never held past it (the rest, up to
+        twice the limit, is read and dropped first, as `_drain` says why)."""
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise ApiError(413, f"request body over {self.max_body_bytes} bytes")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size <= self.max_body_bytes:
+                    chunks.append(chunk)
+                elif size > 2 * self.max_body_bytes:
+                    break
+        except ClientDisconnect:
+            raise ApiError(400, "the client went away while sending the body") from None
+        if size > self.max_body_bytes:
+            raise ApiError(413, f"request body over {self.max_body_bytes} bytes")
         return b"".join(chunks)
 
     async def _parse(self, request: Request, model: type[BaseModel]):
