@@ -16,7 +16,8 @@ import uvicorn
 
 from pjinfer.measure.bench_serve import free_port, wait_healthy
 from pjinfer.runtime.sampling import Sampling
-from pjinfer.serve.server import DEFAULT_SAMPLING, Server
+from pjinfer.serve.bodies import DEFAULT_SAMPLING
+from pjinfer.serve.server import Server
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -322,6 +323,8 @@ def test_chat_content_as_text_parts_equals_the_string(served):
      "messages.0.content.1"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": [""]}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "stop": ["\n", ""]}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text"),
 ])
 def test_bad_prompts_name_their_param(served, path, body, param):
     _, base, _ = served
