@@ -324,7 +324,8 @@ def test_chat_content_as_text_parts_equals_the_string(served):
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": [""]}, "prompt"),
     ("/v1/completions", {"prompt": "x", "stop": ["\n", ""]}, "stop"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages.0.content.0.text"),
 ])
 def test_bad_prompts_name_their_param(served, path, body, param):
     _, base, _ = served

@@ -53,9 +53,9 @@ from pjinfer.serve.server import MAX_BODY_BYTES
 
 SLOW_WINDOW_S = 60       # the slow client runs in windows this long, alternating with windows without it
 SLOW_BYTE_S = 0.02       # the slow client's pause between header bytes
-BURST_EXTRA = 4
-OVERSIZE_EVERY_S = 2.0
-DISCONNECT_TOKENS = 1000 # what a request given up on asks for          # a burst's requests past what the batch and the queue hold
+BURST_EXTRA = 4          # a burst's requests past what the batch and the queue hold
+OVERSIZE_EVERY_S = 2.0   # the pause between the oversize client's bodies
+DISCONNECT_TOKENS = 1000  # what a request given up on asks for
 DISCONNECT_CHANCE = 0.1  # a normal client's chance of giving up on a request on purpose
 RSS_AT_S = 60            # the first RSS sample (the baseline of the growth)
 TIMEOUT_S = 300          # a request that takes longer is lost
@@ -333,7 +333,8 @@ class Soak:
                                                "p99": pct(with_slow, 0.99)}},
             "p99_with_over_without": (round(pct(with_slow, 0.99) / pct(without, 0.99), 3)
                                       if with_slow and without else None),
-            "rss_mib": {"early": rss_early and round(rss_early / 2**20, 1), "end": rss_end and round(rss_end / 2**20, 1)},
+            "rss_mib": {"early": rss_early and round(rss_early / 2**20, 1),
+                        "end": rss_end and round(rss_end / 2**20, 1)},
             "rss_growth": round(rss_end / rss_early - 1, 4) if rss_early and rss_end else None,
         }
 

@@ -5,8 +5,9 @@ admits waiting jobs (up to `max_active`; a new job's prefill runs when it is adm
 then advances every active job. Jobs past `max_active` wait in a queue of at most `max_queue`; `submit` refuses one
 more (`QueueFull`) rather than letting the queue grow without bound. A job that is cancelled (its client went away)
 leaves the queue at once, or the batch at the next decode step: the step running when it is cancelled returns early
-and the cancelled job gets none of its tokens. One log line says so ("client went away after N tokens"). Every job's tokens are what `Engine.stream` gives for it alone, bit for bit, so a request's output does
-not depend on what else runs.
+and the cancelled job gets none of its tokens. One log line says so ("client went away after N tokens"). Every
+job's tokens are what `Engine.stream` gives for it alone, bit for bit, so a request's output does not depend on what
+else runs.
 
 With the dense host decode (--weights q4_1 or int8, no bundle) a round is one call of batched steps
 (`pjinfer.runtime.batch`): up to STEPS tokens of every active job, each step reading the weights once for all of
