@@ -128,8 +128,9 @@ def test_api_key_is_required(served, headers):
         openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
 
 
-def test_a_client_that_disconnects_frees_its_slot(served):
+def test_a_client_that_disconnects_frees_its_slot(served, caplog):
     server, base, _ = served
+    caplog.set_level("INFO", logger="pjinfer")
     headers = {"Authorization": f"Bearer {KEY}"}
     with httpx.stream("POST", f"{base}/v1/completions", headers=headers, timeout=60,
                       json={"prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0, "stream": True}) as r:
@@ -141,6 +142,8 @@ def test_a_client_that_disconnects_frees_its_slot(served):
     while server.scheduler.active and time.monotonic() < deadline:
         time.sleep(0.1)
     assert server.scheduler.active == 0
+    lines = [r.getMessage() for r in caplog.records if "client went away" in r.getMessage()]
+    assert len(lines) == 1 and re.search(r"cmpl-\w+ client went away after [1-9]\d* tokens", lines[0]), lines
 
 
 def test_sigterm_ends_open_streams_cleanly_and_exits_zero():
