@@ -7,7 +7,7 @@ LLAMA_VOCAB := $(VENV)/share/llama-vocab
 LLAMA_CPP_PYTHON := 0.3.36
 export NUMBA_THREADING_LAYER ?= workqueue
 
-.PHONY: setup run test test-fast fuzz mutants bench bench-peer bench-quants bench-long bench-serve bench-scale bench-pallas perplexity bundle clean
+.PHONY: setup run test test-fast fuzz mutants bench bench-peer bench-quants bench-long bench-serve soak bench-scale bench-pallas perplexity bundle clean
 
 # Idempotent: re-runs pip only when pyproject.toml changed.
 setup: $(STAMP) $(LLAMA_VOCAB)/.stamp
@@ -93,6 +93,12 @@ bench-long: $(PEER_STAMP)
 # A bounded load test of `pjinfer serve` on loopback: 64 streaming requests from 8 clients, 64 tokens each.
 bench-serve: setup
 	$(PY) -m pjinfer.measure.bench_serve --requests 64 --clients 8 --tokens 64 --weights q4_1
+
+# `pjinfer serve` on loopback under 16 mixed clients (streams, disconnects, a slowloris, oversize bodies, bursts past
+# the batch) for SOAK_SECONDS (default 600): fails on any lost or garbled request or a traceback in the server's log.
+SOAK_SECONDS ?= 600
+soak: setup
+	$(PY) -m pjinfer.measure.soak --seconds $(SOAK_SECONDS)
 
 # Random Llama GGUFs (Q4_1) of about 0.5B, 1.5B and 3B parameters (SCALE=7b adds 7B) written to out/scale, each
 # measured for peak RSS, load time, prefill 512 and decode 128 against llama.cpp in one run.

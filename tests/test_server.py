@@ -1,7 +1,9 @@
 """`pjinfer serve` over a real socket on 127.0.0.1, driven by the real `openai` client and raw HTTP (httpx)."""
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -13,17 +15,21 @@ import pytest
 import uvicorn
 
 from pjinfer.measure.bench_serve import free_port, wait_healthy
+from pjinfer.runtime.sampling import Sampling
+from pjinfer.serve.bodies import DEFAULT_SAMPLING
 from pjinfer.serve.server import Server
 
 pytestmark = pytest.mark.real_model
 
 KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_QUEUE = 4
 
 
 @pytest.fixture(scope="module")
 def served(q4_engine):
     """The session's real model on the Q4_1 host decode (batched) behind a server in a thread of this process."""
-    server = Server(q4_engine, api_key=KEY, max_active=8, max_body_bytes=64 * 1024)
+    server = Server(q4_engine, api_key=KEY, max_active=8, max_queue=MAX_QUEUE, max_body_bytes=64 * 1024)
     port = free_port()
     runner = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=runner.run, daemon=True)
@@ -124,8 +130,9 @@ def test_api_key_is_required(served, headers):
         openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
 
 
-def test_a_client_that_disconnects_frees_its_slot(served):
+def test_a_client_that_disconnects_frees_its_slot(served, caplog):
     server, base, _ = served
+    caplog.set_level("INFO", logger="pjinfer")
     headers = {"Authorization": f"Bearer {KEY}"}
     with httpx.stream("POST", f"{base}/v1/completions", headers=headers, timeout=60,
                       json={"prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0, "stream": True}) as r:
@@ -137,6 +144,8 @@ def test_a_client_that_disconnects_frees_its_slot(served):
     while server.scheduler.active and time.monotonic() < deadline:
         time.sleep(0.1)
     assert server.scheduler.active == 0
+    lines = [r.getMessage() for r in caplog.records if "client went away" in r.getMessage()]
+    assert len(lines) == 1 and re.search(r"cmpl-\w+ client went away after [1-9]\d* tokens", lines[0]), lines
 
 
 def test_sigterm_ends_open_streams_cleanly_and_exits_zero():
@@ -153,7 +162,7 @@ def test_sigterm_ends_open_streams_cleanly_and_exits_zero():
             proc.send_signal(signal.SIGTERM)
             rest = [l for l in lines if l]
         assert json.loads(first[5:])["object"] == "text_completion"
-        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][5:])["choices"][0]["finish_reason"] == "stop"
+        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][5:])["choices"][0]["finish_reason"] == "shutdown"
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 0 and "Traceback" not in err, err
         assert "completion" in err and "first token" in err          # the request's log line
@@ -222,3 +231,164 @@ def test_a_stream_sends_the_pieces_already_queued_as_one_chunk(served, queued, w
     first, second = (json.loads(p[len("data: "):]) for p in parts[:2])
     assert first["choices"][0]["text"] == want[0] and first["choices"][0]["finish_reason"] is None
     assert (second["choices"][0]["finish_reason"] if "choices" in second else second["error"]["message"]) == want[1]
+
+
+def _wait(condition, seconds: float) -> bool:
+    """Polls `condition` every 20 ms for up to `seconds`; whether it became true."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_a_non_streaming_client_that_disconnects_frees_its_slot_within_two_steps(served, caplog):
+    """3000 tokens would hold the slot for minutes: the job leaves at the next decode step after the disconnect."""
+    server, base, _ = served
+    host, port = base[len("http://"):].split(":")
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 3000, "temperature": 0, "ignore_eos": True})
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode()
+    caplog.set_level("INFO", logger="pjinfer")
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(request)
+        assert _wait(lambda: server.scheduler.active == 1, 30)
+        time.sleep(1.5)                                  # decoding, not answering yet
+    assert _wait(lambda: server.scheduler.active == 0, 2), "the slot stayed taken after the client left"
+    lines = [r.getMessage() for r in caplog.records if "client went away" in r.getMessage()]
+    assert len(lines) == 1, lines
+    got, after = map(int, re.search(r"after (\d+) tokens \((\d+) after it went\)", lines[0]).groups())
+    assert 0 < got < 3000 and after <= 2, lines[0]
+    assert httpx.get(f"{base}/health").json()["active"] == 0
+
+
+def test_a_busy_port_is_one_line_and_exit_2_before_loading(capsys):
+    from pjinfer.cli.main import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        assert main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"pjinfer: error: port {port} is in use\n" and time.monotonic() - start < 5
+
+
+def test_unset_sampling_fields_take_llama_server_defaults(served, q4_engine):
+    """No temperature etc.: the text is what the engine samples with temperature 0.8, top-k 40, top-p 0.95 and
+    min-p 0.05 under the same seed, and not what it samples with the bare Sampling (temperature 1, no filters)."""
+    _, base, _ = served
+    ids = q4_engine.tokenizer.encode("The weather today is")
+    r = httpx.post(f"{base}/v1/completions", headers=AUTH, timeout=120,
+                   json={"prompt": "The weather today is", "max_tokens": 24, "seed": 7, "ignore_eos": True})
+    text = r.json()["choices"][0]["text"]
+    want = q4_engine.generate(ids, max_new_tokens=24, stop_ids=[], sampling=Sampling(**DEFAULT_SAMPLING, seed=7))
+    bare = q4_engine.generate(ids, max_new_tokens=24, stop_ids=[], sampling=Sampling(temperature=1.0, seed=7))
+    assert text == q4_engine.tokenizer.decode(want) != q4_engine.tokenizer.decode(bare)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("logprobs", 2), ("logprobs", True), ("echo", True), ("presence_penalty", 0.5), ("frequency_penalty", -1),
+    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]), ("n", 2), ("best_of", 3),
+    ("logit_bias", {"50256": -100}), ("suffix", "end"), ("max_token", 5),
+])
+def test_unimplemented_fields_are_refused_naming_the_field(served, field, value):
+    _, base, _ = served
+    r = httpx.post(f"{base}/v1/completions", headers=AUTH, json={"prompt": "Hi", "max_tokens": 1, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_fields_at_their_neutral_value_and_ignored_fields_are_accepted(served):
+    _, base, _ = served
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "response_format": {"type": "text"},
+               "logprobs": None, "echo": False, "n": 1, "user": "someone", "metadata": {"a": "b"}}
+    r = httpx.post(f"{base}/v1/completions", headers=AUTH, timeout=60,
+                   json={"prompt": "Hi", "max_tokens": 1, "temperature": 0, **neutral})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
+    r = httpx.post(f"{base}/v1/chat/completions", headers=AUTH, timeout=60,
+                   json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "logprobs": False})
+    assert r.status_code == 200, r.text
+
+
+def test_chat_content_as_text_parts_equals_the_string(served):
+    _, _, client = served
+    parts = [{"type": "text", "text": "Name a colour."}, {"type": "text", "text": "One word."}]
+    joined = [{"role": "user", "content": "Name a colour.\nOne word."}]
+    a = client.chat.completions.create(model="", messages=[{"role": "user", "content": parts}], max_tokens=6,
+                                       temperature=0)
+    b = client.chat.completions.create(model="", messages=joined, max_tokens=6, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content and a.usage == b.usage
+
+
+def test_seed_minus_one_is_random_and_others_outside_the_range_are_refused(served):
+    """-1 (llama-server's "random") samples; -2 and 2**32 are 400 naming the seed."""
+    _, base, _ = served
+    body = {"prompt": "Hi", "max_tokens": 2, "temperature": 0.8}
+    assert httpx.post(f"{base}/v1/completions", headers=AUTH, timeout=60, json={**body, "seed": -1}).status_code == 200
+    for seed in (-2, 2**32):
+        r = httpx.post(f"{base}/v1/completions", headers=AUTH, json={**body, "seed": seed})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content.1"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": [""]}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "stop": ["\n", ""]}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages.0.content.0.text"),
+])
+def test_bad_prompts_name_their_param(served, path, body, param):
+    _, base, _ = served
+    r = httpx.post(f"{base}{path}", headers=AUTH, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_requests_past_the_batch_and_the_queue_get_429_with_retry_after(served):
+    """8 decoding, MAX_QUEUE waiting (their streams open with status 200), the next one refused; when the
+    clients go, the batch and the queue empty."""
+    server, base, _ = served
+    body = {"prompt": "Once upon a time", "max_tokens": 3000, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(headers=AUTH, timeout=60) as http:
+        streams = [http.stream("POST", f"{base}/v1/completions", json=body) for _ in range(8 + MAX_QUEUE)]
+        try:
+            assert [s.__enter__().status_code for s in streams] == [200] * (8 + MAX_QUEUE)
+            assert _wait(lambda: (server.scheduler.active, server.scheduler.waiting) == (8, MAX_QUEUE), 30)
+            r = http.post(f"{base}/v1/completions", json=body)
+            assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+            assert r.json()["error"]["code"] == "server_busy"
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+    assert _wait(lambda: (server.scheduler.active, server.scheduler.waiting) == (0, 0), 10)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_whole_body_over_the_limit_gets_413_not_a_reset(served, chunked):
+    """The limit is 64 KiB here: a 100 KB body, sent whole (announced or chunked), is read and answered 413."""
+    _, base, _ = served
+    body = b"x" * 100_000
+    content = iter([body[i:i + 16384] for i in range(0, len(body), 16384)]) if chunked else body
+    r = httpx.post(f"{base}/v1/completions", content=content, headers=AUTH)
+    assert r.status_code == 413 and "request body over" in r.json()["error"]["message"], r.text
+
+
+def test_soak_refuses_too_few_clients_before_starting_a_server(capsys):
+    from pjinfer.measure import soak
+
+    with pytest.raises(SystemExit) as e:
+        soak.main(["--clients", "3"])
+    assert e.value.code == 2 and "--clients: must be >= 4" in capsys.readouterr().err
+
+
+def test_soak_bursts_fall_in_the_middle_of_each_slow_client_window():
+    from pjinfer.measure.soak import SLOW_WINDOW_S, SlowWindows
+
+    w, half = SlowWindows(100.0), SLOW_WINDOW_S / 2
+    for at, middle in [(100, 100 + half), (100 + half, 100 + 3 * half), (100 + 3 * half - 1, 100 + 3 * half)]:
+        assert at + w.to_next_middle(at) == pytest.approx(middle)
+    assert w.on(100) and not w.on(100 + SLOW_WINDOW_S) and w.on(100 + 2 * SLOW_WINDOW_S)

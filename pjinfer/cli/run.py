@@ -34,6 +34,8 @@ def add_commands(command) -> None:
     p.add_argument("--port", type=common.port, default=8080, help="port to listen on")
     p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 requests")
     p.add_argument("--max-batch", type=common.positive_int, default=8, help="requests decoding at once; more wait")
+    p.add_argument("--max-queue", type=common.positive_int, default=32,
+                   help="requests that may wait for a place in the batch; more get 429 with Retry-After")
     common.weight_options(p)
 
 
@@ -167,10 +169,11 @@ def cmd_chat(args):
 def cmd_serve(args):
     import logging
 
-    from pjinfer.serve.server import Server, serve
+    from pjinfer.serve.server import Server, bind, serve
 
+    sock = bind(args.host, args.port)      # a busy port is one line and exit 2, before the model loads
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     logging.getLogger("pjinfer").setLevel(logging.INFO)     # one line per request
-    server = Server(common.load(args), api_key=args.api_key, max_active=args.max_batch)
+    server = Server(common.load(args), api_key=args.api_key, max_active=args.max_batch, max_queue=args.max_queue)
     common.say(f"pjinfer: serving {server.name} on http://{args.host}:{args.port}/v1 [{server.engine.path}]")
-    serve(server, host=args.host, port=args.port)
+    serve(server, sock)

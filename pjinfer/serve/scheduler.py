@@ -2,9 +2,12 @@
 
 The server's request handlers submit `Job`s from any thread; the scheduler thread alone calls the engine. Each round
 admits waiting jobs (up to `max_active`; a new job's prefill runs when it is admitted and gives its first token),
-then advances every active job. A job that is cancelled (its client went away) is dropped at the next round, freeing
-its place. Every job's tokens are what `Engine.stream` gives for it alone, bit for bit, so a request's output does
-not depend on what else runs.
+then advances every active job. Jobs past `max_active` wait in a queue of at most `max_queue`; `submit` refuses one
+more (`QueueFull`) rather than letting the queue grow without bound. A job that is cancelled (its client went away)
+leaves the queue at once, or the batch at the next decode step: the step running when it is cancelled returns early
+and the cancelled job gets none of its tokens. One log line says so ("client went away after N tokens"). Every
+job's tokens are what `Engine.stream` gives for it alone, bit for bit, so a request's output does not depend on what
+else runs.
 
 With the dense host decode (--weights q4_1 or int8, no bundle) a round is one call of batched steps
 (`pjinfer.runtime.batch`): up to STEPS tokens of every active job, each step reading the weights once for all of
@@ -14,8 +17,9 @@ token per job per round (the scheduler says so on stderr once), so N jobs share 
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
-import queue
+import logging
 import sys
 import threading
 import time
@@ -26,6 +30,8 @@ from pjinfer.runtime import batch as batching
 from pjinfer.runtime.sampling import Sampling
 
 
+log = logging.getLogger("pjinfer.serve.scheduler")
+
 STEPS = 8   # batched decode steps per call at most (Batch.step): a call's host overhead spread over them
 
 
@@ -33,10 +39,20 @@ class SchedulerClosed(Exception):
     """The scheduler takes no new jobs (the server is shutting down)."""
 
 
-@dataclasses.dataclass
+class QueueFull(Exception):
+    """Every place in the batch and in the waiting queue is taken: the job was not queued."""
+
+
+SHUTDOWN = "shutdown"   # the finish reason of the jobs the scheduler's close() ends
+
+
+@dataclasses.dataclass(eq=False)
 class Job:
-    """One request. `emit` receives, from the scheduler thread, ("text", piece) events then one
-    ("done", finish_reason) or ("error", message); it must be thread-safe and must not block."""
+    """One request. `emit` receives, from the scheduler thread (or from `Scheduler.cancel`), ("text", piece) events
+    then one ("done", finish_reason) or ("error", message); it must be thread-safe and must not block.
+    finish_reason: "length" (max_tokens reached), "stop" (an end-of-text id or a stop string), SHUTDOWN (the
+    scheduler was closed) or "cancelled" (Scheduler.cancel). `cancel_tokens` is completion_tokens when cancel()
+    was called; `name` labels the job's log lines."""
     prompt_ids: list[int]
     max_tokens: int
     sampling: Sampling
@@ -49,6 +65,8 @@ class Job:
     finished: float | None = None
     completion_tokens: int = 0
     finish_reason: str | None = None
+    cancel_tokens: int | None = None
+    name: str = "job"
 
 
 @dataclasses.dataclass
@@ -61,9 +79,10 @@ class _Active:
 
 
 class Scheduler:
-    def __init__(self, engine, *, max_active: int = 8):
-        self.engine, self.max_active = engine, max_active
-        self._waiting: queue.Queue[Job] = queue.Queue()
+    def __init__(self, engine, *, max_active: int = 8, max_queue: int = 32):
+        self.engine, self.max_active, self.max_queue = engine, max_active, max_queue
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._arrived = threading.Condition()     # guards _waiting; notified on submit and close
         self._active: list[_Active] = []
         self._closing = threading.Event()
         reason = batching.unsupported(engine)
@@ -77,16 +96,39 @@ class Scheduler:
     def active(self) -> int:
         return len(self._active)
 
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
     def submit(self, job: Job) -> None:
-        if self._closing.is_set():
-            raise SchedulerClosed("the server is shutting down")
-        self._waiting.put(job)
+        """Queues `job`; raises SchedulerClosed after close(), QueueFull when every place in the batch is taken and
+        max_queue jobs already wait for one."""
+        with self._arrived:
+            if self._closing.is_set():
+                raise SchedulerClosed("the server is shutting down")
+            # The places free in the batch count too: jobs that wait only for the prefill running now to end
+            # (a burst arriving at once) do not fill the queue.
+            if len(self._waiting) >= self.max_queue + self.max_active - len(self._active):
+                raise QueueFull(f"the server is busy: {self.max_active} requests decoding and {self.max_queue} "
+                                f"waiting")
+            self._waiting.append(job)
+            self._arrived.notify()
         self._wake()
 
     def cancel(self, job: Job) -> None:
-        """From any thread: the job ends at the next step (a no-op once it is done)."""
+        """From any thread: a waiting job leaves the queue now; an active one ends at the next decode step, with
+        finish reason "cancelled" (a no-op once the job is done)."""
+        if job.cancelled.is_set():
+            return
+        job.cancel_tokens = job.completion_tokens
         job.cancelled.set()
-        if job.finished is None:
+        with self._arrived:
+            queued = job in self._waiting
+            if queued:
+                self._waiting.remove(job)
+        if queued:
+            self._close_job(job, "cancelled")
+        elif job.finished is None:
             self._wake()
 
     def _wake(self) -> None:
@@ -94,7 +136,8 @@ class Scheduler:
             self.batch.wake()
 
     def close(self) -> None:
-        """Takes no new job; waiting and active jobs end at the next step ("stop"). Safe from a signal handler."""
+        """Takes no new job; active jobs end at the next step (finish reason SHUTDOWN), waiting ones get an error.
+        Safe from a signal handler (it takes no lock the interrupted thread may hold)."""
         self._closing.set()
         self._wake()
 
@@ -119,13 +162,22 @@ class Scheduler:
             if self._active:
                 self._step([e for e in self._active])
 
+    def _next_waiting(self, block: bool) -> Job | None:
+        """The oldest waiting job, or None; with `block`, waits a short while for one to arrive."""
+        with self._arrived:
+            if block and not self._waiting:
+                self._arrived.wait(timeout=0.05)
+            return self._waiting.popleft() if self._waiting else None
+
     def _admit(self, block: bool) -> None:
         while len(self._active) < self.max_active:
-            try:
-                job = self._waiting.get(timeout=0.05) if block else self._waiting.get_nowait()
-            except queue.Empty:
+            job = self._next_waiting(block)
+            if job is None:
                 return
             block = False
+            if job.cancelled.is_set():        # cancelled between leaving the queue and here
+                self._close_job(job, "cancelled")
+                continue
             entry = _Active(job, StreamDecoder(self.engine.tokenizer, job.stops))
             self._active.append(entry)
             if self.batch is None:
@@ -152,7 +204,7 @@ class Scheduler:
             return
         for entry in entries:
             for token in entry.state.new:
-                if entry not in self._active:
+                if entry not in self._active or entry.job.cancelled.is_set():
                     break
                 self._deliver(entry, token)
 
@@ -193,21 +245,29 @@ class Scheduler:
         self._active.remove(entry)
         if entry.tokens is not None:
             entry.tokens.close()
-        job.finished, job.finish_reason = time.perf_counter(), reason
         if error is not None:
+            job.finished, job.finish_reason = time.perf_counter(), None
             job.emit(("error", error))
             return
-        rest = decoder.flush()
-        if rest:
-            job.emit(("text", rest))
+        if reason != "cancelled":
+            rest = decoder.flush()
+            if rest:
+                job.emit(("text", rest))
+        self._close_job(job, reason)
+
+    @staticmethod
+    def _close_job(job: Job, reason: str) -> None:
+        """Marks `job` finished with `reason` and sends its ("done", reason); a cancelled one gets its log line."""
+        job.finished, job.finish_reason = time.perf_counter(), reason
+        if reason == "cancelled":
+            log.info("%s client went away after %d tokens (%d after it went)", job.name, job.completion_tokens,
+                     job.completion_tokens - (job.cancel_tokens or 0))
         job.emit(("done", reason))
 
     def _end_all(self) -> None:
         for entry in list(self._active):
-            self._finish(entry, "stop")
-        while True:
-            try:
-                job = self._waiting.get_nowait()
-            except queue.Empty:
-                return
+            self._finish(entry, SHUTDOWN)
+        with self._arrived:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for job in waiting:
             job.emit(("error", "the server is shutting down"))
