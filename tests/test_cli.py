@@ -101,6 +101,7 @@ def test_unexpected_exceptions_keep_their_traceback(capsys, monkeypatch):
     assert "pjinfer: error" not in capsys.readouterr().err
 
 
+@pytest.mark.real_model
 def test_entry_point_in_a_subprocess(tmp_path):
     # The real entry point (`python -m pjinfer.cli.main`): a clean refusal, and a traceback for an unexpected failure.
     r = subprocess.run([sys.executable, "-m", "pjinfer.cli.main", "perplexity", "--text-file", str(tmp_path / "none.txt")],
@@ -113,6 +114,7 @@ def test_entry_point_in_a_subprocess(tmp_path):
     assert r.returncode == 1 and "Traceback" in r.stderr and "KeyError: 'missing'" in r.stderr
 
 
+@pytest.mark.real_model
 def test_prompt_longer_than_the_context(capsys):
     # The real model's context is 8192 tokens; each " the" is one token. Needs the tokenizer, so the model loads.
     result = run_cli(capsys, "generate", "--prompt", " the" * 8200, "--max-new-tokens", "4")
@@ -129,6 +131,7 @@ def test_eval_compare_prints_differences(capsys, tmp_path):
     assert "-0.1000" in out and "+0.0500" in out
 
 
+@pytest.mark.real_model
 def test_bench_reports_rates_bytes_and_bandwidth(capsys):
     code, out, err = run_cli(capsys, "bench", "--prompt-len", "16", "--new-tokens", "4", "--runs", "1",
                              "--weights", "float32", "--json")

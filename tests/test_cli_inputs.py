@@ -85,12 +85,14 @@ def test_generate_refuses_bad_input_before_loading(tmp_path, capsys, args, fragm
     assert_one_line_error(code, out, err, fragment)
 
 
+@pytest.mark.real_model
 def test_stop_string_cuts_the_text_and_is_not_printed(capsys):
     code, out, err = run(capsys, "generate", "--prompt", "The capital of France is", "--max-new-tokens", "16",
                          "--stop", "\n")
     assert code == 0 and out == " Paris.\n"        # greedy goes on " Paris.\n\nThe answer ..."
 
 
+@pytest.mark.real_model
 def test_json_from_standard_input_reports_the_default_fast_path_and_timing(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"The capital of France is")))
     code, out, err = run(capsys, "generate", "--prompt-file", "-", "--max-new-tokens", "6", "--json",
@@ -180,6 +182,7 @@ def generate_json(capsys, *args):
     return json.loads(out), err
 
 
+@pytest.mark.real_model
 def test_sampling_without_a_seed_draws_one_and_reports_it(capsys):
     args = ("--prompt", "Once upon a time", "--max-new-tokens", "4", "--temperature", "1.5")
     first, _ = generate_json(capsys, *args)
@@ -209,6 +212,7 @@ def test_finish_reason_and_token_ids_agree_with_the_text(capsys, engine):
     assert eos["finish_reason"] == "stop" and eos["stop"] is None and len(eos["token_ids"]) < 64
 
 
+@pytest.mark.real_model
 def test_ctrl_c_reports_interrupted(capsys, monkeypatch):
     import signal
 

@@ -143,6 +143,7 @@ def test_a_q4_1_engine_holds_each_matrix_once_even_from_a_file_aligned_to_32(tmp
     assert engine.host is not None
 
 
+@pytest.mark.real_model
 def test_int8_head_from_the_real_q8_0_embedding():
     path = loader.default_model_path()
     t = next(t for t in GGUFFile(path).tensors if t.name == "token_embd.weight")
@@ -157,6 +158,7 @@ def _rss_file_mb() -> float:
     return int(status["RssFile"].split()[0]) / 1024
 
 
+@pytest.mark.real_model
 def test_release_drops_a_copied_tensors_pages_and_keeps_its_data():
     """GGUFFile.release (what the loader calls once a tensor has been re-laid or converted): its pages leave this
     process's resident memory, and its data still reads the same."""
@@ -197,6 +199,7 @@ print(json.dumps({"text": text, "owned": sum(a[3] for a in arrays if a[4]), "flo
 """
 
 
+@pytest.mark.real_model
 def test_q4_1_engine_holds_no_float32_copy_of_a_quantized_matrix():
     """Loads the default model with --weights q4_1, generates and scores, then sums the bytes of every live array
     (jax, and numpy reachable from Python objects): no float32 array shaped like a quantized matrix of the file

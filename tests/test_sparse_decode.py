@@ -177,6 +177,7 @@ def test_calibrate_and_q4_1_bundle_bad_input_get_one_line(tmp_path, capsys):
                        "made for another model")
 
 
+@pytest.mark.real_model
 def test_real_model_host_decode_equals_xla_with_the_same_thresholds():
     """The default model, thresholds of the calibrated magnitudes (about 20-40% of each input skipped): each decode
     step, run by the host and by XLA on the same cache (fed XLA's greedy tokens, then fixed ones), agrees to float
