@@ -173,7 +173,8 @@ def llama_bench(model_path, *, prompt_len: int, new_tokens: int, threads: int) -
         if (got["n_gen"], got["n_depth"], got["n_threads"]) != (new_tokens, prompt_len, threads):
             raise ConfigError(f"llama-bench ran n_gen {got['n_gen']}, depth {got['n_depth']}, "
                               f"{got['n_threads']} threads; asked {new_tokens}, {prompt_len}, {threads}")
-        peer.info.setdefault("build", f"{build_source('llama-bench')}, build {got['build']}")
+        known = "" if got["build"].startswith("unknown") else f", build {got['build']}"   # no git in an sdist
+        peer.info.setdefault("build", build_source("llama-bench") + known)
         return {"decode_tok_s": got["decode_tok_s"], "prefill_s": None}
 
     peer = NativePeer("llama-bench", command, parse,
@@ -182,13 +183,13 @@ def llama_bench(model_path, *, prompt_len: int, new_tokens: int, threads: int) -
 
 
 def powerinfer(model_path, *, prompt_text: str, prompt_len: int, new_tokens: int, threads: int) -> NativePeer:
-    """PowerInfer's main generating new_tokens greedily (end-of-text ignored) after prompt_text, on the untied copy
-    of the model. Its prompt token count (from its timings) is recorded: its tokenizer may split the text differently."""
+    """PowerInfer's main generating new_tokens greedily (end-of-text ignored, no repetition penalty) after prompt_text,
+    on the untied copy of the model. Its prompt token count (from its timings) is recorded: its tokenizer may split the text differently."""
     check_native("powerinfer", model_path)
     model = untied_copy(model_path)
     command = [str(binary("powerinfer")), "-m", str(model), "-n", str(new_tokens), "-t", str(threads),
                "-c", str(prompt_len + new_tokens + 16), "-b", str(max(512, prompt_len)),
-               "-p", prompt_text, "--temp", "0", "--ignore-eos"]
+               "-p", prompt_text, "--temp", "0", "--repeat-penalty", "1.0", "--ignore-eos"]
 
     def parse(done):
         got = parse_powerinfer_timings(done.stderr)
