@@ -61,14 +61,14 @@ def parse_llama_bench_csv(text: str) -> dict:
     decode_tok_s (its avg_ts), n_gen, n_depth, n_threads and its build (build_commit, build_number)."""
     rows = [r for r in csv.DictReader(io.StringIO(text)) if r.get("n_gen") not in (None, "", "0")]
     if len(rows) != 1:
-        raise ConfigError(f"llama-bench printed {len(rows)} token-generation rows, expected 1:\n{text.strip()[:400]}")
+        raise ConfigError(f"llama-bench printed {len(rows)} token-generation rows in its csv, expected 1")
     r = rows[0]
     try:
         return {"decode_tok_s": float(r["avg_ts"]), "n_gen": int(r["n_gen"]), "n_depth": int(r.get("n_depth") or 0),
                 "n_threads": int(r["n_threads"]), "build": f"{r['build_commit']} ({r['build_number']})",
                 "cpu": r.get("cpu_info", "")}
     except (KeyError, ValueError) as e:
-        raise ConfigError(f"llama-bench's csv lacks a field or a number ({e}):\n{text.strip()[:400]}") from None
+        raise ConfigError(f"llama-bench's csv lacks a field or a number ({e})") from None
 
 
 _TIMING = r"llama_print_timings:\s+{what} time =\s*([\d.]+) ms /\s*(\d+) {unit}"
@@ -80,13 +80,17 @@ def parse_powerinfer_timings(stderr: str) -> dict:
     decode = re.search(_TIMING.format(what="eval", unit="runs"), stderr)
     prompt = re.search(_TIMING.format(what="prompt eval", unit="tokens"), stderr)
     if not decode or not prompt:
-        tail = "\n".join(stderr.strip().splitlines()[-5:])
-        raise ConfigError(f"PowerInfer's main printed no eval timings:\n{tail}")
+        raise ConfigError(f"PowerInfer's main printed no eval timings (its last line: {_last_line(stderr)!r})")
     ms, runs = float(decode.group(1)), int(decode.group(2))
     if runs < 1 or ms <= 0:
         raise ConfigError(f"PowerInfer's main timed {runs} decode runs in {ms} ms")
     return {"decode_tok_s": 1000 * runs / ms, "eval_runs": runs,
             "prompt_tokens": int(prompt.group(2)), "prefill_s": float(prompt.group(1)) / 1000}
+
+
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 # --- the untied copy PowerInfer runs on ----------------------------------------------------------------------------
@@ -156,8 +160,7 @@ class NativePeer:
         except subprocess.TimeoutExpired:
             raise ConfigError(f"{self.name} ran past {self.timeout_s:.0f} s") from None
         if done.returncode != 0:
-            tail = "\n".join(done.stderr.strip().splitlines()[-5:])
-            raise ConfigError(f"{self.name} exited with {done.returncode}:\n{tail}")
+            raise ConfigError(f"{self.name} exited with {done.returncode} ({_last_line(done.stderr)!r})")
         return self.parse(done)
 
 
