@@ -128,8 +128,12 @@ def _peer_runner(peer: str, engine: Engine, prompt: list[int], new_tokens: int):
     if peer == "llama-cpp":
         from pjinfer.measure.peer import llama_cpp_runner
 
-        info = {"name": name, "binary": "llama-cpp-python", "model": str(engine.source)}
-        return name, _timed(llama_cpp_runner(engine.source, prompt, new_tokens, threads=threads), new_tokens), info
+        measure = _timed(llama_cpp_runner(engine.source, prompt, new_tokens, threads=threads), new_tokens)
+        import llama_cpp
+
+        info = {"name": name, "binary": "llama-cpp-python's token loop", "model": str(engine.source),
+                "build": f"llama-cpp-python {llama_cpp.__version__}"}
+        return name, measure, info
     from pjinfer.measure import native_peer
 
     if peer == "llama-bench":
