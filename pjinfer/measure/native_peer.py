@@ -192,7 +192,8 @@ def powerinfer(model_path, *, prompt_text: str, prompt_len: int, new_tokens: int
     model = untied_copy(model_path)
     command = [str(binary("powerinfer")), "-m", str(model), "-n", str(new_tokens), "-t", str(threads),
                "-c", str(prompt_len + new_tokens + 16), "-b", str(max(512, prompt_len)),
-               "-p", prompt_text, "--temp", "0", "--repeat-penalty", "1.0", "--ignore-eos"]
+               "-p", prompt_text, "--temp", "0", "--repeat-penalty", "1.0", "--ignore-eos",
+               "--log-disable"]   # else it writes main.log into the current folder; its timings still go to stderr
 
     def parse(done):
         got = parse_powerinfer_timings(done.stderr)
