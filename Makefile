@@ -7,7 +7,7 @@ LLAMA_VOCAB := $(VENV)/share/llama-vocab
 LLAMA_CPP_PYTHON := 0.3.36
 export NUMBA_THREADING_LAYER ?= workqueue
 
-.PHONY: setup run test test-fast fuzz mutants bench bench-peer bench-quants bench-long bench-serve soak bench-scale bench-pallas perplexity bundle clean
+.PHONY: setup run test test-fast fuzz mutants bench peers bench-peer bench-quants bench-long bench-serve soak bench-scale bench-pallas perplexity bundle clean
 
 # Idempotent: re-runs pip only when pyproject.toml changed.
 setup: $(STAMP) $(LLAMA_VOCAB)/.stamp
@@ -58,19 +58,54 @@ mutants: setup
 bench: setup
 	$(VENV)/bin/pjinfer bench --prompt-len 16 --new-tokens 128
 
-# Side by side with llama.cpp on the same GGUF (llama-cpp-python built from source, ~12 min on 2 cores the
-# first time; AVX2 because the native AVX-512/AMX build crashed at generation on this machine kind).
+# The native peers, built once into out/peers (CPU-only, Release, niced, 2 jobs; the build logs stay next to them):
+# llama.cpp's own llama-bench from the vendor tree of the llama-cpp-python sdist, built for this machine's whole
+# instruction set, and PowerInfer's runtime (its llama.cpp fork) `main` from the tarball in ../shared/peers.
+# `pjinfer bench --peer llama-bench|powerinfer` runs them (pjinfer/measure/native_peer.py).
+PEERS := out/peers
+LLAMA_BENCH := $(PEERS)/llama.cpp/build/bin/llama-bench
+POWERINFER_MAIN := $(PEERS)/PowerInfer/build/bin/main
+POWERINFER_TARBALL ?= ../shared/peers/powerinfer-d3ebd7c.tar.gz
+NICE_BUILD := nice -n 19
+peers: $(LLAMA_BENCH) $(POWERINFER_MAIN)
+$(LLAMA_BENCH): | $(STAMP)
+	@echo "building llama-bench into $(PEERS)/llama.cpp (log: $(PEERS)/llama.cpp/build.log)"
+	@rm -rf $(PEERS)/llama.cpp && mkdir -p $(PEERS)/llama.cpp/sdist
+	@$(PY) -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PYTHON) \
+		-d $(PEERS)/llama.cpp/sdist
+	@tar -xzf $(PEERS)/llama.cpp/sdist/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(PEERS)/llama.cpp \
+		--strip-components=3 llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
+	@echo "llama.cpp vendored in llama-cpp-python $(LLAMA_CPP_PYTHON), Release, GGML_NATIVE=ON" > $(PEERS)/llama.cpp/SOURCE
+	@cd $(PEERS)/llama.cpp && { $(NICE_BUILD) cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+		-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DGGML_OPENMP=OFF -DLLAMA_BUILD_TESTS=OFF \
+		&& $(NICE_BUILD) cmake --build build -j 2 --target llama-bench; } > build.log 2>&1 || { tail -20 build.log; exit 1; }
+$(POWERINFER_MAIN):
+	$(if $(wildcard $(POWERINFER_TARBALL)),,$(error $(POWERINFER_TARBALL) is missing: PowerInfer's source tarball, or set POWERINFER_TARBALL))
+	@echo "building PowerInfer's main into $(PEERS)/PowerInfer (log: $(PEERS)/PowerInfer/build.log)"
+	@rm -rf $(PEERS)/PowerInfer && mkdir -p $(PEERS)
+	@tar -xzf $(POWERINFER_TARBALL) -C $(PEERS)
+	@echo "PowerInfer from $(notdir $(POWERINFER_TARBALL)), Release, CPU-only" > $(PEERS)/PowerInfer/SOURCE
+	@cd $(PEERS)/PowerInfer && { $(NICE_BUILD) cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+		&& $(NICE_BUILD) cmake --build build -j 2 --target main; } > build.log 2>&1 || { tail -20 build.log; exit 1; }
+
+# The speed reference: the native peers (`make peers`) on the default model's own Q4_1 blocks, after 16 and after 512
+# prompt tokens, alternated run by run with pjinfer (with the sparse bundle too where `make bundle` wrote one).
+bench-peer: setup peers
+	for p in llama-bench powerinfer; do \
+		$(VENV)/bin/pjinfer bench --peer $$p --prompt-len 16 --new-tokens 256 --runs 5 --weights q4_1 \
+			$(if $(wildcard $(BUNDLE)/manifest.json),--bundle $(BUNDLE)) || exit 1; \
+		$(VENV)/bin/pjinfer bench --peer $$p --prompt-len 512 --new-tokens 128 --runs 3 --weights q4_1 || exit 1; done
+
+# llama.cpp through llama-cpp-python (built from source, ~12 min on 2 cores the first time; AVX2 because the native
+# AVX-512/AMX build crashed at generation on this machine kind): `--peer llama-cpp` drives its token loop from Python,
+# which loses much of llama.cpp's own rate, so it is no speed reference; bench-quants (llama.cpp's quantizer and
+# files), bench-long, bench-scale and tests/test_real_model.py use it.
 LLAMA_CPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF \
 	-DGGML_AMX_INT8=OFF -DGGML_OPENMP=OFF
 PEER_STAMP := $(VENV)/.llama-cpp-stamp
 $(PEER_STAMP): $(STAMP)
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PY) -m pip install --quiet llama-cpp-python==$(LLAMA_CPP_PYTHON)
 	touch $(PEER_STAMP)
-bench-peer: $(PEER_STAMP)
-	$(VENV)/bin/pjinfer bench --peer llama-cpp --prompt-len 16 --new-tokens 256 --runs 5 --weights float32,int8,q4_1 \
-		$(if $(wildcard $(BUNDLE)/manifest.json),--bundle $(BUNDLE))
-	$(VENV)/bin/pjinfer bench --peer llama-cpp --prompt-len 512 --new-tokens 128 --runs 3 --weights float32,int8,q4_1
-	$(MAKE) bench-quants
 
 # The default model re-quantized by llama.cpp itself (Q4_K_M: a Q5_0/Q8_0/Q4_K/Q6_K mix at this size; Q8_0) into
 # out/quants, then each decoded in its own blocks (--weights gguf) against llama.cpp on the same file, after 16 and

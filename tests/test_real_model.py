@@ -72,6 +72,23 @@ def test_llama_cpp_peer_runs_the_same_greedy_decode(engine):
     assert engine.tokenizer.decode(tokens).startswith(" Paris.\n\nThe United States")  # llama.cpp's greedy text
 
 
+@pytest.mark.parametrize("peer", ["llama-bench", "powerinfer"])
+def test_native_peer_runs_in_bench_alternated_with_pjinfer(q4_engine, peer):
+    # Only where `make peers` built the peer (`make test` builds nothing).
+    from pjinfer.measure import bench, native_peer
+
+    if not native_peer.binary(peer).is_file():
+        pytest.skip(f"{peer} is not built (make peers)")
+    result = bench.run({"dense-q4_1": q4_engine}, prompt_len=16, new_tokens=8, runs=2, peer=peer)
+    runs = result["engines"][peer]["decode_runs_tok_s"]
+    assert len(runs) == 2 and min(runs) > 0
+    assert result["engines"]["dense-q4_1"]["decode_over_peer"] > 0
+    info = result["peer"]
+    assert info["name"] == peer and info["binary"] == str(native_peer.binary(peer))
+    assert info["prompt_tokens"] == 16    # PowerInfer tokenizes pjinfer's prompt text into the same 16 tokens
+    assert info.get("untied_copy", False) == (peer == "powerinfer")   # the default model ties its head
+
+
 @partial(jax.jit, static_argnames=("graphdef", "cache_len"))
 def _prefill_logits(graphdef, state, tokens, cache_len):
     """tokens [T] -> (logits [T, vocab], cache of cache_len slots holding positions 0..T-1), through XLA."""

@@ -25,8 +25,9 @@ def add_commands(command) -> None:
     common.sparse_options(p)
     common.weight_options(p, many=True)
     p.add_argument("--breakdown", action="store_true", help="also time attention, FFN and head of one decode step")
-    p.add_argument("--peer", choices=["llama-cpp"],
-                   help="also run llama.cpp (llama-cpp-python, `make bench-peer`) on the same GGUF, alternating")
+    p.add_argument("--peer", choices=["llama-bench", "powerinfer", "llama-cpp"],
+                   help="also run a peer on the same GGUF, alternating: llama.cpp's llama-bench or PowerInfer's main "
+                        "(native, `make peers`), or llama-cpp-python's token loop (`make bench-peer`)")
 
     p = command("eval", cmd_eval, "downstream task accuracy (lm-evaluation-harness protocol), dense or with --bundle",
                 json=True)
@@ -71,10 +72,7 @@ def cmd_bench(args):
     from pjinfer.progress import Progress
 
     if args.peer:
-        from pjinfer.load.loader import default_model_path
-        from pjinfer.measure.peer import check_llama_cpp
-
-        check_llama_cpp(args.model or default_model_path())
+        check_peer(args.peer, args.model)
     if args.bundle:
         common.check_bundle(args, args.bundle)
     from pjinfer.runtime.engine import resolve_weights
@@ -105,12 +103,16 @@ def cmd_bench(args):
     bandwidth = result["read_bandwidth_gb_s"]
     print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, median of {args.runs} runs; "
           f"measured read bandwidth {bandwidth:.1f} GB/s")
-    print(f"{'engine':10} {'prefill tok/s':>13} {'decode tok/s':>12} {'ms/token':>8} {'MB/token':>8} "
-          f"{'of bandwidth':>12}" + (f" {'decode vs llama.cpp':>19}" if args.peer else ""))
+    if args.peer:
+        print(describe_peer(result["peer"], args.prompt_len))
+    vs = f"decode vs {result['peer']['name']}" if args.peer else ""
+    print(f"{'engine':11} {'prefill tok/s':>13} {'decode tok/s':>12} {'ms/token':>8} {'MB/token':>8} "
+          f"{'of bandwidth':>12}" + (f" {vs:>22}" if args.peer else ""))
     for name, r in result["engines"].items():
         mb = r["bytes_per_token"] / 1e6
-        ratio = f" {r['decode_over_peer']:18.2f}x" if "decode_over_peer" in r else (" " * 20 if args.peer else "")
-        print(f"{name:10} {r['prefill_tok_s']:13.1f} {r['decode_tok_s']:12.1f} {r['decode_ms_per_token']:8.1f} "
+        ratio = f" {r['decode_over_peer']:21.2f}x" if "decode_over_peer" in r else (" " * 23 if args.peer else "")
+        prefill = f"{r['prefill_tok_s']:13.1f}" if r["prefill_tok_s"] else f"{'-':>13}"
+        print(f"{name:11} {prefill} {r['decode_tok_s']:12.1f} {r['decode_ms_per_token']:8.1f} "
               f"{mb:8.1f} {100 * mb * r['decode_tok_s'] / 1e3 / bandwidth:11.0f}%" + ratio)
         if "breakdown" in r:
             b = r["breakdown"]
@@ -123,6 +125,35 @@ def cmd_bench(args):
     busy = machine.describe(result["machine"])
     if busy:
         print(busy)
+
+
+def check_peer(peer: str, model) -> None:
+    """Refuse, before any model loads, a peer that is not built or installed, or a model it cannot run."""
+    from pjinfer.load.loader import default_model_path
+
+    model = model or default_model_path()
+    if peer == "llama-cpp":
+        from pjinfer.measure.peer import check_llama_cpp
+
+        check_llama_cpp(model)
+    else:
+        from pjinfer.measure.native_peer import check_native
+
+        check_native(peer, model)
+
+
+def describe_peer(info: dict, prompt_len: int) -> str:
+    """One line (two where its prompt tokenized to another length) saying what ran as the peer."""
+    line = f"peer {info['name']}: {info['binary']}"
+    if info.get("build"):
+        line += f" [{info['build']}]"
+    line += f" on {info['model']}"
+    if info.get("untied_copy"):
+        line += " (an untied copy: the embedding also written as output.weight)"
+    if info.get("prompt_tokens") not in (None, prompt_len):
+        line += (f"\npeer's prompt: the same text tokenized by the peer into {info['prompt_tokens']} tokens "
+                 f"(pjinfer's: {prompt_len})")
+    return line
 
 
 def cmd_eval(args):

@@ -43,42 +43,43 @@ class BenchError(ConfigError):
 
 def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: int, peer: str | None = None,
         progress=None, bandwidth: float | None = None) -> dict:
-    """Rates of each engine (and of the peer, llama.cpp, on the first engine's GGUF with as many threads as
-    this machine has cores). Decode is timed as generate(1 + new_tokens) minus generate(1), both with the same
-    prompt, back to back: the prefill's time and noise cancel (subtracting a separately timed prefill reported
-    llama.cpp faster after 512 tokens than after 16). Runs alternate between the engines so a noisy machine
-    affects all alike; each figure is the median over runs, each ratio the median of the runs' ratios. "machine"
-    holds the shares of CPU time stolen and used by other work during the runs (pjinfer.measure.machine).
-    bandwidth (bytes/s, default: measured here): a decode rate whose bytes per token exceed it raises BenchError."""
+    """Rates of each engine and of the peer on the first engine's GGUF with as many threads as this machine has
+    cores: llama-cpp (llama.cpp through llama-cpp-python, timed here as the engines are), or a native peer,
+    llama-bench or powerinfer (pjinfer.measure.native_peer: a subprocess per run, timed by its own output).
+    An engine's decode is timed as generate(1 + new_tokens) minus generate(1), both with the same prompt, back to
+    back: the prefill's time and noise cancel (subtracting a separately timed prefill reported llama.cpp faster
+    after 512 tokens than after 16). Runs alternate between the engines and the peer so a noisy machine affects all
+    alike; each figure is the median over runs, each ratio the median of the runs' ratios. "machine" holds the
+    shares of CPU time stolen and used by other work during the runs (pjinfer.measure.machine); "peer" says what
+    ran as the peer. bandwidth (bytes/s, default: measured here): a decode rate whose bytes per token exceed it
+    raises BenchError."""
     first = next(iter(engines.values()))
     prompt = bench_prompt(first, prompt_len)
     _, cache_len = first.plan(prompt_len, 1 + new_tokens)
-    runners = {name: _runner(e, prompt, new_tokens) for name, e in engines.items()}
-    if peer == "llama-cpp":
-        from pjinfer.measure.peer import llama_cpp_runner
-
-        runners[PEER] = llama_cpp_runner(first.source, prompt, new_tokens, threads=os.cpu_count() or 1)
-    for prefill, whole in runners.values():  # warm-up: compile all
-        prefill(), whole(1), whole(1 + new_tokens)
+    runners = {name: _timed(_runner(e, prompt, new_tokens), new_tokens) for name, e in engines.items()}
+    peer_info = None
+    if peer is not None:
+        name, runners[name], peer_info = _peer_runner(peer, first, prompt, new_tokens)
+    for measure in runners.values():  # warm-up: compile all, and a first run of a native peer (page cache)
+        measure()
     times = {name: ([], []) for name in runners}
     before = machine.sample()
     for r in range(runs):
-        for name, (prefill, whole) in runners.items():
-            t0 = time.perf_counter(); prefill(); t1 = time.perf_counter()
-            whole(1); t2 = time.perf_counter(); whole(1 + new_tokens); t3 = time.perf_counter()
-            times[name][0].append(t1 - t0)
-            times[name][1].append((t3 - t2) - (t2 - t1))
+        for name, measure in runners.items():
+            prefill_s, decode_s = measure()
+            times[name][0].append(prefill_s)
+            times[name][1].append(decode_s)
         if progress:
             progress(r + 1, runs)
     busy = machine.shares(before, machine.sample())
     bandwidth = bandwidth or read_bandwidth()
     results, decode_runs = {}, {}
     for name, (prefill_s, decode_s) in times.items():
-        p = statistics.median(prefill_s)
+        p = statistics.median(prefill_s) if None not in prefill_s else None   # llama-bench does not time a prompt
         decode_runs[name] = [new_tokens / max(t, 1e-9) for t in decode_s]
         decode = statistics.median(decode_runs[name])
-        results[name] = {"prefill_tok_s": prompt_len / p, "decode_tok_s": decode, "decode_ms_per_token": 1000 / decode,
-                         "prefill_s": p, "decode_runs_tok_s": decode_runs[name]}
+        results[name] = {"prefill_tok_s": prompt_len / p if p else None, "decode_tok_s": decode,
+                         "decode_ms_per_token": 1000 / decode, "prefill_s": p, "decode_runs_tok_s": decode_runs[name]}
         if name in engines:
             results[name]["bytes_per_token"] = engine_bytes_per_token(engines[name], cache_len,
                                                                       prompt_len + new_tokens // 2)
@@ -94,14 +95,59 @@ def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: i
                                                                                        decode_runs[other]))
                                         for other in results if other != name}
     if peer:
+        peer_name = peer_info["name"]
         for name in engines:
-            results[name]["decode_over_peer"] = results[name]["decode_over"][PEER]
-            results[name]["prefill_over_peer"] = results[PEER]["prefill_s"] / results[name]["prefill_s"]
+            results[name]["decode_over_peer"] = results[name]["decode_over"][peer_name]
+            if results[peer_name]["prefill_s"]:
+                results[name]["prefill_over_peer"] = results[peer_name]["prefill_s"] / results[name]["prefill_s"]
     return {"prompt_len": prompt_len, "new_tokens": new_tokens, "runs": runs, "engines": results,
-            "read_bandwidth_gb_s": bandwidth / 1e9, "machine": busy}
+            "read_bandwidth_gb_s": bandwidth / 1e9, "machine": busy, "peer": peer_info}
 
 
-PEER = "llama.cpp"
+# The peer's row name in bench's results, by --peer.
+PEER_NAMES = {"llama-cpp": "llama.cpp", "llama-bench": "llama-bench", "powerinfer": "powerinfer"}
+
+
+def _timed(runner, new_tokens: int):
+    """A (prefill, whole) pair as one measurement: () -> (prefill seconds, decode seconds of new_tokens)."""
+    prefill, whole = runner
+
+    def measure():
+        t0 = time.perf_counter(); prefill(); t1 = time.perf_counter()
+        whole(1); t2 = time.perf_counter(); whole(1 + new_tokens); t3 = time.perf_counter()
+        return t1 - t0, (t3 - t2) - (t2 - t1)
+
+    return measure
+
+
+def _peer_runner(peer: str, engine: Engine, prompt: list[int], new_tokens: int):
+    """(row name, measure, info) of the peer on the engine's GGUF: measure() -> (prefill seconds or None, decode
+    seconds of new_tokens); info: what runs (name, binary, build, model file) for the output."""
+    threads = os.cpu_count() or 1
+    name = PEER_NAMES[peer]
+    if peer == "llama-cpp":
+        from pjinfer.measure.peer import llama_cpp_runner
+
+        measure = _timed(llama_cpp_runner(engine.source, prompt, new_tokens, threads=threads), new_tokens)
+        import llama_cpp
+
+        info = {"name": name, "binary": "llama-cpp-python's token loop", "model": str(engine.source),
+                "build": f"llama-cpp-python {llama_cpp.__version__}"}
+        return name, measure, info
+    from pjinfer.measure import native_peer
+
+    if peer == "llama-bench":
+        native = native_peer.llama_bench(engine.source, prompt_len=len(prompt), new_tokens=new_tokens, threads=threads)
+    else:
+        native = native_peer.powerinfer(engine.source, prompt_text=engine.tokenizer.decode(prompt),
+                                        prompt_len=len(prompt), new_tokens=new_tokens, threads=threads)
+
+    def measure():
+        got = native.measure()
+        return got["prefill_s"], new_tokens / got["decode_tok_s"]
+
+    native.info["name"] = name
+    return name, measure, native.info
 
 
 def state_bytes(engine: Engine) -> int:
