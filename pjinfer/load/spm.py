@@ -1,7 +1,8 @@
 """llama.cpp's SentencePiece ("SPM", `tokenizer.ggml.model` = "llama") vocabulary: text <-> ids in plain Python.
 
 The algorithm is the one llama.cpp's tokenizer runs on such a vocabulary (Llama-2, Mistral, TinyLlama, PowerInfer's
-ReluLLaMA / ProSparse / Bamboo files), checked against llama.cpp's own tokenizer test files (tests/test_spm.py):
+ReluLLaMA / ProSparse / Bamboo files), checked against llama.cpp's own tokenizer test files
+(tests/test_tokenizer_vocab.py):
 
 - the text's spaces become "▁" (U+2581), with one "▁" put in front of each run of text when add_space_prefix;
 - the text starts as one symbol per character; the adjacent pair whose join is a token with the highest score is
