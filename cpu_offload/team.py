@@ -172,10 +172,15 @@ def _worker(ctrl, w):
 
 @njit(**NOJIT)
 def run(ctrl, fn, arg):
-    """Run task fn(arg, tid, n) on the whole team (tid 0 on this thread); returns when every part is done."""
+    """Run task fn(arg, tid, n) on the whole team (tid 0 on this thread); returns when every part is done. On a
+    stopped team (Team.stop: its workers are gone) this thread runs every part itself, in tid order."""
     n = load_i64(ctrl + 8 * C_SIZE)
     if n <= 1:
         _call_task(fn, arg, 0, 1)
+        return
+    if load_i64(ctrl + 8 * C_STOP) != 0:
+        for tid in range(n):
+            _call_task(fn, arg, tid, n)
         return
     store_i64(ctrl + 8 * C_FN, fn)
     store_i64(ctrl + 8 * C_ARG, arg)
@@ -245,9 +250,18 @@ class Team:
 
     def stop(self, timeout: float = 1.0) -> None:
         """Let the workers return (they wake within SLEEP_US even when asleep). Called for every team at exit:
-        a worker still reading the control block while the interpreter frees it would crash the process."""
-        self.ctrl[C_STOP] = 1
-        self.ctrl[C_GEN] += 1  # x86 keeps stores in order: a worker that sees the new generation sees STOP
+        a worker still reading the control block while the interpreter frees it would crash the process.
+
+        An XLA computation may still be running at exit (a decode that Ctrl-C interrupted while the caller waited
+        for it). So the stop is made under the FFI lock every handler holds around its runs: a run in progress
+        finishes with the workers first, and a run after the stop does every part on its own thread (`run`)
+        instead of waiting for workers that have returned."""
+        ffi.lock(ffi.RUNTIME_ADDR)
+        try:
+            self.ctrl[C_STOP] = 1
+            self.ctrl[C_GEN] += 1  # x86 keeps stores in order: a worker that sees the new generation sees STOP
+        finally:
+            ffi.unlock(ffi.RUNTIME_ADDR)
         for t in self.threads:
             t.join(timeout)
 

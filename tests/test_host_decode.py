@@ -118,6 +118,54 @@ assert words.tolist() == [200_000, 200_000], words
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
 
 
+def test_a_team_stopped_during_a_run_finishes_it_and_later_runs_work_alone():
+    """At exit every team is stopped (atexit) while an XLA computation may still be in a handler's run: a decode
+    that Ctrl-C interrupted while the caller waited. The stop waits for that run (it takes the FFI lock handlers
+    hold), and runs after it do every share on the caller's thread: nothing waits for workers that are gone (it
+    did: `pjinfer chat`, Ctrl-C then Ctrl-D, spun forever at exit). In a child process, because the fault is a
+    hang."""
+    import subprocess
+    import sys
+
+    code = """
+import threading, time
+import numpy as np
+from numba import cfunc, types
+from cpu_offload import ffi, team
+from cpu_offload.ffi import load_i64, store_i64
+
+@cfunc(types.void(types.int64, types.int64, types.int64))
+def slow(arg, tid, n):   # words[8] = 1 once started; a long loop (its sum kept in words[9 + tid]); words[tid] += 1
+    store_i64(arg + 64, 1)
+    k = load_i64(arg + 8 * (9 + tid))
+    for i in range(300_000_000):
+        k = (k * 3 + i) & 0xFFFFFF
+    store_i64(arg + 8 * (9 + tid), k)
+    store_i64(arg + 8 * tid, load_i64(arg + 8 * tid) + 1)
+
+crew = team.Team(2)
+words = np.zeros(11, np.int64)
+
+def handler():           # as an FFI handler does: its runs under the lock
+    ffi.lock(ffi.RUNTIME_ADDR)
+    team.run(crew.address, slow.address, words.ctypes.data)
+    ffi.unlock(ffi.RUNTIME_ADDR)
+
+inflight = threading.Thread(target=handler)
+inflight.start()
+while words[8] == 0:
+    time.sleep(0.001)
+crew.stop()
+assert words[:2].tolist() == [1, 1], words          # the run in flight finished with its worker first
+inflight.join()
+team.run(crew.address, slow.address, words.ctypes.data)
+assert words[:2].tolist() == [2, 2], words          # after the stop: both shares, on this thread
+assert not any(t.is_alive() for t in crew.threads)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+
+
 # ------------------------------------------------------------------------------------------------ whole model
 def _models(config, seed=0, fmt="int8"):
     """(host-decode model, XLA reference on the same dequantized weights, the HostDecoder)."""
