@@ -233,6 +233,7 @@ def _torch_logits(model, ids) -> np.ndarray:
         return model(torch.as_tensor(ids)[None]).logits[0].float().numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [
     dict(hidden_act="silu"),                                              # SwiGLU with GQA (4 heads, 2 KV)
     dict(hidden_act="relu"),                                              # ReGLU

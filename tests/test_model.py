@@ -19,6 +19,7 @@ def full_logits(model, ids):
     return np.asarray(model.logits(hidden[0]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,activation", FAMILIES)
 def test_cached_decode_matches_full_forward(arch, activation):
     # Prefill 5 tokens, then feed 6 more one at a time through the cache: each step's logits must

@@ -403,6 +403,7 @@ def test_gather_matvec_lowers_to_triton_for_gpu(n_in, n_out, block_k):
     assert text.count("xla.gpu.triton") == 1
 
 
+@pytest.mark.slow
 def test_bench_command_checks_and_times_every_case(capsys):
     """`make bench-pallas`'s command at SmolLM2's shapes in interpret mode: each case is checked against float64
     before it is timed (a disagreement ends the command) and gives one row; without a GPU the compiled kernels

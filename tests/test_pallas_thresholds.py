@@ -59,6 +59,7 @@ def kernel_calls(model) -> int:
     return count(jax.make_jaxpr(step)(nnx.state(model)).jaxpr)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,activation", [("llama", "swiglu"), ("llama", "reglu"), ("opt", "relu")])
 def test_decode_equals_the_xla_threshold_path(arch, activation):
     """Every matrix of a decode step gathered (the jaxpr holds the kernels, four per layer) gives XLA's masked
@@ -98,6 +99,7 @@ def test_zero_thresholds_equal_dense_and_scoring_stays_dense_masked():
     np.testing.assert_allclose(logits(model_of(pallas), ids), logits(model_of(xla), ids), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_every_input_below_its_threshold_adds_nothing():
     """Empty active sets everywhere (count 0 in every kernel): each layer adds exact zeros, so the logits are the
     head of the normed embedding."""
@@ -176,6 +178,7 @@ def test_which_rule_a_bundle_runs_and_on_which_weights(tmp_path):
         check_bundle_stages(thresholds, "predictors")
 
 
+@pytest.mark.slow
 def test_command_line_runs_thresholds_on_the_gather_kernels(tmp_path, capsys):
     """A float32 GGUF and a bundle with thresholds: generate on the Pallas backend says so and gives XLA's tokens;
     settings that cannot run get one line before the weights load."""

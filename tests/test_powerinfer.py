@@ -106,6 +106,7 @@ def masked_reference(model, fc1, fc2, tokens, threshold):
     return model.logits(model.final_norm(x)), float(np.mean(density))
 
 
+@pytest.mark.slow
 def test_bundle_runs_the_sparse_engine_as_the_masked_dense_model(tmp_path, tiny):
     from pjinfer.runtime.engine import Engine
     from pjinfer.runtime.sparse import SparseFFN, skipped_share

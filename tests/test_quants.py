@@ -121,6 +121,7 @@ def _mix(name):
     return t.Q8_0 if (m == "wv" and layer == 0) else t.Q5_0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kinds", [*TYPES, "mix", "qwen2"], ids=lambda k: getattr(k, "name", k))
 def test_decode_step_in_the_files_own_blocks_equals_float32_on_gguf_values(tmp_path, kinds):
     """kinds: every matrix in one type, a Q4_K_M-like mix, or that mix as a Qwen2 file (q/k/v biases, not

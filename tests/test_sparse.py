@@ -31,6 +31,7 @@ def placements(config, seed=0):
     return {"all hot": np.ones(shape, bool), "all cold": np.zeros(shape, bool), "mixed": mixed}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,activation", FAMILIES)
 @pytest.mark.parametrize("split", ["all hot", "all cold", "mixed"])
 def test_every_neuron_active_equals_dense(arch, activation, split):

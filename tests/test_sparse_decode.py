@@ -53,6 +53,7 @@ def _quantile_thresholds(config, weights, levels, seed=0):
     return teal._thresholds(q, np.broadcast_to(np.asarray(levels, float), (config.n_layers, 4)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("activation,levels", [("swiglu", (0.3, 0.2, 0.4, 0.5)), ("swiglu", (0.0, 0.0, 0.0, 0.0)),
                                                ("reglu", (0.5, 0.5, 0.5, 0.0))])
 def test_host_decode_equals_xla_with_the_same_thresholds(activation, levels):
