@@ -1,7 +1,6 @@
 """Prefill and decode rates of the jitted generate, measured after a warm-up, median of several alternated runs."""
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
@@ -9,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cpu_offload.team import usable_cores
 from pjinfer.config import ConfigError
 from pjinfer.load import data
 from pjinfer.measure import machine
@@ -43,16 +43,16 @@ class BenchError(ConfigError):
 
 def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: int, peer: str | None = None,
         progress=None, bandwidth: float | None = None) -> dict:
-    """Rates of each engine and of the peer on the first engine's GGUF with as many threads as this machine has
-    cores: llama-cpp (llama.cpp through llama-cpp-python, timed here as the engines are), or a native peer,
-    llama-bench or powerinfer (pjinfer.measure.native_peer: a subprocess per run, timed by its own output).
-    An engine's decode is timed as generate(1 + new_tokens) minus generate(1), both with the same prompt, back to
-    back: the prefill's time and noise cancel (subtracting a separately timed prefill reported llama.cpp faster
-    after 512 tokens than after 16). Runs alternate between the engines and the peer so a noisy machine affects all
-    alike; each figure is the median over runs, each ratio the median of the runs' ratios. "machine" holds the
-    shares of CPU time stolen and used by other work during the runs (pjinfer.measure.machine); "peer" says what
-    ran as the peer. bandwidth (bytes/s, default: measured here): a decode rate whose bytes per token exceed it
-    raises BenchError."""
+    """Rates of each engine and of the peer on the first engine's GGUF with as many threads as pjinfer's host
+    kernels use by default (the cores this process may use): llama-cpp (llama.cpp through llama-cpp-python, timed
+    here as the engines are), or a native peer, llama-bench or powerinfer (pjinfer.measure.native_peer: a subprocess
+    per run, timed by its own output). An engine's decode is timed as generate(1 + new_tokens) minus generate(1),
+    both with the same prompt, back to back: the prefill's time and noise cancel (subtracting a separately timed
+    prefill reported llama.cpp faster after 512 tokens than after 16). Runs alternate between the engines and the
+    peer so a noisy machine affects all alike; each figure is the median over runs, each ratio the median of the
+    runs' ratios. "machine" holds the shares of CPU time stolen and used by other work during the runs
+    (pjinfer.measure.machine); "peer" says what ran as the peer. bandwidth (bytes/s, default: measured here): a
+    decode rate whose bytes per token exceed it raises BenchError."""
     first = next(iter(engines.values()))
     prompt = bench_prompt(first, prompt_len)
     _, cache_len = first.plan(prompt_len, 1 + new_tokens)
@@ -123,7 +123,7 @@ def _timed(runner, new_tokens: int):
 def _peer_runner(peer: str, engine: Engine, prompt: list[int], new_tokens: int):
     """(row name, measure, info) of the peer on the engine's GGUF: measure() -> (prefill seconds or None, decode
     seconds of new_tokens); info: what runs (name, binary, build, model file) for the output."""
-    threads = os.cpu_count() or 1
+    threads = usable_cores()   # as many as pjinfer's host kernels use by default
     name = PEER_NAMES[peer]
     if peer == "llama-cpp":
         from pjinfer.measure.peer import llama_cpp_runner

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cpu_offload.team import usable_cores
 from pjinfer.config import ModelConfig
 
 # name -> (d_model, layers, heads, kv heads, d_ff); head_dim 64 except 7b (128). Parameters include the embedding.
@@ -141,7 +142,7 @@ def _timed(cmd: list[str]) -> tuple[dict, float]:
 
 def measure(path: Path, runs: int) -> dict:
     py = sys.executable
-    threads = str(os.cpu_count())
+    threads = str(usable_cores())   # pjinfer's default thread count
     ours, ours_peak = _timed([py, "-m", "pjinfer.cli.main", "generate", "--model", str(path), "--weights", "q4_1",
                               "--prompt", "The capital of France is", "--max-new-tokens", "32", "--json"])
     peer, peer_peak = _timed([py, "-c", LLAMA_CPP_GENERATE, str(path), threads])
