@@ -146,7 +146,7 @@ def _write_untied(reader, path: Path) -> None:
 @dataclass
 class NativePeer:
     """One native peer set up for a bench: `measure()` runs it once and returns its decode_tok_s (and prefill_s where
-    it times its prompt). describe: what ran (binary, build, model file) for the output."""
+    it times its prompt). info: what ran (binary, build, model file) for the output."""
     name: str
     command: list[str]
     parse: Callable[[subprocess.CompletedProcess], dict]
@@ -187,7 +187,8 @@ def llama_bench(model_path, *, prompt_len: int, new_tokens: int, threads: int) -
 
 def powerinfer(model_path, *, prompt_text: str, prompt_len: int, new_tokens: int, threads: int) -> NativePeer:
     """PowerInfer's main generating new_tokens greedily (end-of-text ignored, no repetition penalty) after prompt_text,
-    on the untied copy of the model. Its prompt token count (from its timings) is recorded: its tokenizer may split the text differently."""
+    on the untied copy of the model. Its prompt token count (from its timings) is recorded: its tokenizer may
+    split the text differently."""
     check_native("powerinfer", model_path)
     model = untied_copy(model_path)
     command = [str(binary("powerinfer")), "-m", str(model), "-n", str(new_tokens), "-t", str(threads),
