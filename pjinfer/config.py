@@ -12,7 +12,7 @@ ACTIVATIONS = {"llama": ("swiglu", "geglu", "reglu", "drelu"), "opt": ("relu",)}
 WEIGHT_FORMATS = ("float32", "int8", "q4_1", "gguf")
 # What users choose from: a format, or "auto", the checkpoint's own quantization where the host decode runs it
 # (q4_1 for a Llama GGUF whose layers are Q4_1, gguf when they are other block types with host kernels), float32
-# otherwise (pjinfer.runtime.engine.resolve_weights).
+# otherwise (pjinfer.runtime.backends.resolve).
 WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)
 
 
@@ -21,7 +21,7 @@ WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)
 # products run: xla (dense masked products) or the Pallas gather kernels (pjinfer.runtime.gathered).
 HOT_BACKENDS = ("xla", "pallas", "pallas-interpret")
 COLD_WEIGHTS = ("float32", "int8")
-# Which of a bundle's rules runs (pjinfer.runtime.engine.bundle_rule): auto (its thresholds when it has them, else
+# Which of a bundle's rules runs (pjinfer.runtime.backends.bundle_rule): auto (its thresholds when it has them, else
 # its predictors and placement), or one of the two by name.
 SPARSE_RULES = ("auto", "thresholds", "predictors")
 

@@ -303,12 +303,31 @@ def test_real_model_host_prompt_matches_xla_prefill(q4_engine):
             assert not a[n:].any()                                   # the rest of the cache is untouched
 
 
-def test_engines_that_cannot_batch_say_why(engine):
+def test_engines_that_cannot_batch_take_turns_with_each_requests_own_tokens(engine):
+    """A backend that does not batch (float32 here) runs the same loop in turns: every request gets Engine.stream's
+    tokens for it alone, and after a wake a step stops after the state it is on; the next starts where it stopped."""
     from pjinfer.runtime.batch import Batch, unsupported
+    from pjinfer.runtime.sampling import Sampling
 
     assert "--weights q4_1 or int8" in unsupported(engine)
-    with pytest.raises(ValueError, match="batched decode runs the dense host decode"):
-        Batch(engine, 4)
+    batch = Batch(engine, 3)
+    assert not batch.together
+    prompts = [engine.tokenizer.encode(t) for t in ("The capital of France is", "Once upon a time", "1, 2, 3,")]
+    samplings = [Sampling(), Sampling(temperature=0.8, seed=5), Sampling(temperature=1.0, top_k=5, seed=9)]
+    states = [batch.start(i, ids, 11, s, stop_ids=[]) for i, (ids, s) in enumerate(zip(prompts, samplings))]
+    got = [[s.token] for s in states]
+    batch.wake()
+    batch.step(states, steps=4)
+    assert [len(s.new) for s in states] == [4, 0, 0]
+    batch.clear_wake()
+    for g, s in zip(got, states):
+        g.extend(s.new)
+    while any(s.remaining > 0 for s in states):
+        batch.step(states, steps=4)
+        for g, s in zip(got, states):
+            g.extend(s.new)
+    want = [list(engine.stream(ids, max_new_tokens=11, sampling=s, stop_ids=[])) for ids, s in zip(prompts, samplings)]
+    assert got == want and all(len(g) == 11 for g in got)
 
 
 def test_gguf_blocks_neither_batch_nor_prefill_on_the_host(tmp_path):

@@ -111,13 +111,18 @@ def test_host_decode_where_jax_runs_on_a_gpu(tmp_path, capsys, monkeypatch):
     in one line before the model loads (the model path does not exist: the platform is checked first)."""
     import jax
 
-    from pjinfer.runtime.engine import Engine, resolve_weights
+    from pjinfer.runtime.backends import Request, resolve
+    from pjinfer.runtime.engine import Engine
+
+    def resolve_weights(weights, model):
+        return resolve(Request(model, weights)).weights
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert resolve_weights("auto", None) == "float32"
     assert "running float32 weights on the gpu: the q4_1 host decode runs where JAX runs on the CPU" in \
         capsys.readouterr().err
-    assert resolve_weights("q4_1", None) == "q4_1"
+    with pytest.raises(ConfigError, match=r"--weights q4_1 \(the host decode\) runs on the host"):
+        resolve_weights("q4_1", None)
     with pytest.raises(ConfigError, match=r"--weights int8 \(the host decode\) runs on the host .* JAX here runs "
                                           r"on gpu: --weights float32 runs there, or run with JAX_PLATFORMS=cpu"):
         Engine.load(tmp_path / "missing.gguf", weights="int8")

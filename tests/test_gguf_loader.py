@@ -56,9 +56,13 @@ def test_truncated_and_foreign_files_are_refused(tmp_path, tiny):
 
 
 def test_auto_weights_are_the_files_own_blocks_or_float32(tmp_path, capsys):
-    """--weights auto (pjinfer.runtime.engine.resolve_weights) runs q4_1 for a GGUF whose layers are all Q4_1, gguf for
+    """--weights auto (pjinfer.runtime.backends.resolve) runs q4_1 for a GGUF whose layers are all Q4_1, gguf for
     other block types with host kernels, float32 otherwise."""
-    from pjinfer.runtime.engine import resolve_weights
+    from pjinfer.load.loader import default_model_path, model_identity
+    from pjinfer.runtime.backends import Request, resolve
+
+    def resolve_weights(weights, model, bundle=None):
+        return resolve(Request(model, weights, bundle)).weights
 
     config = tiny_config(d_model=64, n_heads=4, head_dim=16, d_ff=128)
     weights = random_weights(config)
@@ -82,8 +86,9 @@ def test_auto_weights_are_the_files_own_blocks_or_float32(tmp_path, capsys):
     # With a bundle: q4_1 runs calibrated thresholds; a predictor bundle runs float32.
     import json
 
-    for stages, want in (({"profile": {}}, "float32"), ({"thresholds": {}}, "q4_1")):
+    for stages, want in (({"predictors": {}, "placement": {}}, "float32"), ({"thresholds": {}}, "q4_1")):
         bundle = tmp_path / f"bundle-{want}"
         bundle.mkdir()
-        (bundle / "manifest.json").write_text(json.dumps({"format": 1, "stages": stages, "model": {}}))
+        model = {"identity": model_identity(default_model_path())}
+        (bundle / "manifest.json").write_text(json.dumps({"format": 1, "stages": stages, "model": model}))
         assert resolve_weights("auto", None, bundle) == want

@@ -1,6 +1,6 @@
 """A bundle's input thresholds on the Pallas gather kernels (pjinfer.runtime.gathered; compiled on a GPU, interpret
 mode elsewhere: tests.conftest.PALLAS) against the XLA threshold path (dense products of the masked inputs) on the
-same float32 weights, and which of a bundle's rules runs (pjinfer.runtime.engine.bundle_rule) with which weights, from the Python API and the CLI."""
+same float32 weights, and which of a bundle's rules runs (pjinfer.runtime.backends.bundle_rule) with which weights, from the Python API and the CLI."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,8 @@ from pjinfer.config import ConfigError
 from pjinfer.offline import teal
 from pjinfer.offline.bundle import Bundle, model_record
 from pjinfer.runtime import gathered
-from pjinfer.runtime.engine import Engine, bundle_rule, check_bundle_stages, check_bundle_weights, resolve_weights
+from pjinfer.runtime.backends import Request, bundle_rule, check_bundle_stages, resolve
+from pjinfer.runtime.engine import Engine
 from pjinfer.runtime.model import KVCache, Transformer, set_thresholds
 from pjinfer.runtime.sparse import sparsify
 from tests.conftest import PALLAS, random_weights, tiny_config
@@ -116,9 +117,9 @@ def test_settings_that_cannot_run_are_refused():
     config = tiny_config()
     weights = random_weights(config)
     thresholds = np.zeros((config.n_layers, 4))
-    with pytest.raises(ConfigError, match="runs input thresholds on float32 weights"):
+    with pytest.raises(ConfigError, match="runs a bundle's input thresholds or predictors, not dense float32"):
         Engine(config, weights, None, hot_backend="pallas-interpret")                  # no thresholds
-    with pytest.raises(ConfigError, match="not q4_1 weights"):
+    with pytest.raises(ConfigError, match="--weights q4_1 decodes them on the host"):
         Engine(config, weights, None, weights_format="q4_1", thresholds=thresholds, hot_backend="pallas-interpret")
     with pytest.raises(ConfigError, match="unknown hot backend"):
         Engine(config, weights, None, thresholds=thresholds, hot_backend="tpu")
@@ -148,8 +149,12 @@ def test_gathered_decode_step_lowers_for_the_gpu():
 
 
 def manifest_bundle(path, *stages):
+    """A bundle's manifest alone, made for the default model, holding `stages` (their data absent)."""
+    from pjinfer.load.loader import default_model_path, model_identity
+
     path.mkdir()
-    (path / "manifest.json").write_text(json.dumps({"format": 1, "stages": {s: {} for s in stages}, "model": {}}))
+    model = {"identity": model_identity(default_model_path())}
+    (path / "manifest.json").write_text(json.dumps({"format": 1, "stages": {s: {} for s in stages}, "model": model}))
     return path
 
 
@@ -163,15 +168,18 @@ def test_which_rule_a_bundle_runs_and_on_which_weights(tmp_path):
     assert bundle_rule(both, "predictors") == "predictors"
     with pytest.raises(ConfigError, match="sparse rule must be one of auto, thresholds, predictors"):
         bundle_rule(both, "oracle")
-    assert resolve_weights("auto", None, both) == "q4_1"              # the default model's Q4_1 file
-    assert resolve_weights("auto", None, both, hot_backend="pallas-interpret") == "float32"
-    assert resolve_weights("auto", None, both, sparse_rule="predictors") == "float32"
-    assert resolve_weights("auto", None, predictors) == "float32"
-    check_bundle_weights("float32", both, rule="thresholds", hot_backend="pallas-interpret")      # runs
+    def weights(bundle, **settings):
+        return resolve(Request(None, bundle=bundle, **settings)).weights
+
+    assert weights(both) == "q4_1"              # the default model's Q4_1 file
+    assert weights(both, hot_backend="pallas-interpret") == "float32"
+    assert weights(both, sparse_rule="predictors") == "float32"
+    assert weights(predictors) == "float32"
+    assert resolve(Request(None, "float32", both, hot_backend="pallas-interpret")).backend.name == "gathered"
     with pytest.raises(ConfigError, match="predictors run with --weights float32"):
-        check_bundle_weights("q4_1", both, rule="predictors")
+        resolve(Request(None, "q4_1", both, sparse_rule="predictors"))
     with pytest.raises(ConfigError, match="--weights q4_1 decodes them on the host"):
-        check_bundle_weights("q4_1", both, rule="thresholds", hot_backend="pallas-interpret")
+        resolve(Request(None, "q4_1", both, hot_backend="pallas-interpret"))
     with pytest.raises(ConfigError, match="has no thresholds yet; run `pjinfer calibrate"):
         check_bundle_stages(predictors, "thresholds")
     with pytest.raises(ConfigError, match="has no predictors yet"):

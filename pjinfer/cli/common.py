@@ -77,22 +77,33 @@ def say(*parts):
     print(*parts, file=sys.stderr, flush=True)
 
 
-def load(args, bundle=None, weights=None, *, until_first_token=False):
-    """The model of --model; sparse when `bundle` names a bundle to run with. Kernels compiled meanwhile (a cold
-    cache) are announced in one line (compile_cache.kernel_notice), which ends here, or, with until_first_token,
-    where the caller finishes it once the first token came (the first prompt compiles kernels of its own)."""
+def plan(args, bundle=None, weights=None):
+    """How the model of --model runs (pjinfer.runtime.backends.resolve): --weights (or `weights`), and with
+    `bundle` its rule and --sparse-rule, --hot-backend, --cold-weights. Every setting, the bundle (made for this
+    model, holding the stages its rule reads) and the platform are checked here, before any weight is read.
+    Subcommands without --weights run float32."""
+    from pjinfer.runtime import backends
+
+    return backends.resolve(backends.Request(
+        args.model, weights=weights or getattr(args, "weights", "float32"), bundle=bundle,
+        sparse_rule=getattr(args, "sparse_rule", "auto"), hot_backend=getattr(args, "hot_backend", "xla"),
+        cold_weights=getattr(args, "cold_weights", "float32")))
+
+
+def load(args, bundle=None, weights=None, *, plan_made=None, until_first_token=False):
+    """The model of --model, run as `plan_made` or else as plan(args, bundle, weights) says. Kernels compiled
+    meanwhile (a cold cache) are announced in one line (compile_cache.kernel_notice), which ends here, or, with
+    until_first_token, where the caller finishes it once the first token came (the first prompt compiles
+    kernels of its own)."""
     from pjinfer.progress import Progress
     from pjinfer.runtime.compile_cache import enable_compilation_cache, kernel_notice
     from pjinfer.runtime.engine import Engine
 
-    check_sparse_options(args)
+    chosen = plan_made or plan(args, bundle, weights)
     check_host_threads()
     enable_compilation_cache()
     kernel_notice.start()
-    engine = Engine.load(args.model, bundle=bundle, hot_backend=getattr(args, "hot_backend", "xla"),
-                         cold_weights=getattr(args, "cold_weights", "float32"),
-                         weights=weights or getattr(args, "weights", "float32"),
-                         sparse_rule=getattr(args, "sparse_rule", "auto"), progress=Progress("loading tensors", 0))
+    engine = Engine.from_plan(chosen, progress=Progress("loading tensors", 0))
     if not until_first_token:
         kernel_notice.finish()
     return engine
@@ -104,17 +115,6 @@ def check_host_threads() -> None:
     from cpu_offload.team import default_size
 
     default_size()
-
-
-def check_sparse_options(args) -> None:
-    """--sparse-rule, --hot-backend and --cold-weights choose how a bundle runs: without --bundle they would change
-    nothing."""
-    if getattr(args, "bundle", None) is None:
-        for flag, value, default in (("--sparse-rule", getattr(args, "sparse_rule", "auto"), "auto"),
-                                     ("--hot-backend", getattr(args, "hot_backend", "xla"), "xla"),
-                                     ("--cold-weights", getattr(args, "cold_weights", "float32"), "float32")):
-            if value != default:
-                raise ConfigError(f"{flag} {value} applies to a sparse bundle; give --bundle DIR")
 
 
 def sampling(args):
@@ -132,33 +132,6 @@ def sampling(args):
     seed = choose_seed(args.seed, args.temperature)
     return Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                     seed=0 if seed is None else seed, min_p=args.min_p, repeat_penalty=args.repeat_penalty)
-
-
-def check_bundle(args, path) -> None:
-    """Before any weights load: the model file exists, the bundle at `path` is a pjinfer bundle made for it
-    (manifest and model hash) holding the stages of the rule it runs (engine.bundle_rule, --sparse-rule), and the
-    weights and hot backend can run that rule. The stages' data is read when the engine takes the bundle."""
-    from pathlib import Path
-
-    from pjinfer.load.loader import default_model_path, model_identity
-    from pjinfer.offline.bundle import Bundle
-    from pjinfer.runtime.engine import bundle_rule, check_bundle_stages, check_bundle_weights
-    from pjinfer.runtime.gathered import PALLAS_BACKENDS, pallas_interpret
-
-    weights = getattr(args, "weights", "float32")
-    weights = weights if isinstance(weights, str) else "auto"   # bench: its sparse engine runs auto
-    hot_backend = getattr(args, "hot_backend", "xla")
-    check_bundle_weights(weights, path, hot_backend=hot_backend)
-    model = Path(args.model) if args.model else default_model_path()
-    if not model.exists():
-        raise ConfigError(f"model not found: {model}")
-    Bundle.open(path).check_model(model_identity(model))
-    rule = bundle_rule(path, getattr(args, "sparse_rule", "auto"))
-    check_bundle_weights(weights, path, rule=rule, hot_backend=hot_backend,
-                         cold_weights=getattr(args, "cold_weights", "float32"))
-    check_bundle_stages(path, rule)
-    if hot_backend in PALLAS_BACKENDS:
-        pallas_interpret(hot_backend)   # "pallas" where JAX has no GPU: refused here, before the weights load
 
 
 def read_json(path) -> dict:

@@ -44,8 +44,6 @@ def cmd_perplexity(args):
     from pjinfer.load import data
 
     text = data.read_text(args.text_file)
-    if args.bundle:
-        common.check_bundle(args, args.bundle)
     engine = common.load(args, args.bundle)
     ids = engine.tokenizer.encode(text, add_special=False)
     start = time.perf_counter()
@@ -73,30 +71,33 @@ def cmd_bench(args):
 
     if args.peer:
         check_peer(args.peer, args.model)
-    if args.bundle:
-        common.check_bundle(args, args.bundle)
-    from pjinfer.runtime.engine import resolve_weights
+    from pjinfer.runtime import backends
 
     def engine_name(weights):
         return "dense" if weights == "float32" else f"dense-{weights}"
 
-    formats = [resolve_weights(w, args.model) for w in args.weights]
+    def dense_plan(weights):   # the sparse options are the sparse engine's (refused without --bundle)
+        if args.bundle is None:
+            return common.plan(args, weights=weights)
+        return backends.resolve(backends.Request(args.model, weights=weights))
+
+    dense = [dense_plan(w) for w in args.weights]
+    formats = [p.weights for p in dense]
     if len(set(formats)) != len(formats):
         raise ConfigError(f"--weights {','.join(args.weights)} runs the same engine twice ({', '.join(formats)})")
-    sparse_weights = resolve_weights("auto", args.model, args.bundle, sparse_rule=args.sparse_rule,
-                                     hot_backend=args.hot_backend) if args.bundle else None
-    if sparse_weights and sparse_weights not in formats:
-        formats.append(sparse_weights)   # sparse is measured against the dense engine of its own weights
-    engines = {engine_name(w): common.load(args, weights=w) for w in formats}
-    if args.bundle:  # sparse against dense of its own weights, in the same run (the rule: engine.bundle_rule)
-        engines["sparse"] = common.load(args, args.bundle, weights=sparse_weights)
+    sparse = common.plan(args, args.bundle, weights="auto") if args.bundle else None
+    if sparse and sparse.weights not in formats:
+        dense.append(dense_plan(sparse.weights))   # sparse is measured against the dense engine of its own weights
+    engines = {engine_name(p.weights): common.load(args, plan_made=p) for p in dense}
+    if sparse:
+        engines["sparse"] = common.load(args, plan_made=sparse)
     result = bench.run(engines, prompt_len=args.prompt_len, new_tokens=args.new_tokens, runs=args.runs,
                        peer=args.peer, progress=Progress("bench runs", args.runs))
     if args.breakdown:
         for name, engine in engines.items():
             result["engines"][name]["breakdown"] = bench.breakdown(engine)
     if args.bundle:
-        result["sparse_over_dense"] = result["engines"]["sparse"]["decode_over"][engine_name(sparse_weights)]
+        result["sparse_over_dense"] = result["engines"]["sparse"]["decode_over"][engine_name(sparse.weights)]
     if args.json:
         print(json.dumps(result))
         return
@@ -120,7 +121,7 @@ def cmd_bench(args):
                                                         for k, v in b.items() if k != "step_ms")
                   + f"; step {b['step_ms']:.1f} ms")
     if args.bundle:
-        print(f"sparse decode / {engine_name(sparse_weights)} decode: {result['sparse_over_dense']:.2f}x "
+        print(f"sparse decode / {engine_name(sparse.weights)} decode: {result['sparse_over_dense']:.2f}x "
               "(median of the runs' ratios)")
     busy = machine.describe(result["machine"])
     if busy:
@@ -173,8 +174,6 @@ def cmd_eval(args):
     evaluate.check_tasks(tasks)  # before the model loads
     if args.output:
         common.check_writable(args.output)  # before the evaluation runs, not after
-    if args.bundle:
-        common.check_bundle(args, args.bundle)
     engine = common.load(args, args.bundle)
     results = evaluate.evaluate(engine, tasks, limit=args.limit, num_fewshot=args.num_fewshot)
     if args.output:

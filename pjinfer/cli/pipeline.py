@@ -81,7 +81,7 @@ def cmd_train_predictors(args):
 
     if not 0 < args.recall < 1:
         raise ConfigError(f"--recall must be in (0, 1), got {args.recall}")
-    common.check_bundle(args, args.bundle)
+    common.plan(args, args.bundle)   # the bundle is made for this model, with the stages it needs
     stages.run_train(common.load(args), args.bundle, recall=args.recall, max_rank=args.max_rank, epochs=args.epochs,
                       progress=Progress("training predictors", 0, " layers"))
 
@@ -97,7 +97,7 @@ def cmd_solve(args):
     if not args.sync_us >= 0:
         raise ConfigError("--sync-us must be >= 0")
     hardware = policy.Hardware(args.cpu_bandwidth, args.device_bandwidth, args.sync_us * 1e-6)
-    common.check_bundle(args, args.bundle)
+    common.plan(args, args.bundle)   # the bundle is made for this model, with the stages it needs
     stages.run_solve(common.load(args), args.bundle, device_memory=device_memory, kv_tokens=args.kv_tokens,
                       batch=args.batch, hardware=hardware)
 

@@ -47,8 +47,6 @@ def cmd_generate(args):
     prompt = _prompt_text(args)
     if any(not stop for stop in args.stop):
         raise ConfigError("--stop needs a non-empty string")
-    if args.bundle:
-        common.check_bundle(args, args.bundle)
     engine = common.load(args, args.bundle, until_first_token=True)
     tok = engine.tokenizer
     if args.chat:

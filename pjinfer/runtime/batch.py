@@ -1,50 +1,51 @@
-"""Batched decoding for the server: up to max_batch requests advance together, every decode step reading the
-weights once for all of them, several steps per jitted call.
+"""The one decode loop: requests in slots, advanced together. `pjinfer generate`, `chat`, `eval` and the server's
+scheduler all run it; a single request is a batch of one.
 
-``Batch(engine, max_batch)`` holds a pool of KV caches, one slot per request ([max_batch, S, KV, hd] per layer), and
-the ``cpu_offload.batched_decode.BatchDecoder`` of the engine's host decoder. A request:
+``Batch(engine, max_batch)`` holds up to max_batch requests, one per slot:
 
-    state = batch.start(slot, prompt_ids, max_new_tokens, sampling)   # its own prefill (as Engine.stream's), its
-                                                                      # cache copied into the slot; state.token is
-                                                                      # its first token
-    batch.step([state, ...], steps=8)                                 # up to 8 tokens for every state given (their
-                                                                      # slots) in one call: state.new
-    batch.wake()                                                      # from any thread: step() calls return after
-    batch.clear_wake()                                                # one decode step, the running one too, until
-                                                                      # the flag is cleared
+    state = batch.start(slot, prompt_ids, max_new_tokens, sampling)   # the prefill (Engine.prefill) into `slot`;
+                                                                      # state.token is its first token
+    batch.step([state, ...], steps=8)                                 # up to 8 tokens for every state given, in
+                                                                      # state.new
+    batch.wake()                                                      # from any thread: step() returns after its
+    batch.clear_wake()                                                # current decode step, until cleared
 
-A slot with no state in a step is skipped by the host kernels (position -1), so requests join and leave between
-calls without recompiling: one executable per (pool length, sampling mode, steps). The pool length S is a power of
-two that grows, once, to the longest cache a request has asked for (``Engine.plan``'s bucket). Several steps per
-call because a call costs about as much host time as a one-token step's compute (the Python around it, the
-dispatch, the sampling of every slot); wake() keeps a joining request from waiting for the rest of a call.
+How a step runs depends on the engine's backend (pjinfer.runtime.backends: its `batched` column):
+- together, where the backend batches and max_batch > 1: a pool of KV caches ([max_batch, S, KV, hd] per
+  layer) and the ``cpu_offload.batched_decode.BatchDecoder`` of the engine's host decoder, every decode step
+  reading the weights once for all slots, several steps per jitted call. A slot with no state in a step is
+  skipped by the host kernels (position -1), so requests join and leave between calls without recompiling:
+  one executable per (pool length, sampling mode, steps). The pool length S is a power of two that grows,
+  once, to the longest cache a request has asked for (``Engine.plan``'s bucket). wake() makes the running call
+  return after its current step, so a joining request does not wait for the rest of it.
+- in turns otherwise (and for a batch of one): each slot keeps its own cache, and a step gives each state up to
+  `steps` tokens from one jitted loop of one-token decode steps (``generate.decode_chunk``), one state after
+  another; after wake() the states not reached yet wait for the next call, which starts where this one stopped.
 
-Every request's tokens are Engine.stream's for it alone, bit for bit: the same prefill and key splits, the host
-layers and head give each slot the single-token decoder's numbers (batched_decode), and the XLA parts around them
-(embedding rows, final norm, repetition penalty, argmax or sampling) work on each row on its own.
+Every request's tokens are the same, bit for bit, whatever else runs beside it: the same prefill and key splits,
+the host layers and head give each slot the single-token decoder's numbers (batched_decode), and the XLA parts
+around them (embedding rows, final norm, repetition penalty, argmax or sampling) work on each row on its own.
 """
 from __future__ import annotations
 
 import dataclasses
+import threading
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cpu_offload.batched_decode import BatchDecoder
 from pjinfer.runtime import generate as gen
 from pjinfer.runtime.model import KVCache, embedding_rows
 from pjinfer.runtime.sampling import Sampling, recent_ids, sample
 
 
 def unsupported(engine) -> str | None:
-    """Why `engine` cannot decode in batches (None when it can): the batched step runs the dense host decode."""
-    from cpu_offload.decoder import HostDecoder
-
-    host = engine.host
-    # --weights gguf is HostDecoder too, but its blocks (and head) are other types: the batched kernels read Q4_1
-    # and int8 only.
-    if type(host) is not HostDecoder or engine.bundle is not None or engine.weights_format not in ("q4_1", "int8"):
+    """Why `engine` cannot decode in batches (None when it can): its backend's row in
+    pjinfer.runtime.backends.BACKENDS says whether it batches."""
+    if not engine.backend.batched:
         return (f"batched decode runs the dense host decode (--weights q4_1 or int8, no bundle); this engine runs "
                 f"{engine.path}")
     return None
@@ -131,46 +132,91 @@ def _steps(graph, state, decoder, tokens, pos, remaining, stops, pool, keys, par
 
 class Batch:
     def __init__(self, engine, max_batch: int):
-        from cpu_offload.batched_decode import BatchDecoder
-
-        reason = unsupported(engine)
-        if reason:
-            raise ValueError(reason)
         self.engine, self.max_batch = engine, max_batch
-        self.decoder = BatchDecoder(engine.host, max_batch)
-        self.pool = KVCache.create(engine.config, max_batch, gen.MIN_CACHE_BUCKET)
-        self.widest = 0     # the most requests one step has advanced (for tests and logs)
+        self.together = engine.backend.batched and max_batch > 1
+        if self.together:
+            self.decoder = BatchDecoder(engine.host, max_batch)
+            self.pool = KVCache.create(engine.config, max_batch, gen.MIN_CACHE_BUCKET)
+        self.caches = {}      # in turns: slot -> its own cache
+        self._woken = threading.Event()
+        self._next = 0        # in turns: the state a step starts with (after a wake, the first one not reached)
+        self.widest = 0       # the most requests one step has advanced (for tests and logs)
 
-    def start(self, slot: int, prompt_ids, max_new_tokens: int, sampling: Sampling, stop_ids=None) -> State:
-        """Prefill a request (Engine.plan refuses what the context cannot hold) into `slot`. stop_ids: as
-        Engine.stream's (None: the tokenizer's end ids)."""
+    def start(self, slot: int, prompt_ids, max_new_tokens: int, sampling: Sampling, stop_ids=None, *,
+              cache_len: int | None = None) -> State:
+        """Prefill a request (Engine.plan refuses what the context cannot hold) into `slot`. stop_ids: None for the
+        tokenizer's end ids, [] for none. cache_len: at least what Engine.plan gives (one executable for several
+        max_new_tokens)."""
         e = self.engine
-        _, cache_len = e.plan(len(prompt_ids), max_new_tokens)
+        _, planned = e.plan(len(prompt_ids), max_new_tokens)
+        cache_len = planned if cache_len is None else max(cache_len, planned)
         key, sub = jax.random.split(jax.random.key(sampling.seed))
         token, cache = e.prefill(prompt_ids, cache_len=cache_len, sampling=sampling, key=sub)
-        if cache_len > self.pool.length:
-            self.pool = _grow(self.pool, length=cache_len)
-        self.pool = _insert(self.pool, cache, jnp.int32(slot))
+        if not self.together:
+            self.caches[slot] = cache
+        else:
+            if cache_len > self.pool.length:
+                self.pool = _grow(self.pool, length=cache_len)
+            self.pool = _insert(self.pool, cache, jnp.int32(slot))
         return State(slot, int(token), max_new_tokens - 1, len(prompt_ids) - 1, np.asarray(jax.random.key_data(key)),
-                     recent_ids(prompt_ids), np.asarray(e.stop_tokens(stop_ids)), sampling)
+                     np.asarray(recent_ids(prompt_ids)), np.asarray(e.stop_tokens(stop_ids)), sampling)
 
     def wake(self) -> None:
         """From any thread: a `step` running now, or the next one, returns after its current decode step (until
         clear_wake)."""
-        self.decoder.wake()
+        self._woken.set()
+        if self.together:
+            self.decoder.wake()
 
     def clear_wake(self) -> None:
         """Steps run their whole count again. The caller clears before it looks at what may wake it (the
         scheduler: before it reads its queue), so a wake in between is not lost."""
-        self.decoder.clear_wake()
+        self._woken.clear()
+        if self.together:
+            self.decoder.clear_wake()
 
     def step(self, states: list[State], steps: int = 1) -> None:
-        """Up to `steps` tokens for each state, in one jitted call: each state's new tokens in state.new (fewer
-        when it used up its max_new_tokens, sampled a stop id, or wake() was called), its newest in state.token.
-        A state that has nothing left to produce (remaining 0: its budget is spent, or its newest token is a stop
-        id) gets none."""
-        b = self.max_batch
+        """Up to `steps` tokens for each state: each state's new tokens in state.new (fewer when it used up its
+        max_new_tokens, sampled a stop id, or wake() was called), its newest in state.token. A state that has
+        nothing left to produce (remaining 0: its budget is spent, or its newest token is a stop id) gets none."""
         self.widest = max(self.widest, len(states))
+        for s in states:
+            s.new = []
+        if self.together:
+            self._step_together(states, steps)
+            return
+        start = self._next % len(states) if states else 0
+        for i, s in enumerate(states[start:] + states[:start]):
+            if self._woken.is_set() and i:
+                self._next = start + i
+                return
+            if s.remaining > 0:
+                self._step_alone(s, steps)
+        self._next = 0
+
+    def release(self, slot: int) -> None:
+        """The slot's request is done: its own cache (in turns) is freed."""
+        self.caches.pop(slot, None)
+
+    def _step_alone(self, s: State, steps: int) -> None:
+        e = self.engine
+        count = min(steps, s.remaining)
+        out, n, self.caches[s.slot], key, recent = gen.decode_chunk(
+            e.graph, e.state, jnp.int32(s.token), jnp.int32(s.position + 1), self.caches[s.slot],
+            jax.random.wrap_key_data(jnp.asarray(s.key)), s.sampling.params(), jnp.asarray(s.recent),
+            jnp.asarray(s.stops), jnp.int32(count), chunk=steps, greedy=s.sampling.greedy)
+        self._took(s, np.asarray(out)[:int(n)].tolist(), np.asarray(jax.random.key_data(key)), np.asarray(recent))
+
+    @staticmethod
+    def _took(s: State, new: list, key, recent) -> None:
+        s.new = new
+        if new:
+            s.token, s.key, s.recent = new[-1], key, recent
+            s.position += len(new)
+            s.remaining = 0 if s.token in s.stops else s.remaining - len(new)
+
+    def _step_together(self, states: list[State], steps: int) -> None:
+        b = self.max_batch
         tokens, pos, remaining = np.zeros(b, np.int32), np.full(b, -1, np.int32), np.zeros(b, np.int32)
         stops = np.full((b, gen.MAX_STOP_IDS), -1, np.int32)
         keys = np.zeros((b, 2), np.uint32)
@@ -192,9 +238,4 @@ class Batch:
             jnp.asarray(recent), jnp.asarray(greedy), mode=mode, steps=steps)
         out, count, keys, recent = np.asarray(out), np.asarray(count), np.asarray(keys), np.asarray(recent)
         for s in states:
-            n = int(count[s.slot])
-            s.new = out[:n, s.slot].tolist()
-            if n:
-                s.token, s.key, s.recent = s.new[-1], keys[s.slot], recent[s.slot]
-                s.position += n
-                s.remaining = 0 if s.token in s.stops else s.remaining - n
+            self._took(s, out[:int(count[s.slot]), s.slot].tolist(), keys[s.slot], recent[s.slot])

@@ -1,4 +1,4 @@
-"""Jitted prefill, decode step and whole-sequence generate over a static-size KV cache.
+"""Jitted prefill, chunks of decode steps and scoring over a static-size KV cache.
 
 Shapes are bucketed so a handful of executables serve every request: the prompt is padded to a
 power of two (at least 16) and the cache to a power of two (at least 256) that holds prompt plus
@@ -20,7 +20,7 @@ from pjinfer.runtime.sampling import push_recent, recent_window, sample
 MIN_PROMPT_BUCKET = 16
 MIN_CACHE_BUCKET = 256
 MAX_STOP_IDS = 8
-STREAM_CHUNK = 8   # decode steps per dispatch when streaming (Engine.stream)
+STREAM_CHUNK = 8   # decode steps per dispatch when streaming (Engine.stream; the server's scheduler too)
 
 
 class Graph:
@@ -93,24 +93,6 @@ def decode_chunk(graph, state, token, pos, cache, key, params, recent, stop_ids,
     out, n, cache, key, recent = _decode_loop(graph.merge(state), out, jnp.int32(1), count + 1, pos, cache, key,
                                               recent, params, stop_ids, greedy)
     return out[1:], n - 1, cache, key, recent
-
-
-@partial(jax.jit, static_argnames=("graph", "cache_len", "greedy", "rows"))
-def generate_tokens(graph, state, tokens, length, key, params, max_new, stop_ids, *, cache_len, greedy, rows=None):
-    """Prefill (as `prefill`), then a lax.while_loop of decode steps until max_new tokens or a stop id.
-
-    Returns (ids [cache_len], count): the first `count` ids are the generated ones (a final stop id
-    included).
-    """
-    model = graph.merge(state)
-    key, sub = jax.random.split(key)
-    logits, cache = _prefill(model, tokens, length, cache_len, rows)
-    recent = recent_window(tokens[0], length)
-    first = sample(logits, sub, params, greedy, recent)
-    out = jnp.zeros((cache_len,), jnp.int32).at[0].set(first)
-    limit = jnp.where(jnp.isin(first, stop_ids), 1, max_new)
-    out, n, *_ = _decode_loop(model, out, jnp.int32(1), limit, length, cache, key, recent, params, stop_ids, greedy)
-    return out, n
 
 
 @partial(jax.jit, static_argnames=("graph",))

@@ -9,11 +9,11 @@ and the cancelled job gets none of its tokens. One log line says so ("client wen
 job's tokens are what `Engine.stream` gives for it alone, bit for bit, so a request's output does not depend on what
 else runs.
 
-With the dense host decode (--weights q4_1 or int8, no bundle) a round is one call of batched steps
-(`pjinfer.runtime.batch`): up to STEPS tokens of every active job, each step reading the weights once for all of
-them. A submitted or cancelled job wakes the call, which then returns after its current step, so a new request
-still joins, and a cancelled one leaves, at the next step. Other engines cannot batch: their jobs take turns, one
-token per job per round (the scheduler says so on stderr once), so N jobs share one stream's rate.
+A round is one `pjinfer.runtime.batch.Batch.step`: up to STEPS tokens of every active job. Where the engine's
+backend batches (the dense host decode: --weights q4_1 or int8, no bundle) each step reads the weights once for
+all of them; other backends take turns, each job's tokens from its own decode loop (the scheduler says so on
+stderr once), so N jobs share one stream's rate. A submitted or cancelled job wakes the step, which then returns
+after its current decode step, so a new request still joins, and a cancelled one leaves, soon.
 """
 from __future__ import annotations
 
@@ -71,10 +71,9 @@ class Job:
 
 @dataclasses.dataclass
 class _Active:
-    """An admitted job: its text decoder, and either its token iterator (turns) or its batch state."""
+    """An admitted job: its text decoder and its batch state."""
     job: Job
     decoder: StreamDecoder
-    tokens: object = None
     state: batching.State | None = None
 
 
@@ -86,7 +85,7 @@ class Scheduler:
         self._active: list[_Active] = []
         self._closing = threading.Event()
         reason = batching.unsupported(engine)
-        self.batch = None if reason else batching.Batch(engine, max_active)
+        self.batch = batching.Batch(engine, max_active)
         if reason:
             print(f"pjinfer: requests take turns, one decode step each per round: {reason}", file=sys.stderr)
         self._thread = threading.Thread(target=self._run, name="pjinfer-scheduler", daemon=True)
@@ -132,8 +131,7 @@ class Scheduler:
             self._wake()
 
     def _wake(self) -> None:
-        if self.batch is not None:
-            self.batch.wake()
+        self.batch.wake()
 
     def close(self) -> None:
         """Takes no new job; active jobs end at the next step (finish reason SHUTDOWN), waiting ones get an error.
@@ -150,13 +148,8 @@ class Scheduler:
             if self._closing.is_set():
                 self._end_all()
                 return
-            if self.batch is not None:
-                self.batch.clear_wake()   # before looking at the queue: a job submitted from here on wakes the step
+            self.batch.clear_wake()   # before looking at the queue: a job submitted from here on wakes the step
             self._admit(block=not self._active)
-            if self.batch is None:
-                for entry in list(self._active):
-                    self._advance(entry)
-                continue
             for entry in [e for e in self._active if e.job.cancelled.is_set()]:
                 self._finish(entry, "cancelled")
             if self._active:
@@ -180,10 +173,6 @@ class Scheduler:
                 continue
             entry = _Active(job, StreamDecoder(self.engine.tokenizer, job.stops))
             self._active.append(entry)
-            if self.batch is None:
-                entry.tokens = self.engine.stream(job.prompt_ids, max_new_tokens=job.max_tokens,
-                                                  sampling=job.sampling, stop_ids=job.stop_ids)
-                continue
             taken = {e.state.slot for e in self._active if e.state is not None}
             slot = min(set(range(self.max_active)) - taken)
             try:
@@ -208,26 +197,11 @@ class Scheduler:
                     break
                 self._deliver(entry, token)
 
-    def _advance(self, entry: _Active) -> None:
-        """A turn: one token from the job's own Engine.stream."""
-        if entry.job.cancelled.is_set():
-            self._finish(entry, "cancelled")
-            return
-        try:
-            token = next(entry.tokens)
-        except StopIteration:
-            self._finish(entry, "stop")       # an end-of-text id
-            return
-        except Exception as e:                # a bug, or the engine refusing: the job ends, the server goes on
-            self._finish(entry, None, error=f"{type(e).__name__}: {e}")
-            return
-        self._deliver(entry, token)
-
     def _deliver(self, entry: _Active, token: int) -> None:
         """Hands a job its next token, and ends the job where Engine.stream would stop."""
         job, decoder = entry.job, entry.decoder
-        if entry.state is not None and token in entry.state.stops:
-            self._finish(entry, "stop")       # an end-of-text id (batched; Engine.stream drops it itself)
+        if token in entry.state.stops:
+            self._finish(entry, "stop")       # an end-of-text id
             return
         if job.first_token is None:
             job.first_token = time.perf_counter()
@@ -243,8 +217,8 @@ class Scheduler:
     def _finish(self, entry: _Active, reason: str | None, *, error: str | None = None) -> None:
         job, decoder = entry.job, entry.decoder
         self._active.remove(entry)
-        if entry.tokens is not None:
-            entry.tokens.close()
+        if entry.state is not None:
+            self.batch.release(entry.state.slot)
         if error is not None:
             job.finished, job.finish_reason = time.perf_counter(), None
             job.emit(("error", error))

@@ -1,0 +1,246 @@
+"""How an engine runs: one row per path in BACKENDS, and `resolve`, which picks the row once per request.
+
+A request names the weights (config.WEIGHT_CHOICES) and, with a sparse bundle, the rule that runs
+(config.SPARSE_RULES), where hot neurons or gathered products run (config.HOT_BACKENDS) and how a predictor
+bundle's cold rows are stored (config.COLD_WEIGHTS). `resolve` turns it into a `Plan` before any weight is read:
+it settles "auto", finds the one row that runs the combination, and refuses in one line what no row runs or
+what this platform cannot. The engine builds the plan's backend; the CLI, the server and the benchmarks ask
+`resolve` and check nothing themselves.
+
+    backend            weights      rule        hot backends                  platforms   batched
+    xla                float32      -           xla                           any         no
+    host               q4_1, int8   -           xla                           cpu         yes
+    host-blocks        gguf         -           xla                           cpu         no
+    host-thresholds    q4_1         thresholds  xla                           cpu         no
+    xla-thresholds     float32      thresholds  xla                           any         no
+    gathered           float32      thresholds  pallas, pallas-interpret      any (*)     no
+    hybrid             float32      predictors  xla, pallas, pallas-interpret any (*)     no
+
+(*) "pallas" compiles its kernels for a GPU (pjinfer.runtime.gathered.pallas_interpret). "batched": the
+server's scheduler decodes concurrent requests in one step (pjinfer.runtime.batch); the others take turns.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import jax
+
+from cpu_offload.blocks import BY_NAME
+from cpu_offload.decoder import HostDecoder, quantize_weights
+from cpu_offload.ffi import check_platform
+from cpu_offload.qtensor import aligned, is_quantized
+from cpu_offload.sparse_decode import SparseHostDecoder
+from pjinfer.config import (COLD_WEIGHTS, HOT_BACKENDS, SPARSE_RULES, WEIGHT_CHOICES, WEIGHT_FORMATS,
+                            ConfigError)
+from pjinfer.load import loader
+from pjinfer.offline.bundle import THRESHOLDS, Bundle
+from pjinfer.runtime import gathered, host
+from pjinfer.runtime.gathered import PALLAS_BACKENDS, pallas_interpret
+from pjinfer.runtime.model import Float32View, Transformer, float32_weights, set_thresholds
+
+PREDICTORS = "predictors"
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One way of running a model. rule: None (dense), THRESHOLDS or PREDICTORS; host: one-token steps run on
+    the host decoder (cpu_offload's FFI targets, registered for the CPU only); batched: concurrent requests
+    decode in one step."""
+    name: str
+    weights: tuple[str, ...]
+    rule: str | None
+    hot_backends: tuple[str, ...]
+    host: bool
+    batched: bool
+
+    def runs(self, weights: str, rule: str | None, hot_backend: str) -> bool:
+        return weights in self.weights and rule == self.rule and hot_backend in self.hot_backends
+
+    def describe(self, weights: str, hot_backend: str, bundle=None) -> str:
+        """The path in words, as the CLI prints it: the weights, and the sparse rule with its bundle."""
+        if self.rule is None:
+            return f"weights {weights}"
+        rule = "input thresholds" if self.rule == THRESHOLDS else "predictors"
+        if self.rule == THRESHOLDS and hot_backend != "xla":
+            rule += f" gathered by {hot_backend}"
+        return f"weights {weights}, sparse ({rule}, {bundle})"
+
+
+BACKENDS = (
+    Backend("xla", ("float32",), None, ("xla",), host=False, batched=False),
+    Backend("host", ("q4_1", "int8"), None, ("xla",), host=True, batched=True),
+    Backend("host-blocks", ("gguf",), None, ("xla",), host=True, batched=False),
+    Backend("host-thresholds", ("q4_1",), THRESHOLDS, ("xla",), host=True, batched=False),
+    Backend("xla-thresholds", ("float32",), THRESHOLDS, ("xla",), host=False, batched=False),
+    Backend("gathered", ("float32",), THRESHOLDS, PALLAS_BACKENDS, host=False, batched=False),
+    Backend("hybrid", ("float32",), PREDICTORS, HOT_BACKENDS, host=False, batched=False),
+)
+
+
+def select(weights: str, rule: str | None = None, hot_backend: str = "xla",
+           cold_weights: str = "float32") -> Backend:
+    """The row that runs these settings (rule: None, THRESHOLDS or PREDICTORS), or ConfigError in one line that
+    says what runs instead."""
+    if weights not in WEIGHT_FORMATS:
+        raise ConfigError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+    if hot_backend not in HOT_BACKENDS:
+        raise ConfigError(f"unknown hot backend {hot_backend!r} (known: {', '.join(HOT_BACKENDS)})")
+    if cold_weights not in COLD_WEIGHTS:
+        raise ConfigError(f"unknown cold weights {cold_weights!r} (known: {', '.join(COLD_WEIGHTS)})")
+    if cold_weights != "float32" and rule != PREDICTORS:
+        raise ConfigError(f"--cold-weights {cold_weights} stores a predictor bundle's cold rows; a bundle's thresholds "
+                          "run without cold rows (--sparse-rule predictors runs its predictors)")
+    for backend in BACKENDS:
+        if backend.runs(weights, rule, hot_backend):
+            return backend
+    if rule is None:
+        raise ConfigError(f"hot backend {hot_backend} runs a bundle's input thresholds or predictors, not dense "
+                          f"{weights} weights")
+    if weights in ("int8", "gguf"):
+        raise ConfigError(f"a sparse bundle runs with --weights q4_1 (its thresholds) or float32, not {weights}: "
+                          f"--weights {weights} is the dense host decode (--cold-weights int8 stores a predictor "
+                          "bundle's cold rows in 8 bits)")
+    if rule == PREDICTORS:
+        raise ConfigError(f"a bundle's predictors run with --weights float32; --weights {weights} runs its thresholds")
+    raise ConfigError(f"--hot-backend {hot_backend} runs a bundle's thresholds on float32 weights; "
+                      f"--weights {weights} decodes them on the host (leave --hot-backend xla)")
+
+
+def check_platform_runs(backend: Backend, weights: str, hot_backend: str) -> None:
+    """ConfigError in one line when this JAX platform cannot run the backend: the host decode's FFI targets are
+    registered for the CPU; "pallas" compiles for a GPU."""
+    if backend.host:
+        check_platform(jax.default_backend(), f"--weights {weights} (the host decode)", "--weights float32 runs there")
+    if hot_backend in PALLAS_BACKENDS:
+        pallas_interpret(hot_backend)
+
+
+def bundle_rule(bundle, asked: str = "auto") -> str:
+    """Which of a bundle's sparse rules runs: THRESHOLDS (its calibrated input thresholds, `pjinfer calibrate`) or
+    PREDICTORS (its predictors and placement). asked (--sparse-rule): "auto" is thresholds when the bundle has
+    them, else predictors; a named rule runs as named. Reads the manifest only."""
+    if asked not in SPARSE_RULES:
+        raise ConfigError(f"sparse rule must be one of {', '.join(SPARSE_RULES)}, got {asked!r}")
+    if asked != "auto":
+        return asked
+    return THRESHOLDS if THRESHOLDS in Bundle.open(bundle).manifest["stages"] else PREDICTORS
+
+
+def check_bundle_stages(bundle, rule: str) -> None:
+    """ConfigError (naming the command that makes it) when the bundle lacks a stage `rule` reads."""
+    opened = Bundle.open(bundle)
+    for stage in (THRESHOLDS,) if rule == THRESHOLDS else (PREDICTORS, "placement"):
+        opened.require(stage)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What a user asked for (the CLI's --model, --weights, --bundle, --sparse-rule, --hot-backend,
+    --cold-weights). model None: the embedded default model."""
+    model: str | os.PathLike | None = None
+    weights: str = "auto"
+    bundle: str | os.PathLike | None = None
+    sparse_rule: str = "auto"
+    hot_backend: str = "xla"
+    cold_weights: str = "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A request resolved: the backend that runs it, with "auto" settled (weights) and the bundle's rule."""
+    request: Request
+    backend: Backend
+    weights: str
+    rule: str | None
+
+    @property
+    def describe(self) -> str:
+        return self.backend.describe(self.weights, self.request.hot_backend, self.request.bundle)
+
+    def on_float32(self) -> "Plan":
+        """The same request on float32 weights (an "auto" whose host decode cannot run the loaded model)."""
+        backend = select("float32", self.rule, self.request.hot_backend, self.request.cold_weights)
+        return dataclasses.replace(self, backend=backend, weights="float32")
+
+
+def resolve(request: Request) -> Plan:
+    """The plan for `request`, or ConfigError in one line, before any weight is read (headers, the bundle's
+    manifest and the model's fingerprint are). "auto" weights: the checkpoint's own quantization where a backend
+    runs it with this rule and hot backend on this platform (q4_1 for a GGUF whose layers are Q4_1, gguf for one
+    whose layers are other block types with host kernels), else float32, said in one stderr line when the file's
+    own format was passed over for a reason the user may not expect."""
+    r = request
+    if r.weights not in WEIGHT_CHOICES:
+        raise ConfigError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {r.weights!r}")
+    rule = None
+    if r.bundle is None:
+        for flag, value, default in (("--sparse-rule", r.sparse_rule, "auto"), ("--hot-backend", r.hot_backend, "xla"),
+                                     ("--cold-weights", r.cold_weights, "float32")):
+            if value != default:
+                raise ConfigError(f"{flag} {value} applies to a sparse bundle; give --bundle DIR")
+    else:
+        model = Path(r.model) if r.model else loader.default_model_path()
+        if not model.exists():
+            raise ConfigError(f"model not found: {model}")
+        Bundle.open(r.bundle).check_model(loader.model_identity(model))
+        rule = bundle_rule(r.bundle, r.sparse_rule)
+        if r.weights != "auto":   # the settings before the stages: what cannot run says so first
+            select(r.weights, rule, r.hot_backend, r.cold_weights)
+        check_bundle_stages(r.bundle, rule)
+    weights = r.weights if r.weights != "auto" else _auto_weights(r, rule)
+    backend = select(weights, rule, r.hot_backend, r.cold_weights)
+    check_platform_runs(backend, weights, r.hot_backend)
+    return Plan(r, backend, weights, rule)
+
+
+def _auto_weights(r: Request, rule: str | None) -> str:
+    stored = loader.stored_format(r.model)
+    if stored is None:
+        foreign = sorted((loader.layer_types(r.model) or set()) - set(BY_NAME) - {"F32", "F16", "BF16"})
+        if foreign:
+            print(f"pjinfer: running float32 weights: no host kernel reads type {', '.join(foreign)}", file=sys.stderr)
+        return "float32"
+    backend = next((b for b in BACKENDS if b.runs(stored, rule, r.hot_backend)), None)
+    if backend is None:
+        return "float32"
+    platform = jax.default_backend()
+    if backend.host and platform != "cpu":
+        print(f"pjinfer: running float32 weights on the {platform}: the {stored} host decode runs where JAX runs "
+              "on the CPU", file=sys.stderr)
+        return "float32"
+    return stored
+
+
+def build(backend: Backend, config, weights: dict, fmt: str, *, thresholds=None, hot_backend: str = "xla"):
+    """The model a backend runs, and its host decoder (None when every step runs in XLA). weights: canonical
+    weights (pjinfer.runtime.model), float32 arrays or quantized matrices (cpu_offload.qtensor); fmt: the row's
+    weights; thresholds [n_layers, 4] for the THRESHOLDS rows. A PREDICTORS row builds its dense float32 model
+    here; the engine then swaps its FFNs (Engine.use_bundle)."""
+    if not backend.host:
+        if any(is_quantized(w) for w in weights.values()):
+            weights = float32_weights(weights)
+        model = Transformer(config, weights)
+        if thresholds is not None:
+            set_thresholds(model, thresholds)
+        if hot_backend in PALLAS_BACKENDS:
+            gathered.attach(model, hot_backend)
+        return model, None
+    sparse = None
+    if thresholds is not None:   # checks the model and lays the layers out by input column
+        sparse = SparseHostDecoder(config, Float32View(weights), thresholds)
+    stored = quantize_weights(config, weights, fmt, check=thresholds is None)
+    stored = {k: v.map(_to_xla) if is_quantized(v) else v for k, v in stored.items()}
+    decoder = sparse or HostDecoder(config, stored, fmt)
+    model = Transformer(config, stored)
+    host.attach(model, decoder)
+    if thresholds is not None:
+        set_thresholds(model, thresholds)
+    return model, decoder
+
+
+def _to_xla(a) -> jax.Array:
+    """a in XLA's memory without a copy: on the CPU jax.device_put aliases an XLA-aligned numpy array."""
+    return jax.device_put(aligned(a))
