@@ -290,3 +290,13 @@ def ffn(h, r, fc1, fc2, threshold, gate, up, down, code: int, n_threads: int = 1
         neurons(gate[1], gate[0], up[1], up[0], down[1], down[0], h, ids, lo, hi, code, parts[tid])
     reduce(parts, n_threads, y)
     return y, mask
+
+
+def float32_rows(data: np.ndarray, kind: int, cols: int) -> np.ndarray:
+    """The float32 values [rows, cols] of rows as stored_rows gives them (a numpy reference)."""
+    data = np.ascontiguousarray(data)
+    if kind == F32:
+        return data.view(np.float32).reshape(-1, cols).copy()
+    if kind == F16:
+        return data.view(np.float16).reshape(-1, cols).astype(np.float32)
+    return blocks.dequantize(kind, data, cols)
