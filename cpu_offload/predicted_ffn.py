@@ -38,6 +38,7 @@ from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import activation, blocks, ffi, kernels, quants  # noqa: E402
+from pjinfer.config import ConfigError  # noqa: E402
 from .activation import act  # noqa: E402
 from .kernels import prefetch  # noqa: E402
 
@@ -62,7 +63,7 @@ def row_bytes(kind: int, cols: int) -> int:
     """Bytes of a row of cols weights of type kind (cols a multiple of its block)."""
     name, block, nbytes = KINDS[kind]
     if cols % block:
-        raise ValueError(f"{name} rows need a multiple of {block} weights, got {cols}")
+        raise ConfigError(f"{name} rows need a multiple of {block} weights, got {cols}")
     return cols // block * nbytes
 
 
@@ -264,7 +265,7 @@ def stored_rows(w) -> tuple[np.ndarray, int]:
     w = np.asarray(w)
     kind = {np.dtype(np.float32): F32, np.dtype(np.float16): F16}.get(w.dtype)
     if kind is None or w.ndim != 2:
-        raise ValueError(f"no row kernel for a {w.dtype} array of shape {w.shape}")
+        raise ConfigError(f"no row kernel for a {w.dtype} array of shape {w.shape}")
     w = np.ascontiguousarray(w)
     return w.view(np.uint8), kind
 

@@ -88,7 +88,8 @@ CASES = [  # (gate/up kind, down kind, d, d_ff, rank, threshold: "empty", "full"
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{pf.KINDS[c[0]][0]}-{pf.KINDS[c[1]][0]}-{c[3]}-{c[5]}-{c[6]}-{c[7]}")
+@pytest.mark.parametrize("case", CASES,
+                         ids=lambda c: f"{pf.KINDS[c[0]][0]}-{pf.KINDS[c[1]][0]}-{c[3]}-{c[5]}-{c[6]}-{c[7]}")
 def test_ffn_matches_float64(case):
     gu_kind, down_kind, d, d_ff, rank, t, activation, threads = case
     rng = np.random.default_rng(hash(case) % 2**32)

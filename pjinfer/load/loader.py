@@ -94,31 +94,24 @@ def stored_format(path: str | os.PathLike | None = None) -> str | None:
 
 
 def load(path: str | os.PathLike | None = None, *, progress=None, keep_q4_1: bool = False,
-         keep_blocks: bool = False, neuron_rows: bool = False):
+         keep_blocks: bool = False):
     """Load a GGUF file or HF directory. Returns (config, weights, tokenizer).
 
     Weights are float32 numpy arrays, except with keep_q4_1 (GGUF only): every Q4_1 matrix then stays the file's
     blocks as a cpu_offload.qtensor.Q4Tensor, a view of the file's memory map (wq / wk re-laid once by rows,
     w_down_t held untransposed: see pjinfer/runtime/model.py). The loader never makes a float32 copy of those. keep_blocks
     does the same for every matrix in a block type with a host kernel (cpu_offload.blocks.KINDS; the others as
-    QBlocks), the embedding and output head included. neuron_rows (with keep_blocks, for a PowerInfer file that
-    the predicted host decode runs, pjinfer.runtime.predicted): its ffn_down_t is kept as the file's rows too, as
-    w_down_t [d_ff, d] (PowerInfer's layout, not the [d, d_ff] a quantized w_down_t otherwise holds), and F16 FFN
-    matrices stay the file's float16 / float32 arrays (that decode reads F16 and F32 rows)."""
+    QBlocks), the embedding and output head included."""
     path = default_model_path() if path is None else Path(path)
     if not path.exists():
         raise ConfigError(f"model not found: {path}")
     if path.is_dir():
         return load_hf(path, progress=progress)
-    if neuron_rows and not keep_blocks:
-        raise ConfigError("neuron_rows keeps PowerInfer's ffn_down_t as the file's blocks: it goes with keep_blocks")
-    return load_gguf(path, progress=progress, keep_q4_1=keep_q4_1 or keep_blocks, keep_blocks=keep_blocks,
-                     neuron_rows=neuron_rows)
+    return load_gguf(path, progress=progress, keep_q4_1=keep_q4_1 or keep_blocks, keep_blocks=keep_blocks)
 
 
 # ---------------------------------------------------------------- GGUF
 GGML_F32, GGML_F16, GGML_Q4_1, GGML_Q8_0 = 0, 1, 3, 8
-FFN_MATRICES = ("w_gate", "w_up", "w_down_t")
 # general.architecture values read; Qwen2 runs as the Llama family with q/k/v biases (ModelConfig arch "llama"),
 # Bamboo (PowerInfer's) as the Llama family with relu(gate) * relu(up) (dReLU).
 GGUF_ARCHITECTURES = ("llama", "qwen2", "bamboo")
@@ -248,8 +241,7 @@ def gguf_header(path: Path):
     return reader, _gguf_config(reader, path)
 
 
-def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks: bool = False,
-              neuron_rows: bool = False):
+def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks: bool = False, neuron_rows=False):
     import sys
 
     reader, config = gguf_header(path)
@@ -268,9 +260,6 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks
     if keep_q4_1 and not neuron_rows and any(t.name.endswith(".ffn_down_t.weight") for t in reader.tensors):
         raise ConfigError(f"{path.name} stores PowerInfer's transposed ffn_down_t, which no host kernel reads as "
                           "stored; run it with --weights float32 or int8")
-    if neuron_rows and any(t.name.endswith(".ffn_down.weight") for t in reader.tensors):
-        raise ConfigError(f"{path.name} stores llama.cpp's ffn_down, not PowerInfer's ffn_down_t: the predicted host "
-                          "decode reads a PowerInfer file's neuron rows")
     weights = {}
     dequantized = set()  # types of layer matrices made float32 although Q4_1 blocks were asked for
     if progress:
@@ -287,11 +276,9 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks
             name = names[t.name]
         else:
             continue  # e.g. rope_freqs: not used by this architecture
-        if neuron_rows and t.type in (GGML_F32, GGML_F16) and name.rsplit(".", 1)[-1] in FFN_MATRICES:
-            weights[name] = aligned(t.data)      # the file's float rows, as the predicted host decode reads them
-        else:
-            weights[name] = _gguf_weight(t, name, config, path, permuted=arch in ("llama", "bamboo"),
-                                         keep_q4_1=keep_q4_1, keep_blocks=keep_blocks, dequantized=dequantized)
+        keep_rows = neuron_rows and t.type in (GGML_F32, GGML_F16) and name.endswith(("w_gate", "w_up", "w_down_t"))
+        weights[name] = aligned(t.data) if keep_rows else _gguf_weight(t, name, config, path, permuted=arch in (
+            "llama", "bamboo"), keep_q4_1=keep_q4_1, keep_blocks=keep_blocks, dequantized=dequantized)
         if not _aliases(weights[name], t.data):
             reader.release(t)   # a copy was made: the file's pages of it need not stay resident
         if progress:

@@ -9,7 +9,10 @@ FFN's norm; pjinfer.load.powerinfer):
   outside the predicted set zeroed before down. So ``perplexity`` measures what decode computes.
 
 ``attach_powerinfer(model, config, tensors, predictors)`` does both swaps on a Transformer built from the file's
-tensors (``pjinfer.load.loader.load(path, keep_blocks=True, neuron_rows=True)``) and returns the host decoder.
+tensors as stored, ``pjinfer.load.loader.load_gguf(path, keep_q4_1=True, keep_blocks=True, neuron_rows=True)``:
+q, k, v, o, the embedding and head the file's blocks (Q8_0 for float ones, as --weights gguf), the FFN matrices its
+rows in their own types, ffn_down_t too (w_down_t [d_ff, d], which the Transformer must not run before this swap),
+F16 and F32 ones the file's arrays. It returns the host decoder.
 Without predictors (``dense=True``) every neuron is computed: the same file dense, through the same kernels.
 """
 from __future__ import annotations
@@ -66,9 +69,8 @@ def attach_powerinfer(model: Transformer, config, tensors: dict, predictors=None
     """Make `model` (a Transformer of `tensors`) run as PowerInfer runs its file: every FFN a PredictedFFN, every
     block's one-token step and the head on a PredictedHostDecoder reading `tensors` in place. predictors:
     pjinfer.load.powerinfer.Predictors (fc1, fc2, threshold); dense=True (or predictors None) computes every
-    neuron. tensors: the loader's, with keep_blocks and neuron_rows (w_down_t PowerInfer's ffn_down_t rows
-    [d_ff, d]; q, k, v, o and the head the file's blocks). Returns the decoder (its ``last_active()`` is the last
-    token's predicted sets). In place; the model must not run before it."""
+    neuron. tensors: the loader's with neuron_rows (see the module docstring). Returns the decoder (its
+    ``last_active()`` is the last token's predicted sets). In place; the model must not run before it."""
     from cpu_offload.predicted_decode import PredictedHostDecoder
 
     if not dense and predictors is None:
