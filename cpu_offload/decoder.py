@@ -144,17 +144,18 @@ def _q8_0(values: np.ndarray) -> QBlocks:
     return QBlocks(q, values.shape[1], gguf.GGMLQuantizationType.Q8_0.value)
 
 
-def quantize_weights(config, weights: dict, fmt: str, *, check: bool = True) -> dict:
+def quantize_weights(config, weights: dict, fmt: str, *, check: bool = True, matrices: dict = MATRICES) -> dict:
     """The weights as the host decode stores them (cpu_offload.qtensor forms), one matrix at a time: every layer
     matrix in fmt ("q4_1": a Q4Tensor is kept as it is, the file's bytes, anything else becomes one; "gguf": a
     Q4Tensor or QBlocks is kept as it is, anything else becomes Q8_0 blocks; "int8": Int8Tensor), a w_down_t
     untransposed [d, F]; the output head Int8Tensor (a QBlocks head is kept with "gguf"); everything else as
     given. weights may hold canonical float32 arrays (pjinfer.runtime.model's names) or quantized matrices. check=False
-    skips this decoder's shape rules (for another decoder of the same weights that has checked its own)."""
+    skips this decoder's shape rules (for another decoder of the same weights that has checked its own). matrices:
+    the layer matrices stored so (a decoder that stores its FFN in another form names the others)."""
     if check:
         check_supported(config, weights, fmt)
     out = dict(weights)
-    names = [f"layers.{l}.{m}" for l in range(config.n_layers) for m in MATRICES]
+    names = [f"layers.{l}.{m}" for l in range(config.n_layers) for m in matrices]
     for name in names:
         w = weights[name]
         if fmt == "q4_1" and not isinstance(w, Q4Tensor):
@@ -183,10 +184,13 @@ class HostDecoder:
     is int8 in the first two (the GGUF keeps it at 8 bits too, Q8_0) and its own block type in "gguf"."""
 
     target = TARGET_NAME    # the FFI target layer() and head() call (a subclass with its own handler names its own)
+    # What a subclass that keeps host_decode's header and layer table (and adds its own slots) changes: the layer
+    # matrices stored in the table, the header's width and magic, the team's stage function and the handler.
+    matrices, header_width, magic, stage, handler = MATRICES, H_WIDTH, MAGIC, stage_cfunc, handler_cfunc
 
     def __init__(self, config, weights: dict, fmt: str = "int8"):
         c = config
-        weights = quantize_weights(config, weights, fmt)
+        weights = quantize_weights(config, weights, fmt, matrices=self.matrices)
         self.config = c
         self.format = fmt
         self.team = team.shared()
@@ -195,7 +199,7 @@ class HostDecoder:
         self._quantized = {}  # (layer, slot) -> Q4Tensor or Int8Tensor, one row per output
         for l in range(c.n_layers):
             p = f"layers.{l}"
-            for m, slot in MATRICES.items():
+            for m, slot in self.matrices.items():
                 w = weights[f"{p}.{m}"]
                 stored = (w.data,) if isinstance(w, (Q4Tensor, QBlocks)) else (w.q, w.scales)
                 table[l, slot:slot + len(stored)] = [self._hold(np.asarray(a)) for a in stored]
@@ -215,7 +219,7 @@ class HostDecoder:
             head_q, head_s, head_kind = np.asarray(self._head.q), np.asarray(self._head.scales), 0
         inv_freq = (1.0 / (np.float32(c.rope_theta) ** (np.arange(0, c.head_dim, 2, dtype=np.float32)
                                                         / np.float32(c.head_dim)))).astype(np.float32)
-        header = np.zeros(H_WIDTH, np.int64)
+        header = np.zeros(self.header_width, np.int64)
         header[[H_NLAYERS, H_D, H_HEADS, H_KV, H_HD, H_FF, H_VOCAB, H_ACT, H_MAXLEN]] = [
             c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size,
             kernels.act_code(c.activation), c.max_seq_len]
@@ -225,14 +229,15 @@ class HostDecoder:
             self._hold(new_scratch(c)), self._hold(np.zeros(8, np.int64)), self.team.address]
         # Addresses travel in the header, never as Numba globals: cached machine code would keep another
         # process's values.
-        header[[H_STAGE, H_RUNTIME]] = [stage_cfunc.address, RUNTIME_ADDR]
+        header[[H_STAGE, H_RUNTIME]] = [self.stage.address, RUNTIME_ADDR]
         header[H_FORMAT] = FORMATS[fmt]
         header[H_HEAD_KIND] = head_kind
-        header[H_MAGIC] = MAGIC
+        header[H_MAGIC] = self.magic
         HEADERS.append(header)
+        self.header = header
         self.address = int(header.ctypes.data)
         self.table = tables.register_table(self.address)  # what the calls pass (an index, see tables.TABLES)
-        ffi.register(TARGET_NAME, handler_cfunc)
+        ffi.register(self.target, self.handler)
 
     def _hold(self, a: np.ndarray) -> int:
         b = np.require(a, requirements=["C_CONTIGUOUS", "ALIGNED"])
@@ -251,7 +256,7 @@ class HostDecoder:
         (a numpy reference for tests: it materializes the whole model in float32)."""
         out = dict(weights)
         for l in range(self.config.n_layers):
-            for m, slot in MATRICES.items():
+            for m, slot in self.matrices.items():
                 w = self._quantized[(l, slot)].float32()
                 out[f"layers.{l}.{m}"] = np.ascontiguousarray(w.T) if m == "w_down_t" else w
         out[self._head_name] = self._head.float32()

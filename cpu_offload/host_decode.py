@@ -235,24 +235,40 @@ def head_share(header, h, tid, n):
         int8.gemv(w, s, h, logits, lo, hi)
 
 
+@njit(**NOJIT)
+def qkv_share(header, layer, tid, n):
+    """Thread tid's share of the QKV stage: q, k and v (three matrices) = W h, their rows split as one."""
+    d, nh, nkv, hd, ff = dims(header)
+    h, qkv, att, o, gate, up, down, scores = scratch(header)
+    lo, hi = thread_share(qkv.shape[0], tid, n, 4)
+    nq, nk = nh * hd, nkv * hd
+    for slot, r0, r1 in ((L_Q, 0, nq), (L_K, nq, nq + nk), (L_V, nq + nk, nq + 2 * nk)):
+        a, b = max(lo, r0), min(hi, r1)
+        if a < b:
+            _matvec(header, layer, slot, r1 - r0, h, qkv[r0:r1], a - r0, b - r0)
+
+
+@njit(**NOJIT)
+def o_share(header, layer, tid, n):
+    """Thread tid's share of the O stage: o = Wo att, rows split."""
+    d = load_i64(header + 8 * H_D)
+    h, qkv, att, o, gate, up, down, scores = scratch(header)
+    lo, hi = thread_share(d, tid, n, 4)
+    _matvec(header, layer, L_O, d, att, o, lo, hi)
+
+
 def _stage_py(header, tid, n):
     task = load_i64(header + 8 * H_TASK)
     stage = load_i64(task + 8 * K_STAGE)
     layer = load_i64(task + 8 * K_LAYER)
     d, nh, nkv, hd, ff = dims(header)
     h, qkv, att, o, gate, up, down, scores = scratch(header)
-    if stage == ST_QKV:  # q, k and v are three matrices; the team splits their rows as one
-        lo, hi = thread_share(qkv.shape[0], tid, n, 4)
-        nq, nk = nh * hd, nkv * hd
-        for slot, r0, r1 in ((L_Q, 0, nq), (L_K, nq, nq + nk), (L_V, nq + nk, nq + 2 * nk)):
-            a, b = max(lo, r0), min(hi, r1)
-            if a < b:
-                _matvec(header, layer, slot, r1 - r0, h, qkv[r0:r1], a - r0, b - r0)
+    if stage == ST_QKV:
+        qkv_share(header, layer, tid, n)
     elif stage == ST_ATTN:
         attend_stage(header, tid, n)
     elif stage == ST_O:
-        lo, hi = thread_share(d, tid, n, 4)
-        _matvec(header, layer, L_O, d, att, o, lo, hi)
+        o_share(header, layer, tid, n)
     elif stage == ST_GATE_UP:
         lo, hi = thread_share(ff, tid, n, 4)
         _matvec(header, layer, L_GATE, ff, h, gate, lo, hi)
@@ -291,8 +307,10 @@ def add_qkv_bias(table, qkv):
 
 
 @njit(**NOJIT)
-def run_layer(header, layer, pos, x, k_ptr, v_ptr):
-    """One decoder layer for one token, x [d] updated in place; caches [S, KV, hd] written at pos."""
+def run_attention(header, layer, pos, x, k_ptr, v_ptr):
+    """The attention half of a decoder layer for one token: x [d] += the attention's output (caches [S, KV, hd]
+    written at pos), then h (the scratch's first vector) = rmsnorm(x) * ffn_norm, the FFN's input. A decoder whose
+    FFN differs (predicted_decode.py) runs this, then its own FFN."""
     d, nh, nkv, hd, ff = dims(header)
     eps = np.float32(carray(ptr_f64(header + 8 * H_EPS), (1,))[0])
     h, qkv, att, o, gate, up, down, scores = scratch(header)
@@ -311,6 +329,14 @@ def run_layer(header, layer, pos, x, k_ptr, v_ptr):
     for j in range(d):
         x[j] += o[j]
     rmsnorm(x, f32_view(load_i64(table + 8 * L_FFN_NORM), d), eps, h)
+
+
+@njit(**NOJIT)
+def run_layer(header, layer, pos, x, k_ptr, v_ptr):
+    """One decoder layer for one token, x [d] updated in place; caches [S, KV, hd] written at pos."""
+    d = load_i64(header + 8 * H_D)
+    down = scratch(header)[6]
+    run_attention(header, layer, pos, x, k_ptr, v_ptr)
     run_stage(header, ST_GATE_UP)
     run_stage(header, ST_DOWN)
     for j in range(d):

@@ -177,6 +177,17 @@ def _emit_q6_k(row, bp, x0):
                 row.add(row.affine(code, scale, bias), b.add(x0, _i64(128 * n + 32 * i + 16 * g)), g)
 
 
+def emit_block(row, kind, bp, x0):
+    """One block of ggml type kind at address bp, its weights' inputs from element x0, through ``row`` (a _Row, or
+    a subclass whose ``add`` does something else with each 16 weights: predicted_ffn's AXPY)."""
+    if kind == Q6_K:
+        _emit_q6_k(row, bp, x0)
+    elif KINDS[kind][1] == 256:
+        _emit_k45(row, kind, bp, x0)
+    else:
+        _emit_small(row, kind, bp, x0)
+
+
 def _row_intrinsic(kind):
     """An intrinsic (p, nb, xa) -> float32: the dot of the row of nb blocks of kind at address p with the float32
     input at address xa (addresses as integers)."""
@@ -189,13 +200,7 @@ def _row_intrinsic(kind):
             row = _Row(builder, xa)
             with cgutils.for_range(builder, nb) as loop:
                 bp = builder.add(p, builder.mul(loop.index, _i64(nbytes)))
-                x0 = builder.mul(loop.index, _i64(block))
-                if kind == Q6_K:
-                    _emit_q6_k(row, bp, x0)
-                elif block == 256:
-                    _emit_k45(row, kind, bp, x0)
-                else:
-                    _emit_small(row, kind, bp, x0)
+                emit_block(row, kind, bp, builder.mul(loop.index, _i64(block)))
             return row.total()
         return types.float32(types.int64, types.int64, types.int64), codegen
     return row_dot

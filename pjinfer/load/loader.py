@@ -111,7 +111,7 @@ def load(path: str | os.PathLike | None = None, *, progress=None, keep_q4_1: boo
 
 
 # ---------------------------------------------------------------- GGUF
-GGML_Q4_1, GGML_Q8_0 = 3, 8
+GGML_F32, GGML_F16, GGML_Q4_1, GGML_Q8_0 = 0, 1, 3, 8
 # general.architecture values read; Qwen2 runs as the Llama family with q/k/v biases (ModelConfig arch "llama"),
 # Bamboo (PowerInfer's) as the Llama family with relu(gate) * relu(up) (dReLU).
 GGUF_ARCHITECTURES = ("llama", "qwen2", "bamboo")
@@ -241,7 +241,7 @@ def gguf_header(path: Path):
     return reader, _gguf_config(reader, path)
 
 
-def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks: bool = False):
+def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks: bool = False, neuron_rows=False):
     import sys
 
     reader, config = gguf_header(path)
@@ -257,7 +257,7 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks
                  "ffn_down_t.weight": "w_down_t"}
     if arch == "qwen2":
         per_layer |= {"attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv"}
-    if keep_q4_1 and any(t.name.endswith(".ffn_down_t.weight") for t in reader.tensors):
+    if keep_q4_1 and not neuron_rows and any(t.name.endswith(".ffn_down_t.weight") for t in reader.tensors):
         raise ConfigError(f"{path.name} stores PowerInfer's transposed ffn_down_t, which no host kernel reads as "
                           "stored; run it with --weights float32 or int8")
     weights = {}
@@ -276,8 +276,9 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks
             name = names[t.name]
         else:
             continue  # e.g. rope_freqs: not used by this architecture
-        weights[name] = _gguf_weight(t, name, config, path, permuted=arch in ("llama", "bamboo"),
-                                     keep_q4_1=keep_q4_1, keep_blocks=keep_blocks, dequantized=dequantized)
+        keep_rows = neuron_rows and t.type in (GGML_F32, GGML_F16) and name.endswith(("w_gate", "w_up", "w_down_t"))
+        weights[name] = aligned(t.data) if keep_rows else _gguf_weight(t, name, config, path, permuted=arch in (
+            "llama", "bamboo"), keep_q4_1=keep_q4_1, keep_blocks=keep_blocks, dequantized=dequantized)
         if not _aliases(weights[name], t.data):
             reader.release(t)   # a copy was made: the file's pages of it need not stay resident
         if progress:

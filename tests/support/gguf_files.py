@@ -124,3 +124,19 @@ def quantize_blocks(value, kind):
 
 def rest_is(name, suffix):
     return name.startswith("layers.") and name.endswith("." + suffix)
+
+
+def write_spm_vocab(w):
+    """A tiny SentencePiece vocabulary as a Llama-2 GGUF stores it (PowerInfer's files use one): <unk>, <s>, </s>,
+    the 256 byte tokens, the letters and a few scored joins; no chat template. Returns its size."""
+    pieces = ["\u2581", *"abcdefghijklmnopqrstuvwxyz", "\u2581t", "he", "\u2581the", "\u2581q", "ui", "ck", "\u2581fox",
+              "ll", "\u2581he", "\u2581hello", "or", "\u2581wor", "ld", "\u2581world"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    return len(tokens)

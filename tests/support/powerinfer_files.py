@@ -24,11 +24,15 @@ def placement_tensors(hot, *, bucket=True):
     return out
 
 
-def write_powerinfer(path, config, weights, fc1, fc2, *, arch="llama", threshold=None, hot=None, magic=b"PWRI"):
+def write_powerinfer(path, config, weights, fc1, fc2, *, arch="llama", threshold=None, hot=None, magic=b"PWRI",
+                     **options):
+    """The model in PowerInfer's layout with its predictors (and placement); options go to write_tiny_gguf (the
+    vocabulary, the matrices' types)."""
     extra = {f"blk.{l}.{n}.weight": w for l in range(len(fc1)) for n, w in (("fc1", fc1[l]), ("fc2", fc2[l]))}
     extra |= {} if hot is None else placement_tensors(hot)
     fields = {} if threshold is None else {"powerinfer.sparse_threshold": threshold}
-    return write_tiny_gguf(path, config, weights, arch=arch, down_t=True, extra=extra, fields=fields, magic=magic)
+    return write_tiny_gguf(path, config, weights, arch=arch, down_t=True, extra=extra, fields=fields, magic=magic,
+                           **options)
 
 
 def write_gpu_index(path, hot, *, powerinfer_int32=True):

@@ -1,0 +1,303 @@
+"""PowerInfer's sparse FFN for one token on the host, reading the file's own row types: the layer's predictor picks
+the neurons, gate and up are computed over those rows only, and down is an AXPY over the same neurons' rows of
+``ffn_down_t`` ([d_ff, d_model] as PowerInfer stores it: each neuron's down weights one contiguous row).
+
+One layer's FFN, given h (the FFN's input, after its norm) and r (the residual stream before that norm, what
+PowerInfer's predictors read), in stages that a thread team splits (``predicted_decode.py`` runs them):
+
+    z = relu(fc1 r)                                [rank]       HIDDEN: fc1's rows split       (hidden)
+    mask_i = fc2_i . z >= t                        [d_ff]       SCORE: neurons split           (predict)
+    ids = the neurons with mask_i set, ascending                caller                         (compact)
+    a_i = act(gate_i . h, up_i . h), i in ids                   FFN: ids split                 (neurons)
+    part[tid] = sum over its ids of a_i down_t_i   [d]          each thread its own partial
+    y = part[0] + part[1] + ...                    [d]          caller, in thread order        (reduce)
+
+The predictor (fc1 [rank, d], fc2 [d_ff, rank], threshold t) is float32, as PowerInfer's rule `score >= t` reads
+(pjinfer.load.powerinfer). For the ReLU family with a gate (ReGLU, dReLU) a neuron whose gate is <= 0 has
+activation 0: its up row and its down row are not read. A neuron whose activation is 0 adds nothing and its down
+row is skipped too.
+
+Row types (``KINDS``): llama.cpp's block types through quants.py's emitters (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K, Q6_K), and float rows: F16 (ggml type 1) and F32 (0), read as "blocks" of 32 weights. A matrix is uint8
+[rows, row_bytes(kind, cols)]. ``row_dot`` is a row's dot with a float32 vector (quants.row_dot for the block
+types), ``row_axpy`` adds a multiple of a row to a float32 vector, both 16 lanes at a time in LLVM vector IR, so
+that a row's weights are computed as the dot product computes them.
+
+``ffn`` runs the stages from Python with n simulated threads (the tests' entry); ``predicted_decode.py`` runs the
+same functions on the team.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
+
+from llvmlite import ir  # noqa: E402
+from numba import njit, types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
+
+from . import activation, blocks, ffi, kernels, quants  # noqa: E402
+from pjinfer.config import ConfigError  # noqa: E402
+from .activation import act  # noqa: E402
+from .kernels import prefetch  # noqa: E402
+
+ffi.purge_stale_cache("predicted_ffn", activation, blocks, kernels, quants)
+
+F32, F16 = 0, 1
+# ggml type number -> (name, weights per block, bytes per block): the float rows, then quants.py's block types.
+KINDS = {F32: ("F32", 32, 128), F16: ("F16", 32, 64)} | blocks.KINDS
+RELU_GATED = (2, 3)   # activation codes (pjinfer.activations) whose activation is 0 wherever the gate is <= 0
+_F0 = np.float32(0.0)
+_JIT = dict(fastmath=True, cache=True, nogil=True)
+KINDS_BLOCK = np.zeros(16, np.int64)   # weights per block by type number, as a table Numba code can index
+for _k, (_, _b, _) in KINDS.items():
+    KINDS_BLOCK[_k] = _b
+
+_f32, _i64 = ir.FloatType(), ir.IntType(64)
+_v16f = ir.VectorType(_f32, 16)
+_v16h = ir.VectorType(ir.HalfType(), 16)
+
+
+def row_bytes(kind: int, cols: int) -> int:
+    """Bytes of a row of cols weights of type kind (cols a multiple of its block)."""
+    name, block, nbytes = KINDS[kind]
+    if cols % block:
+        raise ConfigError(f"{name} rows need a multiple of {block} weights, got {cols}")
+    return cols // block * nbytes
+
+
+class _AxpyRow(quants._Row):
+    """quants' row emitter turned around: each group of 16 weights w becomes y[e:e + 16] += a * w, y at address ya
+    (the weights are computed by the same emitters, so they are the dot product's weights)."""
+
+    def __init__(self, builder, ya, a):
+        super().__init__(builder, ya)
+        self.a16 = quants._splat(builder, a, _v16f)
+
+    def add(self, w, elem, slot):
+        b = self.b
+        at = quants._ptr(b, b.add(self.xa, b.mul(elem, _i64(4))), _v16f)
+        b.store(b.call(self.fma, [w, self.a16, b.load(at, align=4)]), at, align=4)
+
+
+def _emit_float(row, kind, bp, x0):
+    """32 weights of an F32 or F16 row at address bp, inputs from element x0."""
+    b = row.b
+    for half in range(2):
+        if kind == F16:
+            w = b.fpext(b.load(quants._ptr(b, row.addr(bp, 32 * half), _v16h), align=1), _v16f)
+        else:
+            w = b.load(quants._ptr(b, row.addr(bp, 64 * half), _v16f), align=1)
+        row.add(w, b.add(x0, _i64(16 * half)), half)
+
+
+def _emit_row(row, kind, p, nb):
+    _, block, nbytes = KINDS[kind]
+    with cgutils.for_range(row.b, nb) as loop:
+        bp = row.b.add(p, row.b.mul(loop.index, _i64(nbytes)))
+        x0 = row.b.mul(loop.index, _i64(block))
+        if kind in (F32, F16):
+            _emit_float(row, kind, bp, x0)
+        else:
+            quants.emit_block(row, kind, bp, x0)
+
+
+def _float_dot_intrinsic(kind):
+    """(p, nb, xa) -> float32: the dot of an F32 / F16 row of nb blocks of 32 at address p with the input at xa."""
+    @intrinsic
+    def dot(typingctx, p, nb, xa):
+        def codegen(context, builder, sig, args):
+            row = quants._Row(builder, args[2])
+            _emit_row(row, kind, args[0], args[1])
+            return row.total()
+        return types.float32(types.int64, types.int64, types.int64), codegen
+    return dot
+
+
+def _axpy_intrinsic(kind):
+    """(p, nb, ya, a): y += a * the row of nb blocks of kind at address p (y float32 at address ya)."""
+    @intrinsic
+    def axpy(typingctx, p, nb, ya, a):
+        def codegen(context, builder, sig, args):
+            _emit_row(_AxpyRow(builder, args[2], args[3]), kind, args[0], args[1])
+            return context.get_dummy_value()
+        return types.void(types.int64, types.int64, types.int64, types.float32), codegen
+    return axpy
+
+
+_dot_f32, _dot_f16 = _float_dot_intrinsic(F32), _float_dot_intrinsic(F16)
+_AXPY = {kind: _axpy_intrinsic(kind) for kind in KINDS}
+(_axpy_f32, _axpy_f16, _axpy_q4_0, _axpy_q4_1, _axpy_q5_0, _axpy_q5_1, _axpy_q8_0, _axpy_q4_k, _axpy_q5_k,
+ _axpy_q6_k) = (_AXPY[k] for k in (F32, F16, blocks.Q4_0, blocks.Q4_1, blocks.Q5_0, blocks.Q5_1, blocks.Q8_0,
+                                   blocks.Q4_K, blocks.Q5_K, blocks.Q6_K))
+
+
+@njit(**_JIT)
+def row_dot(kind, p, nb, xa):
+    """float32 dot of one row (nb blocks of type kind at address p) with the float32 input at address xa."""
+    if kind == F16:
+        return _dot_f16(p, nb, xa)
+    if kind == F32:
+        return _dot_f32(p, nb, xa)
+    return quants.row_dot(kind, p, nb, xa)
+
+
+@njit(**_JIT)
+def row_axpy(kind, p, nb, ya, a):
+    """y += a * one row (nb blocks of type kind at address p), y float32 at address ya."""
+    if kind == blocks.Q4_0:
+        _axpy_q4_0(p, nb, ya, a)
+    elif kind == F16:
+        _axpy_f16(p, nb, ya, a)
+    elif kind == blocks.Q8_0:
+        _axpy_q8_0(p, nb, ya, a)
+    elif kind == blocks.Q4_1:
+        _axpy_q4_1(p, nb, ya, a)
+    elif kind == F32:
+        _axpy_f32(p, nb, ya, a)
+    elif kind == blocks.Q4_K:
+        _axpy_q4_k(p, nb, ya, a)
+    elif kind == blocks.Q6_K:
+        _axpy_q6_k(p, nb, ya, a)
+    elif kind == blocks.Q5_K:
+        _axpy_q5_k(p, nb, ya, a)
+    elif kind == blocks.Q5_0:
+        _axpy_q5_0(p, nb, ya, a)
+    else:
+        _axpy_q5_1(p, nb, ya, a)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The stages. Each takes its share [lo, hi) of rows or ids; the caller picks the shares (share()).
+
+@njit(**_JIT)
+def share(count, tid, n):
+    """Thread tid's part [lo, hi) of count items split into n contiguous parts."""
+    chunk = (count + n - 1) // n
+    lo = min(count, tid * chunk)
+    return lo, min(count, lo + chunk)
+
+
+@njit(**_JIT)
+def _dot(w, x):
+    s = _F0
+    for j in range(x.shape[0]):
+        s += w[j] * x[j]
+    return s
+
+
+@njit(**_JIT)
+def hidden(fc1, r, z, lo, hi):
+    """z[k] = relu(fc1[k] . r) for k in [lo, hi): the predictor's hidden layer (fc1 float32 [rank, d])."""
+    for k in range(lo, hi):
+        z[k] = max(_dot(fc1[k], r), _F0)
+
+
+@njit(**_JIT)
+def predict(fc2, z, threshold, mask, lo, hi):
+    """mask[i] = 1 where fc2[i] . z >= threshold, else 0, for neurons i in [lo, hi) (fc2 float32 [d_ff, rank])."""
+    for i in range(lo, hi):
+        mask[i] = 1 if _dot(fc2[i], z) >= threshold else 0
+
+
+@njit(**_JIT)
+def compact(mask, ids):
+    """ids[:count] = the neurons whose mask is set, ascending; returns count."""
+    count = 0
+    for i in range(mask.shape[0]):
+        if mask[i]:
+            ids[count] = i
+            count += 1
+    return count
+
+
+@njit(**_JIT)
+def neurons(gate_kind, gate, up_kind, up, down_kind, down, h, ids, lo, hi, code, part):
+    """part = sum over ids[lo:hi] of act(gate_i . h, up_i . h) * down_i (part float32 [d], overwritten). gate and
+    up: uint8 [d_ff, row bytes] rows of d = len(h) weights; down: uint8 [d_ff, row bytes] rows of len(part)."""
+    for j in range(part.shape[0]):
+        part[j] = _F0
+    nb_in = h.shape[0] // KINDS_BLOCK[gate_kind]
+    nb_up = h.shape[0] // KINDS_BLOCK[up_kind]
+    nb_out = part.shape[0] // KINDS_BLOCK[down_kind]
+    xa, ya = h.ctypes.data, part.ctypes.data
+    relu_gated = code == RELU_GATED[0] or code == RELU_GATED[1]
+    for k in range(lo, hi):
+        if k + 1 < hi:   # the active rows come in no order the hardware prefetcher follows
+            nxt = ids[k + 1]
+            for j in range(0, min(gate.shape[1], 256), 64):
+                prefetch(gate, nxt, j)
+            for j in range(0, min(down.shape[1], 256), 64):
+                prefetch(down, nxt, j)
+        i = ids[k]
+        g = row_dot(gate_kind, gate.ctypes.data + i * gate.strides[0], nb_in, xa)
+        if relu_gated and not g > _F0:
+            continue
+        u = row_dot(up_kind, up.ctypes.data + i * up.strides[0], nb_up, xa)
+        a = act(g, u, code)
+        if a != _F0:
+            row_axpy(down_kind, down.ctypes.data + i * down.strides[0], nb_out, ya, a)
+
+
+@njit(**_JIT)
+def reduce(parts, n, y):
+    """y = parts[0] + parts[1] + ... + parts[n - 1], added in that order."""
+    for j in range(y.shape[0]):
+        y[j] = parts[0, j]
+    for t in range(1, n):
+        for j in range(y.shape[0]):
+            y[j] += parts[t, j]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+def stored_rows(w) -> tuple[np.ndarray, int]:
+    """A matrix as the kernels read it: (uint8 [rows, row bytes], type number). w: a cpu_offload.qtensor Q4Tensor
+    or QBlocks (the file's blocks), or a float16 / float32 numpy array (F16 / F32 rows); no copy where w is
+    C-contiguous."""
+    from .qtensor import Q4Tensor, QBlocks
+
+    if isinstance(w, Q4Tensor):
+        return np.asarray(w.data), blocks.Q4_1
+    if isinstance(w, QBlocks):
+        return np.asarray(w.data), w.kind
+    w = np.asarray(w)
+    kind = {np.dtype(np.float32): F32, np.dtype(np.float16): F16}.get(w.dtype)
+    if kind is None or w.ndim != 2:
+        raise ConfigError(f"no row kernel for a {w.dtype} array of shape {w.shape}")
+    w = np.ascontiguousarray(w)
+    return w.view(np.uint8), kind
+
+
+def ffn(h, r, fc1, fc2, threshold, gate, up, down, code: int, n_threads: int = 1):
+    """The stages run from Python, thread by thread in turn: (y float32 [d], mask uint8 [d_ff]). gate, up, down:
+    (uint8 rows, type number) pairs (stored_rows); down [d_ff, d]. The tests' entry to the kernels."""
+    h, r = np.ascontiguousarray(h, np.float32), np.ascontiguousarray(r, np.float32)
+    fc1, fc2 = np.ascontiguousarray(fc1, np.float32), np.ascontiguousarray(fc2, np.float32)
+    d, d_ff = h.shape[0], fc2.shape[0]
+    z = np.full(fc1.shape[0], np.nan, np.float32)
+    mask = np.full(d_ff, 7, np.uint8)
+    ids = np.full(d_ff, -1, np.int32)
+    parts = np.full((n_threads, d), np.nan, np.float32)
+    y = np.full(d, np.nan, np.float32)
+    for tid in range(n_threads):
+        hidden(fc1, r, z, *share(fc1.shape[0], tid, n_threads))
+    for tid in range(n_threads):
+        predict(fc2, z, np.float32(threshold), mask, *share(d_ff, tid, n_threads))
+    count = compact(mask, ids)
+    for tid in range(n_threads):
+        lo, hi = share(count, tid, n_threads)
+        neurons(gate[1], gate[0], up[1], up[0], down[1], down[0], h, ids, lo, hi, code, parts[tid])
+    reduce(parts, n_threads, y)
+    return y, mask
+
+
+def float32_rows(data: np.ndarray, kind: int, cols: int) -> np.ndarray:
+    """The float32 values [rows, cols] of rows as stored_rows gives them (a numpy reference)."""
+    data = np.ascontiguousarray(data)
+    if kind == F32:
+        return data.view(np.float32).reshape(-1, cols).copy()
+    if kind == F16:
+        return data.view(np.float16).reshape(-1, cols).astype(np.float32)
+    return blocks.dequantize(kind, data, cols)

@@ -1,0 +1,89 @@
+"""A PowerInfer file run sparse as the file is, as PowerInfer runs it on the CPU: no bundle, its own predictors.
+
+Two halves, one rule (a neuron of layer l is computed when fc2 relu(fc1 r) >= t, r the residual stream before the
+FFN's norm; pjinfer.load.powerinfer):
+- one-token decode steps run on the host, cpu_offload.predicted_decode.PredictedHostDecoder (one FFI call per
+  layer: the predictor, then gate and up over the predicted rows in the file's row types, down over the same rows
+  of ffn_down_t);
+- prefill and scoring run in XLA, each layer's FFN swapped for a ``PredictedFFN``: every neuron computed, the ones
+  outside the predicted set zeroed before down. So ``perplexity`` measures what decode computes.
+
+``attach_powerinfer(model, config, tensors, predictors)`` does both swaps on a Transformer built from the file's
+tensors as stored, ``pjinfer.load.loader.load_gguf(path, keep_q4_1=True, keep_blocks=True, neuron_rows=True)``:
+q, k, v, o, the embedding and head the file's blocks (Q8_0 for float ones, as --weights gguf), the FFN matrices its
+rows in their own types, ffn_down_t too (w_down_t [d_ff, d], which the Transformer must not run before this swap),
+F16 and F32 ones the file's arrays. It returns the host decoder.
+Without predictors (``dense=True``) every neuron is computed: the same file dense, through the same kernels.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pjinfer.config import ConfigError
+from pjinfer.offline.powerinfer import predictor_state
+from pjinfer.runtime import host
+from pjinfer.runtime.model import FFN, QMatrix, Transformer
+
+
+def powerinfer_predictor(fc1: np.ndarray, fc2: np.ndarray, threshold: float):
+    """One layer's PowerInfer predictor (fc1 [rank, d], fc2 [d_ff, rank]) as a train.predictor.Predictor reading the
+    residual stream: its ``active(r)`` is fc2 relu(fc1 r) >= threshold (offline.powerinfer.predictor_state)."""
+    from train.predictor import Predictor
+
+    predictor = Predictor(fc1.shape[1], fc2.shape[0], fc1.shape[0], rngs=nnx.Rngs(0), reads="residual")
+    state = nnx.state(predictor)
+    nnx.replace_by_pure_dict(state, predictor_state(np.asarray(fc1, np.float32), np.asarray(fc2, np.float32),
+                                                    threshold))
+    nnx.update(predictor, state)
+    return predictor
+
+
+class PredictedFFN(FFN):
+    """A layer's FFN whose neurons outside the predictor's set are zeroed (XLA: prefill, scoring; the host decoder
+    computes the same set's rows only). predictor: powerinfer_predictor's, or None (every neuron)."""
+
+    def __init__(self, ffn: FFN, predictor):
+        self.activation = ffn.activation
+        self.w_gate, self.w_up, self.w_down_t, self.b_up, self.b_down = (ffn.w_gate, ffn.w_up, ffn.w_down_t,
+                                                                         ffn.b_up, ffn.b_down)
+        self.t_in = self.t_down = None
+        self.predictor = predictor
+
+    def active(self, residual):
+        """residual [..., d] -> the predicted set [..., d_ff] (bool)."""
+        if self.predictor is None:
+            return jnp.ones((*residual.shape[:-1], self.w_up.shape[0]), bool)
+        return self.predictor.active(residual)
+
+    def __call__(self, x, residual=None):
+        if residual is None:
+            raise ConfigError("a PowerInfer FFN's predictor reads the residual stream, which was not given")
+        act = jnp.where(self.active(residual), self.neurons(x), 0.0)
+        out = jnp.einsum("...f,fd->...d", act, self.w_down_t[...])
+        return out if self.b_down is None else out + self.b_down[...]
+
+
+def attach_powerinfer(model: Transformer, config, tensors: dict, predictors=None, *, dense: bool = False):
+    """Make `model` (a Transformer of `tensors`) run as PowerInfer runs its file: every FFN a PredictedFFN, every
+    block's one-token step and the head on a PredictedHostDecoder reading `tensors` in place. predictors:
+    pjinfer.load.powerinfer.Predictors (fc1, fc2, threshold); dense=True (or predictors None) computes every
+    neuron. tensors: the loader's with neuron_rows (see the module docstring). Returns the decoder (its
+    ``last_active()`` is the last token's predicted sets). In place; the model must not run before it."""
+    from cpu_offload.predicted_decode import PredictedHostDecoder
+
+    if not dense and predictors is None:
+        raise ConfigError("a PowerInfer file runs sparse with its predictors; without them ask for dense")
+    if dense:
+        predictors = None
+    fc = (None, None, 0.0) if predictors is None else (predictors.fc1, predictors.fc2, predictors.threshold)
+    decoder = PredictedHostDecoder(config, tensors, *fc)
+    for l, block in enumerate(model.layers):
+        if isinstance(block.ffn.w_down_t, QMatrix):   # ffn_down_t's blocks: rows are neurons, canonical [d_ff, d]
+            block.ffn.w_down_t.transposed = False
+        predictor = None if predictors is None else powerinfer_predictor(fc[0][l], fc[1][l], fc[2])
+        block.ffn = PredictedFFN(block.ffn, predictor)
+    host.attach(model, decoder)
+    return decoder
+
