@@ -17,7 +17,7 @@ from pjinfer.runtime import generate as gen
 from pjinfer.runtime import host
 from pjinfer.runtime.model import KVCache, Transformer, embedding_rows
 from pjinfer.runtime.predicted import PredictedFFN, attach_powerinfer
-from pjinfer.runtime.sampling import Sampling
+from pjinfer.runtime.sampling import Sampling, recent_ids
 from tests.conftest import random_weights, tiny_config
 from tests.support.gguf_files import write_spm_vocab, write_tiny_gguf
 from tests.support.powerinfer_files import powerinfer_predictors, write_powerinfer
@@ -103,16 +103,58 @@ def test_host_decode_is_the_xla_model_masked_by_the_same_predictor(tmp_path, ffn
         token = jnp.int32(np.argmax(got))
     assert 0.1 < np.mean(densities) < 0.9     # the predictor does skip neurons, and keeps some
 
-    # Greedy generation through the jitted loop: the same ids with the host decode and without it.
+    # Greedy generation through the jitted decode loop: the same ids with the host decode and without it.
     tokens = jnp.asarray([prompt + [0] * (gen.bucket(n, gen.MIN_PROMPT_BUCKET) - n)], jnp.int32)
-    ids = []
+    params, stops, ids = Sampling().params(), jnp.asarray([-1] * gen.MAX_STOP_IDS), []
     for m in (model, reference):
         graph, state = gen.Graph(nnx.split(m)[0]), nnx.split(m)[1]
-        out, count = gen.generate_tokens(graph, state, tokens, jnp.int32(n), jax.random.key(0),
-                                     Sampling().params(), jnp.int32(12), jnp.asarray([-1] * gen.MAX_STOP_IDS),
-                                     cache_len=cache_len, greedy=True)
-        ids.append(np.asarray(out)[:int(count)].tolist())
+        key, sub = jax.random.split(jax.random.key(0))
+        first, cache = gen.prefill(graph, state, tokens, jnp.int32(n), sub, params, cache_len=cache_len, greedy=True)
+        out, count, *_ = gen.decode_chunk(graph, state, first, jnp.int32(n), cache, key, params, recent_ids(prompt),
+                                          stops, jnp.int32(11), chunk=16, greedy=True)
+        ids.append([int(first)] + np.asarray(out)[:int(count)].tolist())
     assert ids[0] == ids[1] and len(ids[0]) == 12
+
+
+def test_a_powerinfer_file_runs_sparse_by_default_and_dense_when_asked(tmp_path, capsys):
+    """`pjinfer generate --model X` on a PowerInfer file: its own predictors on the host (the powerinfer backend),
+    no bundle; --dense computes every neuron; the engine's greedy ids are the XLA model's masked by the same
+    predictor; a llama.cpp-layout file refuses --dense in one line."""
+    from pjinfer.runtime.backends import Request, resolve
+    from pjinfer.runtime.engine import Engine
+    from tests.support.cli import assert_clean_error, run_cli
+
+    path = write_file(tmp_path / "m.powerinfer.gguf", T.Q4_0)
+    assert resolve(Request(path)).backend.name == "powerinfer"
+    assert resolve(Request(path, dense=True)).backend.name == "powerinfer-dense"
+    assert resolve(Request(path, "float32")).backend.name == "xla"
+    engine = Engine.load(path)
+    assert engine.path == "weights gguf, sparse (the file's predictors)"
+    prompt = engine.tokenizer.encode("hello world")
+    _, reference, _, _ = load(path)
+    graph, state = gen.Graph(nnx.split(reference)[0]), nnx.split(reference)[1]
+    key, sub = jax.random.split(jax.random.key(0))
+    tokens = jnp.asarray([prompt + [0] * (gen.MIN_PROMPT_BUCKET - len(prompt))], jnp.int32)
+    params = Sampling().params()
+    first, cache = gen.prefill(graph, state, tokens, jnp.int32(len(prompt)), sub, params, cache_len=256, greedy=True)
+    out, count, *_ = gen.decode_chunk(graph, state, first, jnp.int32(len(prompt)), cache, key, params,
+                                      recent_ids(prompt), jnp.asarray([-1] * gen.MAX_STOP_IDS), jnp.int32(7),
+                                      chunk=8, greedy=True)
+    want = [int(first)] + np.asarray(out)[:int(count)].tolist()
+    assert engine.generate(prompt, max_new_tokens=8, stop_ids=[]) == want
+    for extra, sparse in (((), True), (("--dense",), False)):
+        code, out, err = run_cli(capsys, "generate", "--model", str(path), "--prompt", "hello world",
+                                 "--max-new-tokens", "6", "--json", *extra)
+        assert code == 0, err
+        result = __import__("json").loads(out)
+        assert result["sparse"] is sparse and result["weights"] == "gguf" and len(result["token_ids"]) >= 1
+    plain = tmp_path / "plain.gguf"
+    config = tiny_config(d_model=64, n_heads=4, head_dim=16, d_ff=128, vocab_size=262)
+    write_tiny_gguf(plain, config, random_weights(config), quantize=True)
+    assert_clean_error(run_cli(capsys, "generate", "--model", str(plain), "--prompt", "x", "--dense"),
+                       "--dense runs a PowerInfer file without its predictors; this model is not one")
+    assert_clean_error(run_cli(capsys, "generate", "--model", str(path), "--prompt", "x", "--weights", "q4_1"),
+                       "not a PowerInfer file's neuron rows")
 
 
 def test_dense_computes_every_neuron_and_the_predictor_changes_the_result(tmp_path):

@@ -56,6 +56,8 @@ def weight_options(p, many=False):
                    "every matrix in XLA (the exact reference); int8 (a scale per block of 64), q4_1 (the GGUF's "
                    "4-bit blocks, head int8) or gguf (every matrix in the file's own block type): one-token steps "
                    "on the host's Numba kernels (cpu_offload.host_decode), prefill through XLA on the same values")
+    p.add_argument("--dense", action="store_true", help="a PowerInfer file: compute every neuron (by default it "
+                   "runs sparse with its own predictors, as PowerInfer does)")
 
 
 def sampling_options(p):
@@ -87,7 +89,7 @@ def plan(args, bundle=None, weights=None):
     return backends.resolve(backends.Request(
         args.model, weights=weights or getattr(args, "weights", "float32"), bundle=bundle,
         sparse_rule=getattr(args, "sparse_rule", "auto"), hot_backend=getattr(args, "hot_backend", "xla"),
-        cold_weights=getattr(args, "cold_weights", "float32")))
+        cold_weights=getattr(args, "cold_weights", "float32"), dense=getattr(args, "dense", False)))
 
 
 def load(args, bundle=None, weights=None, *, plan_made=None, until_first_token=False):

@@ -84,7 +84,7 @@ def cmd_generate(args):
     if args.json:
         print(json.dumps({"text": decoder.text, "token_ids": decoder.text_ids(), "finish_reason": reason,
                           "stop": decoder.stop, "interrupted": interrupted, "seed": seed,
-                          "weights": engine.weights_format, "sparse": engine.bundle is not None, **timing}))
+                          "weights": engine.weights_format, "sparse": engine.backend.rule is not None, **timing}))
     else:
         rate = timing["decode_tok_s"]
         decode = "n/a" if rate is None else f"{rate:.1f} tok/s"

@@ -25,7 +25,7 @@ import numpy as np
 
 from pjinfer.config import ConfigError, ModelConfig
 from pjinfer.load.gguf_checks import float_field
-from pjinfer.load.loader import PLACEMENT_TENSORS, PREDICTOR_TENSORS, open_gguf
+from pjinfer.load.loader import PLACEMENT_TENSORS, PREDICTOR_TENSORS, default_model_path, open_gguf
 
 SPARSE_THRESHOLD = "powerinfer.sparse_threshold"
 GPU_INDEX_SUFFIX = ".generated.gpuidx"      # where PowerInfer caches the placement it solved for a model file
@@ -137,3 +137,17 @@ def read_gpu_index(path: Path, config: ModelConfig) -> np.ndarray:
     if hot is None:
         raise ConfigError(f"{path.name} has no gpu_idx tensors: not a PowerInfer GPU index")
     return hot
+
+
+def file_layout(path) -> tuple[bool, bool]:
+    """(whether the GGUF at `path` stores PowerInfer's neuron rows, ffn_down_t; whether it holds predictor tensors)
+    from its header; (False, False) for any other file, an HF directory, or a file the loader will refuse."""
+    path = Path(path) if path else default_model_path()
+    if not path.is_file():
+        return False, False
+    try:
+        reader = open_gguf(path)
+    except ConfigError:
+        return False, False
+    names = {m.group(2) for t in reader.tensors if (m := _LAYER_TENSOR.fullmatch(t.name))}
+    return "ffn_down_t.weight" in names, "fc1.weight" in names

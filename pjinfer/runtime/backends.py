@@ -15,9 +15,14 @@ what this platform cannot. The engine builds the plan's backend; the CLI, the se
     xla-thresholds     float32      thresholds  xla                           any         no
     gathered           float32      thresholds  pallas, pallas-interpret      any (*)     no
     hybrid             float32      predictors  xla, pallas, pallas-interpret any (*)     no
+    powerinfer         gguf         predictors  xla                           cpu         no
+    powerinfer-dense   gguf         -           xla                           cpu         no
 
 (*) "pallas" compiles its kernels for a GPU (pjinfer.runtime.gathered.pallas_interpret). "batched": the
 server's scheduler decodes concurrent requests in one step (pjinfer.runtime.batch); the others take turns.
+The two powerinfer rows run a PowerInfer file (its layers store neuron rows, ffn_down_t) on the host, sparse with
+the file's own predictors (no bundle: pjinfer.runtime.predicted) or dense (--dense); the other host rows read
+llama.cpp's layout only, and the float32 rows read either.
 """
 from __future__ import annotations
 
@@ -36,10 +41,12 @@ from cpu_offload.sparse_decode import SparseHostDecoder
 from pjinfer.config import (COLD_WEIGHTS, HOT_BACKENDS, SPARSE_RULES, WEIGHT_CHOICES, WEIGHT_FORMATS,
                             ConfigError)
 from pjinfer.load import loader
+from pjinfer.load.powerinfer import file_layout
 from pjinfer.offline.bundle import THRESHOLDS, Bundle
 from pjinfer.runtime import gathered, host
 from pjinfer.runtime.gathered import PALLAS_BACKENDS, pallas_interpret
 from pjinfer.runtime.model import Float32View, Transformer, float32_weights, set_thresholds
+from pjinfer.runtime.predicted import attach_powerinfer
 
 PREDICTORS = "predictors"
 
@@ -48,21 +55,26 @@ PREDICTORS = "predictors"
 class Backend:
     """One way of running a model. rule: None (dense), THRESHOLDS or PREDICTORS; host: one-token steps run on
     the host decoder (cpu_offload's FFI targets, registered for the CPU only); batched: concurrent requests
-    decode in one step."""
+    decode in one step; neuron_rows: the file's layout it reads, PowerInfer's (True), llama.cpp's (False) or
+    either (None)."""
     name: str
     weights: tuple[str, ...]
     rule: str | None
     hot_backends: tuple[str, ...]
     host: bool
     batched: bool
+    neuron_rows: bool | None = False
 
-    def runs(self, weights: str, rule: str | None, hot_backend: str) -> bool:
-        return weights in self.weights and rule == self.rule and hot_backend in self.hot_backends
+    def runs(self, weights: str, rule: str | None, hot_backend: str, neuron_rows: bool = False) -> bool:
+        return (weights in self.weights and rule == self.rule and hot_backend in self.hot_backends
+                and self.neuron_rows in (None, neuron_rows))
 
     def describe(self, weights: str, hot_backend: str, bundle=None) -> str:
         """The path in words, as the CLI prints it: the weights, and the sparse rule with its bundle."""
         if self.rule is None:
             return f"weights {weights}"
+        if bundle is None:
+            return f"weights {weights}, sparse (the file's predictors)"
         rule = "input thresholds" if self.rule == THRESHOLDS else "predictors"
         if self.rule == THRESHOLDS and hot_backend != "xla":
             rule += f" gathered by {hot_backend}"
@@ -70,20 +82,22 @@ class Backend:
 
 
 BACKENDS = (
-    Backend("xla", ("float32",), None, ("xla",), host=False, batched=False),
+    Backend("xla", ("float32",), None, ("xla",), host=False, batched=False, neuron_rows=None),
     Backend("host", ("q4_1", "int8"), None, ("xla",), host=True, batched=True),
     Backend("host-blocks", ("gguf",), None, ("xla",), host=True, batched=False),
     Backend("host-thresholds", ("q4_1",), THRESHOLDS, ("xla",), host=True, batched=False),
-    Backend("xla-thresholds", ("float32",), THRESHOLDS, ("xla",), host=False, batched=False),
-    Backend("gathered", ("float32",), THRESHOLDS, PALLAS_BACKENDS, host=False, batched=False),
-    Backend("hybrid", ("float32",), PREDICTORS, HOT_BACKENDS, host=False, batched=False),
+    Backend("xla-thresholds", ("float32",), THRESHOLDS, ("xla",), host=False, batched=False, neuron_rows=None),
+    Backend("gathered", ("float32",), THRESHOLDS, PALLAS_BACKENDS, host=False, batched=False, neuron_rows=None),
+    Backend("hybrid", ("float32",), PREDICTORS, HOT_BACKENDS, host=False, batched=False, neuron_rows=None),
+    Backend("powerinfer", ("gguf",), PREDICTORS, ("xla",), host=True, batched=False, neuron_rows=True),
+    Backend("powerinfer-dense", ("gguf",), None, ("xla",), host=True, batched=False, neuron_rows=True),
 )
 
 
-def select(weights: str, rule: str | None = None, hot_backend: str = "xla",
-           cold_weights: str = "float32") -> Backend:
-    """The row that runs these settings (rule: None, THRESHOLDS or PREDICTORS), or ConfigError in one line that
-    says what runs instead."""
+def select(weights: str, rule: str | None = None, hot_backend: str = "xla", cold_weights: str = "float32", *,
+           neuron_rows: bool = False) -> Backend:
+    """The row that runs these settings (rule: None, THRESHOLDS or PREDICTORS; neuron_rows: a PowerInfer file's
+    layout), or ConfigError in one line that says what runs instead."""
     if weights not in WEIGHT_FORMATS:
         raise ConfigError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
     if hot_backend not in HOT_BACKENDS:
@@ -94,8 +108,11 @@ def select(weights: str, rule: str | None = None, hot_backend: str = "xla",
         raise ConfigError(f"--cold-weights {cold_weights} stores a predictor bundle's cold rows; a bundle's thresholds "
                           "run without cold rows (--sparse-rule predictors runs its predictors)")
     for backend in BACKENDS:
-        if backend.runs(weights, rule, hot_backend):
+        if backend.runs(weights, rule, hot_backend, neuron_rows):
             return backend
+    if neuron_rows and weights in ("q4_1", "int8"):
+        raise ConfigError(f"--weights {weights} reads llama.cpp's layout, not a PowerInfer file's neuron rows "
+                          "(ffn_down_t); --weights gguf (auto) or float32 run it")
     if rule is None:
         raise ConfigError(f"hot backend {hot_backend} runs a bundle's input thresholds or predictors, not dense "
                           f"{weights} weights")
@@ -146,6 +163,7 @@ class Request:
     sparse_rule: str = "auto"
     hot_backend: str = "xla"
     cold_weights: str = "float32"
+    dense: bool = False   # a PowerInfer file without its predictors (--dense)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,8 +180,9 @@ class Plan:
 
     def on_float32(self) -> "Plan":
         """The same request on float32 weights (an "auto" whose host decode cannot run the loaded model)."""
-        backend = select("float32", self.rule, self.request.hot_backend, self.request.cold_weights)
-        return dataclasses.replace(self, backend=backend, weights="float32")
+        rule = None if self.backend.neuron_rows else self.rule
+        backend = select("float32", rule, self.request.hot_backend, self.request.cold_weights)
+        return dataclasses.replace(self, backend=backend, weights="float32", rule=rule)
 
 
 def resolve(request: Request) -> Plan:
@@ -190,20 +209,27 @@ def resolve(request: Request) -> Plan:
         if r.weights != "auto":   # the settings before the stages: what cannot run says so first
             select(r.weights, rule, r.hot_backend, r.cold_weights)
         check_bundle_stages(r.bundle, rule)
-    weights = r.weights if r.weights != "auto" else _auto_weights(r, rule)
-    backend = select(weights, rule, r.hot_backend, r.cold_weights)
+    neuron_rows, has_predictors = file_layout(r.model)
+    if r.dense and not neuron_rows:
+        raise ConfigError("--dense runs a PowerInfer file without its predictors; this model is not one")
+    weights = r.weights if r.weights != "auto" else _auto_weights(r, rule, neuron_rows)
+    if neuron_rows and r.bundle is None and weights == "gguf" and has_predictors and not r.dense:
+        rule = PREDICTORS   # the file's own, as PowerInfer runs it
+    backend = select(weights, rule, r.hot_backend, r.cold_weights, neuron_rows=neuron_rows)
     check_platform_runs(backend, weights, r.hot_backend)
     return Plan(r, backend, weights, rule)
 
 
-def _auto_weights(r: Request, rule: str | None) -> str:
+def _auto_weights(r: Request, rule: str | None, neuron_rows: bool) -> str:
     stored = loader.stored_format(r.model)
+    if neuron_rows and r.bundle is None:   # a PowerInfer file: its layers' own types on the host, where they have kernels
+        stored = "gguf" if loader.layer_types(r.model) <= set(BY_NAME) | {"F16", "F32"} else None
     if stored is None:
         foreign = sorted((loader.layer_types(r.model) or set()) - set(BY_NAME) - {"F32", "F16", "BF16"})
         if foreign:
             print(f"pjinfer: running float32 weights: no host kernel reads type {', '.join(foreign)}", file=sys.stderr)
         return "float32"
-    backend = next((b for b in BACKENDS if b.runs(stored, rule, r.hot_backend)), None)
+    backend = next((b for b in BACKENDS if b.runs(stored, rule, r.hot_backend, neuron_rows)), None)
     if backend is None:
         return "float32"
     platform = jax.default_backend()
@@ -214,11 +240,18 @@ def _auto_weights(r: Request, rule: str | None) -> str:
     return stored
 
 
-def build(backend: Backend, config, weights: dict, fmt: str, *, thresholds=None, hot_backend: str = "xla"):
+def build(backend: Backend, config, weights: dict, fmt: str, *, thresholds=None, hot_backend: str = "xla",
+          predictors=None):
     """The model a backend runs, and its host decoder (None when every step runs in XLA). weights: canonical
-    weights (pjinfer.runtime.model), float32 arrays or quantized matrices (cpu_offload.qtensor); fmt: the row's
-    weights; thresholds [n_layers, 4] for the THRESHOLDS rows. A PREDICTORS row builds its dense float32 model
-    here; the engine then swaps its FFNs (Engine.use_bundle)."""
+    weights (pjinfer.runtime.model), float32 arrays or quantized matrices (cpu_offload.qtensor); for the
+    powerinfer rows the loader's neuron rows (pjinfer.runtime.predicted). fmt: the row's weights; thresholds
+    [n_layers, 4] for the THRESHOLDS rows; predictors: a PowerInfer file's (pjinfer.load.powerinfer.Predictors)
+    for the powerinfer row. The hybrid row builds its dense float32 model here; the engine then swaps its FFNs
+    (Engine.use_bundle)."""
+    if backend.neuron_rows:
+        stored = {k: v.map(_to_xla) if is_quantized(v) else v for k, v in weights.items()}
+        model = Transformer(config, stored)
+        return model, attach_powerinfer(model, config, stored, predictors, dense=predictors is None)
     if not backend.host:
         if any(is_quantized(w) for w in weights.values()):
             weights = float32_weights(weights)

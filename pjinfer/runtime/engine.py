@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import Iterator
 
 import jax
@@ -13,7 +14,7 @@ from flax import nnx
 from cpu_offload.batched_decode import BatchDecoder
 from cpu_offload.decoder import check_supported
 from pjinfer.config import ConfigError, ModelConfig
-from pjinfer.load import loader
+from pjinfer.load import loader, powerinfer
 from pjinfer.load.tokenizer import Tokenizer
 from pjinfer.offline.bundle import THRESHOLDS, Bundle
 from pjinfer.runtime import backends, batch, sparse
@@ -25,7 +26,8 @@ from pjinfer.runtime.sampling import Sampling
 
 class Engine:
     def __init__(self, config: ModelConfig, weights: dict, tokenizer: Tokenizer, *, source: str = "",
-                 weights_format: str = "float32", thresholds=None, hot_backend: str = "xla"):
+                 weights_format: str = "float32", thresholds=None, hot_backend: str = "xla", predictors=None,
+                 neuron_rows: bool = False):
         """weights: canonical weights (pjinfer.runtime.model), float32 arrays or quantized matrices
         (cpu_offload.qtensor), built into the backend (pjinfer.runtime.backends) that runs weights_format with
         `thresholds` and `hot_backend`.
@@ -41,8 +43,11 @@ class Engine:
         second copy of the layers); with "float32", hot_backend says where one-token products run: "xla" (dense
         products of the masked inputs) or "pallas" / "pallas-interpret" (pjinfer.runtime.gathered: the blocks held
         input-major, only the active inputs' rows read by the Pallas gather kernel). A predictor bundle's
-        hot_backend is use_bundle's."""
-        self.backend = backends.select(weights_format, None if thresholds is None else THRESHOLDS, hot_backend)
+        hot_backend is use_bundle's. neuron_rows: `weights` are a PowerInfer file's as the loader keeps them with
+        neuron_rows (weights_format "gguf"), run on the host with the file's `predictors`
+        (pjinfer.load.powerinfer.Predictors), or dense without them."""
+        rule = THRESHOLDS if thresholds is not None else backends.PREDICTORS if predictors is not None else None
+        self.backend = backends.select(weights_format, rule, hot_backend, neuron_rows=neuron_rows)
         backends.check_platform_runs(self.backend, weights_format, hot_backend)
         self.config = config
         self.tokenizer = tokenizer
@@ -51,7 +56,7 @@ class Engine:
         self.bundle = None        # the sparse bundle it runs: predictors (use_bundle) or thresholds (load)
         self.load_seconds = None  # set by load(): reading the file to a ready engine
         model, self.host = backends.build(self.backend, config, weights, weights_format, thresholds=thresholds,
-                                          hot_backend=hot_backend)
+                                          hot_backend=hot_backend, predictors=predictors)
         del weights   # the caller's float32 copies (if any) are not kept alive by this frame
         self.thresholds = thresholds
         self.hot_backend = hot_backend  # where hot neurons or one-token threshold products run
@@ -75,25 +80,34 @@ class Engine:
         if compile_cache:
             enable_compilation_cache()
         r = plan.request
-        config, tensors, tokenizer = loader.load(r.model, progress=progress, keep_q4_1=plan.weights == "q4_1",
-                                                 keep_blocks=plan.weights == "gguf")
-        if r.weights == "auto" and plan.backend.host:
+        model_path = Path(r.model) if r.model else loader.default_model_path()
+        predictors = None
+        if plan.backend.neuron_rows:
+            config, tensors, tokenizer = loader.load_gguf(model_path, progress=progress, keep_q4_1=True,
+                                                          keep_blocks=True, neuron_rows=True)
+            if plan.rule == backends.PREDICTORS:
+                predictors = powerinfer.read_predictors(loader.open_gguf(model_path), config, model_path)
+        else:
+            config, tensors, tokenizer = loader.load(model_path, progress=progress, keep_q4_1=plan.weights == "q4_1",
+                                                     keep_blocks=plan.weights == "gguf")
+        if r.weights == "auto" and plan.backend.host and not plan.backend.neuron_rows:
             try:
                 check_supported(config, tensors, plan.weights)
             except ConfigError as e:   # said, not silent: the slower path runs
                 print(f"pjinfer: running float32 weights: the {plan.weights} host decode cannot run this model ({e})",
                       file=sys.stderr)
                 plan = plan.on_float32()
-        source = str(r.model or loader.default_model_path())
+        source = str(model_path)
         thresholds = None
         if plan.rule == THRESHOLDS:
             thresholds = Bundle.open(r.bundle, source=source).thresholds(config)
         engine = cls(config, tensors, tokenizer, source=source, weights_format=plan.weights, thresholds=thresholds,
-                     hot_backend=r.hot_backend if thresholds is not None else "xla")
+                     hot_backend=r.hot_backend if thresholds is not None else "xla", predictors=predictors,
+                     neuron_rows=bool(plan.backend.neuron_rows))
         del tensors
         if thresholds is not None:
             engine.bundle = Bundle.open(r.bundle)
-        elif plan.rule == backends.PREDICTORS:
+        elif plan.rule == backends.PREDICTORS and r.bundle is not None:
             engine.use_bundle(r.bundle, hot_backend=r.hot_backend, cold_weights=r.cold_weights)
         engine.load_seconds = time.perf_counter() - start
         return engine
