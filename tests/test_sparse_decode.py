@@ -111,7 +111,7 @@ def test_bad_thresholds_are_refused():
                           (np.full((config.n_layers, 4), np.nan), "finite")):
         with pytest.raises(ConfigError, match=fragment):
             Engine(config, weights, None, weights_format="q4_1", thresholds=bad)
-    with pytest.raises(ConfigError, match="not int8"):
+    with pytest.raises(ConfigError, match="--weights int8 is the dense host decode"):
         Engine(config, weights, None, weights_format="int8", thresholds=np.zeros((config.n_layers, 4)))
 
 

@@ -117,9 +117,8 @@ def select(weights: str, rule: str | None = None, hot_backend: str = "xla", cold
         raise ConfigError(f"hot backend {hot_backend} runs a bundle's input thresholds or predictors, not dense "
                           f"{weights} weights")
     if weights in ("int8", "gguf"):
-        raise ConfigError(f"a sparse bundle runs with --weights q4_1 (its thresholds) or float32, not {weights}: "
-                          f"--weights {weights} is the dense host decode (--cold-weights int8 stores a predictor "
-                          "bundle's cold rows in 8 bits)")
+        raise ConfigError(f"--weights {weights} is the dense host decode; a sparse bundle takes --cold-weights int8 "
+                          "(predictors) or --weights q4_1 (thresholds)")
     if rule == PREDICTORS:
         raise ConfigError(f"a bundle's predictors run with --weights float32; --weights {weights} runs its thresholds")
     raise ConfigError(f"--hot-backend {hot_backend} runs a bundle's thresholds on float32 weights; "
@@ -201,6 +200,8 @@ def resolve(request: Request) -> Plan:
             if value != default:
                 raise ConfigError(f"{flag} {value} applies to a sparse bundle; give --bundle DIR")
     else:
+        if r.weights != "auto" and not any(b.rule and r.weights in b.weights for b in BACKENDS):
+            select(r.weights, THRESHOLDS)   # no sparse row runs these weights: said before any file is read
         model = Path(r.model) if r.model else loader.default_model_path()
         if not model.exists():
             raise ConfigError(f"model not found: {model}")

@@ -185,15 +185,17 @@ class Engine:
                  stop_ids=None, cache_len: int | None = None) -> list[int]:
         """stream()'s ids as a list, every decode step in one jitted call."""
         return list(self.stream(prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
-                                chunk=gen.bucket(max_new_tokens, gen.STREAM_CHUNK), cache_len=cache_len))
+                                chunk=None, cache_len=cache_len))
 
     def stream(self, prompt_ids, *, max_new_tokens: int = 64, sampling: Sampling = Sampling(), stop_ids=None,
-               chunk: int = gen.STREAM_CHUNK, cache_len: int | None = None) -> Iterator[int]:
+               chunk: int | None = gen.STREAM_CHUNK, cache_len: int | None = None) -> Iterator[int]:
         """Yields generated ids as they come (a final stop id dropped): the first from the prefill, then up to
-        `chunk` at a time, each chunk from one jitted loop of decode steps. The request is a batch of one in the
-        decode loop every request runs (pjinfer.runtime.batch). stop_ids: default the tokenizer's end ids, [] for
-        none. cache_len: at least what plan() gives (one executable for several max_new_tokens). Stopping early
-        wastes at most the rest of a chunk."""
+        `chunk` at a time (None: all of them), each chunk from one jitted loop of decode steps. The request is a
+        batch of one in the decode loop every request runs (pjinfer.runtime.batch). stop_ids: default the
+        tokenizer's end ids, [] for none. cache_len: at least what plan() gives (one executable for several
+        max_new_tokens). Stopping early wastes at most the rest of a chunk."""
+        _, planned = self.plan(len(prompt_ids), max_new_tokens)
+        cache_len = planned if cache_len is None else max(cache_len, planned)
         one = batch.Batch(self, 1)
         state = one.start(0, prompt_ids, max_new_tokens, sampling, stop_ids, cache_len=cache_len)
         new = [state.token]
@@ -204,7 +206,7 @@ class Engine:
                 yield token
             if state.remaining <= 0:
                 return
-            one.step([state], chunk)
+            one.step([state], chunk or cache_len)   # a chunk of the cache's length: one executable per cache
             new = state.new
 
     # ------------------------------------------------------------ scoring
