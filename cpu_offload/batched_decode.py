@@ -31,7 +31,7 @@ import ctypes
 import numpy as np
 from numba import carray, cfunc, njit, types
 
-from pjinfer.config import ConfigError
+from .contract import ConfigError
 
 from . import activation, attention, ffi, host_decode, int8, kernels, q4, q4_gemm, tables, team, vector_ir
 from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F16, DT_F32, DT_S32,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pjinfer.config import ConfigError
+from .contract import ConfigError
 
 # ggml type number -> (name, weights per block, bytes per block)
 KINDS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),

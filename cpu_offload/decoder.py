@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pjinfer.config import ConfigError
+from .contract import ConfigError
 
 from . import ffi, kernels, q4, quants, tables, team
 from .ffi import RUNTIME_ADDR

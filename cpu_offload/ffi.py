@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-from pjinfer.config import ConfigError
+from .contract import ConfigError
 
 from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
 

@@ -51,7 +51,7 @@ def add_commands(command) -> None:
 
 
 def cmd_profile(args):
-    from pjinfer.activations import EXACT_ZERO
+    from cpu_offload.activation import EXACT_ZERO
     from pjinfer.load import data
     from pjinfer.offline import stages
     from pjinfer.progress import Progress

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pjinfer.activations import EXACT_ZERO
+from cpu_offload.activation import EXACT_ZERO
 from pjinfer.config import THRESHOLD_INPUTS, ConfigError
 from pjinfer.offline import profile as prof
 from pjinfer.offline import teal
