@@ -10,7 +10,7 @@ import pytest
 
 from pjinfer.config import ConfigError
 from pjinfer.load import powerinfer
-from pjinfer.offline.bundle import Bundle
+from pjinfer.load.bundle import Bundle
 from pjinfer.offline.powerinfer import predictor_state
 from tests.conftest import tiny_config
 

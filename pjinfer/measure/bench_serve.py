@@ -28,7 +28,7 @@ import time
 import httpx
 from tqdm import tqdm
 
-from pjinfer.cli.common import positive_int
+from pjinfer.arguments import positive_int
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The best way to learn is",
            "Water boils at", "My favourite animal is", "In 1492,", "The opposite of hot is"]

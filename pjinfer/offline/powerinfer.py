@@ -15,8 +15,8 @@ import numpy as np
 
 from pjinfer.config import ConfigError
 from pjinfer.load import powerinfer
+from pjinfer.load.bundle import Bundle, model_record
 from pjinfer.load.loader import gguf_header
-from pjinfer.offline.bundle import Bundle, model_record
 
 
 def predictor_state(fc1: np.ndarray, fc2: np.ndarray, threshold: float) -> dict:

@@ -9,9 +9,9 @@ import numpy as np
 
 from cpu_offload.activation import EXACT_ZERO
 from pjinfer.config import THRESHOLD_INPUTS, ConfigError
+from pjinfer.load.bundle import THRESHOLDS, Bundle, model_record
 from pjinfer.offline import profile as prof
 from pjinfer.offline import teal
-from pjinfer.offline.bundle import THRESHOLDS, Bundle, model_record
 from pjinfer.runtime.engine import Engine
 from pjinfer.runtime.model import KVCache
 
