@@ -24,6 +24,8 @@ model.
 """
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .contract import ConfigError
@@ -53,9 +55,6 @@ def _np_f16(lo, hi):
 
 
 def _jnp_f16(lo, hi):
-    import jax
-    import jax.numpy as jnp
-
     bits = lo.astype(jnp.uint16) | (hi.astype(jnp.uint16) << 8)
     return jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import kernels, tables
@@ -151,9 +153,6 @@ class ColdFFN:
         out_init: optional f32 array shaped like x whose buffer XLA reuses for the result (input_output_aliases).
         Its values are ignored; tests pass NaNs to check the handler overwrites rather than accumulates.
         """
-        import jax
-        import jax.numpy as jnp
-
         if self.closed:
             raise RuntimeError("ColdFFN is closed")
         if isinstance(layer, (int, np.integer)) and not 0 <= int(layer) < self.n_layers:
@@ -183,9 +182,6 @@ class ColdFFN:
 
     def masked(self, layer, x, mask):
         """y f32 [N, d]: token b's sum over the cold rows n of `layer` with mask[b, n] (bool [N, n_cold(layer)])."""
-        import jax
-        import jax.numpy as jnp
-
         if self.closed:
             raise RuntimeError("ColdFFN is closed")
         if not isinstance(layer, (int, np.integer)) or not 0 <= int(layer) < self.n_layers:

@@ -21,6 +21,7 @@ import dataclasses
 import re
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 from pjinfer.config import ConfigError, ModelConfig
@@ -56,8 +57,6 @@ def _by_layer(reader, names: tuple) -> dict:
 
 
 def _float32(t, path: Path) -> np.ndarray:
-    import gguf
-
     try:
         return np.asarray(gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.type)), np.float32)
     except Exception as e:

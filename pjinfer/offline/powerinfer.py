@@ -17,6 +17,7 @@ from pjinfer.config import ConfigError
 from pjinfer.load import powerinfer
 from pjinfer.load.bundle import Bundle, model_record
 from pjinfer.load.loader import gguf_header
+from pjinfer.offline.stages import table
 
 
 def predictor_state(fc1: np.ndarray, fc2: np.ndarray, threshold: float) -> dict:
@@ -48,8 +49,6 @@ def read(model: Path, gpu_index=None):
 def run_import(model, bundle_path, *, gpu_index=None, out=print) -> Bundle:
     """Check the file (and GPU index) completely, then write the bundle's predictors stage and, when there is a
     placement, its placement stage; print a per-layer table."""
-    from pjinfer.offline.stages import table
-
     model = Path(model)
     config, predictors, hot, hot_from = read(model, gpu_index)
     bundle = Bundle.create(bundle_path, model=model_record(config, model))
