@@ -16,7 +16,7 @@ import mmap
 import struct
 from pathlib import Path
 
-import gguf
+import gguf  # block sizes of the quantized types
 import numpy as np
 
 MAGIC = b"GGUF"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from safetensors.flax import load_file
+from safetensors.flax import load_file  # via jax: reads bf16 checkpoints too
 
 from cpu_offload.blocks import BY_NAME, KINDS
 from cpu_offload.decoder import int8_from_q8_0
@@ -302,7 +302,6 @@ def _gguf_weight(t, name: str, config: ModelConfig, path: Path, *, permuted: boo
         return QBlocks(_unpermute_rope(t.data, heads) if rope_rows else aligned(t.data), t.shape[1], t.type)
     if keep_q4_1 and t.type == GGML_Q8_0 and name == ("embed" if config.tie_embeddings else "lm_head"):
         # The output head: int8 on the host decode path, converted block by block without a float32 copy.
-
         return int8_from_q8_0(t.data, t.shape[1])
     if keep_q4_1 and t.type == GGML_Q4_1 and len(t.shape) == 2:
         # uint8 [rows, row bytes]; w_down_t stays [d, d_ff], the file's layout
