@@ -151,6 +151,11 @@ def test_the_pending_arrows_are_still_there():
     assert not gone, f"remove from PENDING: {gone}"
 
 
+def test_only_the_files_being_rewritten_use_the_bundles_old_home():
+    users = {m for m, targets in module_graph().items() if "pjinfer.offline.bundle" in targets}
+    assert users <= {"pjinfer.runtime.engine", "pjinfer.cli.common"}, users
+
+
 def test_the_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
