@@ -1,6 +1,8 @@
-"""The FFN activations in Numba, for every host kernel: ``act(g, u, code)`` for one neuron and ``act_span(gate, up,
-lo, hi, code)`` for a range of them in place, ``code`` being pjinfer.activations' (swiglu 0, geglu 1, reglu 2,
-drelu 3, relu 4).
+"""The FFN activations, in one place: each one's name, its code (the Numba kernels' switch value), whether it is
+gated (act(gate) and up) and whether an inactive neuron is exactly zero (the ReLU family, where skipping it is exact),
+with every form of it: JAX (``activate``: the model, the Pallas kernels), a float64 numpy reference (``reference``:
+the tests), and Numba for every host kernel: ``act(g, u, code)`` for one neuron and ``act_span(gate, up, lo, hi,
+code)`` for a range of them in place.
 
 SwiGLU's exp is written as LLVM IR (``emit_swiglu``), once for a float and once for 16 lanes with the same operations
 lane by lane, so act_span computes 16 neurons per pass and every path (the dense and batched decode, the sparse
@@ -9,10 +11,12 @@ Numba, one neuron at a time, was most of the SwiGLU stage's time in the batched 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from llvmlite import ir  # noqa: E402
 from numba import njit, types  # noqa: E402
@@ -20,9 +24,68 @@ from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import ffi, vector_ir  # noqa: E402
+from .contract import ConfigError  # noqa: E402
 from .vector_ir import strict  # noqa: E402
 
 ffi.purge_stale_cache("activation", vector_ir)  # strict's flags are compiled into this module's cached functions
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    name: str
+    code: int            # the Numba kernels' switch value
+    gated: bool          # act(gate) * up (drelu: relu(gate) * relu(up)); else act(up) alone (OPT's fc1 + ReLU)
+    exact_zero: bool     # inactive neurons are exactly zero
+
+
+ACTIVATIONS = {a.name: a for a in (
+    Activation("swiglu", 0, gated=True, exact_zero=False),
+    Activation("geglu", 1, gated=True, exact_zero=False),     # GELU's tanh approximation
+    Activation("reglu", 2, gated=True, exact_zero=True),
+    Activation("drelu", 3, gated=True, exact_zero=True),
+    Activation("relu", 4, gated=False, exact_zero=True),
+)}
+GATED = tuple(n for n, a in ACTIVATIONS.items() if a.gated)
+EXACT_ZERO = tuple(n for n, a in ACTIVATIONS.items() if a.exact_zero)
+
+
+def get(name: str) -> Activation:
+    """The activation called `name`; a ConfigError naming the known ones otherwise."""
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ConfigError(f"unknown activation {name!r} (known: {', '.join(ACTIVATIONS)})") from None
+
+
+def activate(name: str, gate, up):
+    """JAX: the per-neuron activation of an FFN (`gate` is None for an ungated one)."""
+    code = get(name).code
+    if code == 0:
+        return jax.nn.silu(gate) * up
+    if code == 1:
+        return jax.nn.gelu(gate, approximate=True) * up
+    if code == 2:
+        return jax.nn.relu(gate) * up
+    if code == 3:
+        return jax.nn.relu(gate) * jax.nn.relu(up)
+    return jax.nn.relu(up)
+
+
+def reference(name: str, gate: np.ndarray | None, up: np.ndarray) -> np.ndarray:
+    """numpy, float64: the same activation, computed plainly."""
+    code = get(name).code
+    g = None if gate is None else np.asarray(gate, np.float64)
+    u = np.asarray(up, np.float64)
+    if code == 0:
+        return g / (1.0 + np.exp(-g)) * u
+    if code == 1:
+        return 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3))) * u
+    if code == 2:
+        return np.maximum(g, 0.0) * u
+    if code == 3:
+        return np.maximum(g, 0.0) * np.maximum(u, 0.0)
+    return np.maximum(u, 0.0)
+
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 _F0 = np.float32(0.0)
@@ -98,7 +161,7 @@ def _swiglu16(typingctx, gate, up):
 
 @njit(inline="always", **_JIT)
 def act(g, u, code):
-    """The activation of pjinfer.activations with this `code`, in Numba (float32)."""
+    """The activation with this `code` (ACTIVATIONS), in Numba (float32)."""
     if code == 0:  # swiglu
         return _swiglu(np.float32(g), np.float32(u))
     if code == 1:  # geglu (tanh approximation)

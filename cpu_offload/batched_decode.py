@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import ctypes
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from numba import carray, cfunc, njit, types
 
-from pjinfer.config import ConfigError
+from .contract import ConfigError
 
 from . import activation, attention, ffi, host_decode, int8, kernels, q4, q4_gemm, tables, team, vector_ir
 from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F16, DT_F32, DT_S32,
@@ -390,8 +392,6 @@ class BatchDecoder:
     def layer(self, layer: int, x, pos, k_cache, v_cache):
         """Layer `layer` for the batch: x [B, ..., d] (B * d elements), pos int32 [B] (-1: empty slot), caches
         [B, S, KV, hd] -> (x out, caches with each live slot's position written, in place when XLA donates)."""
-        import jax.numpy as jnp
-
         if pos.shape != (self.max_batch,):
             raise ConfigError(f"x must be [{self.max_batch}, {self.config.d_model}] and pos [{self.max_batch}], got "
                               f"{x.shape} and {pos.shape}")
@@ -402,17 +402,12 @@ class BatchDecoder:
         start..start+count-1 (count <= B, start + count <= span), caches [S, KV, hd] (leading 1s allowed) ->
         (x out, caches with those positions written). Each token attends to the positions before it, the prompt's
         own included, and gets the single-token decoder's numbers."""
-        import jax.numpy as jnp
-
         return self._layer_call(layer, (jnp.asarray(start, jnp.int32), jnp.asarray(count, jnp.int32)), x, k_cache,
                                 v_cache)
 
     def _layer_call(self, layer: int, ints, x, k_cache, v_cache):
         """The handler's layer or prompt form (told apart by its operand count): (layer, *ints, x, k, v) -> (x
         out, k, v), the caches aliased to the last two operands."""
-        import jax
-        import jax.numpy as jnp
-
         c = self.config
         if not 0 <= int(layer) < c.n_layers:
             raise ConfigError(f"layer {layer} out of range [0, {c.n_layers})")
@@ -427,9 +422,6 @@ class BatchDecoder:
     def woken(self):
         """Inside jit: int32 [], nonzero once wake() was called (since the last clear_wake()). Side-effecting, so
         XLA reads it where it stands, every time (in a loop of steps: after each)."""
-        import jax
-        import jax.numpy as jnp
-
         call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True)
         return call(table=np.int64(self.table))
 
@@ -442,9 +434,6 @@ class BatchDecoder:
 
     def head(self, hidden, pos):
         """hidden [B, d] -> logits [B, vocab] (int8 head; zeros where pos < 0)."""
-        import jax
-        import jax.numpy as jnp
-
         c = self.config
         if hidden.shape != (self.max_batch, c.d_model):
             raise ConfigError(f"hidden must be [{self.max_batch}, {c.d_model}], got {hidden.shape}")

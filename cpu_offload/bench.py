@@ -12,8 +12,16 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from types import SimpleNamespace
 
-import numpy as np
+from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+
+from . import bridge, cold_handler, kernels  # noqa: E402
 
 
 def _median_time(fn, repeats: int, inner: int = 1) -> float:
@@ -32,13 +40,6 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="fewer repeats")
     args = ap.parse_args(argv)
     reps = 5 if args.quick else 15
-
-    from types import SimpleNamespace
-
-    import jax
-    import numba
-
-    from . import bridge
 
     print(f"numba {numba.__version__} layer {numba.config.THREADING_LAYER} threads {numba.config.NUMBA_NUM_THREADS}"
           f" | jax {jax.__version__} | load average {os.getloadavg()}")
@@ -60,11 +61,6 @@ def main(argv=None) -> None:
 
 def call_overhead(setup, reps: int) -> None:
     """(a) What one bridge call costs inside jit, against pure_callback, and whether dispatch stays async."""
-    import jax
-    import jax.numpy as jnp
-
-    from . import kernels
-
     d, c, active, n_layers, ws, x0, ids, cold, nbytes = (setup.d, setup.c, setup.active, setup.n_layers, setup.ws,
                                                          setup.x0, setup.ids, setup.cold, setup.nbytes)
     # (a) overhead per call, count 0: a fori_loop of N dependent calls, minus the same loop without the call.
@@ -120,8 +116,6 @@ def call_overhead(setup, reps: int) -> None:
 
 def kernel_bandwidth(setup, reps: int) -> None:
     """(b) The cold-neuron kernel called directly: GB/s cache-hot and from DRAM."""
-    from . import kernels
-
     d, c, active, n_layers, ws, x0, ids, cold, nbytes = (setup.d, setup.c, setup.active, setup.n_layers, setup.ws,
                                                          setup.x0, setup.ids, setup.cold, setup.nbytes)
     # (b) kernel bandwidth, direct calls
@@ -141,11 +135,6 @@ def kernel_bandwidth(setup, reps: int) -> None:
 
 def bridge_token(setup, reps: int) -> None:
     """(c) A 30-layer token through the bridge in one jitted function, against callbacks and direct calls."""
-    import jax
-    import jax.numpy as jnp
-
-    from . import cold_handler, kernels
-
     d, c, active, n_layers, ws, x0, ids, cold, nbytes = (setup.d, setup.c, setup.active, setup.n_layers, setup.ws,
                                                          setup.x0, setup.ids, setup.cold, setup.nbytes)
     x_dev = jnp.asarray(x0)
@@ -209,11 +198,6 @@ def bridge_token(setup, reps: int) -> None:
 
 def sorted_ids_and_async(setup, reps: int, token, counts, x_dev) -> None:
     """(c, cont.) The same token with its active ids sorted, and whether async dispatch is kept."""
-    import jax
-    import jax.numpy as jnp
-
-    from . import cold_handler
-
     ids, cold, n_layers, nbytes = setup.ids, setup.cold, setup.n_layers, setup.nbytes
     saved_threads = cold_handler.get_num_threads()
     ids_sorted = jnp.asarray(np.sort(ids, axis=1))

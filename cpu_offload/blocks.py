@@ -24,9 +24,11 @@ model.
 """
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from pjinfer.config import ConfigError
+from .contract import ConfigError
 
 # ggml type number -> (name, weights per block, bytes per block)
 KINDS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
@@ -53,9 +55,6 @@ def _np_f16(lo, hi):
 
 
 def _jnp_f16(lo, hi):
-    import jax
-    import jax.numpy as jnp
-
     bits = lo.astype(jnp.uint16) | (hi.astype(jnp.uint16) << 8)
     return jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
 

@@ -20,14 +20,15 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from pjinfer import activations
-from pjinfer.config import COLD_WEIGHTS, ConfigError
-
 from . import kernels, tables
+from .activation import ACTIVATIONS
 from .cold_handler import (H_ACT, H_D, H_ID, H_MAGIC, H_NLAYERS, H_RUNTIME, H_TABLE, MAGIC_ALIVE, T_BIAS, T_DOWN,
                            T_GATE, T_NCOLD, T_SCALES, T_UP, T_WIDTH, TARGET_NAME, cold_ffn_locked, register, retire)
+from .contract import COLD_WEIGHTS, ConfigError
 from .ffi import RUNTIME_ADDR as _RUNTIME_ADDR
 from .kernels import act_code as _act_code
 
@@ -48,7 +49,7 @@ class ColdFFN:
     Args (one entry per layer; row j of every array is cold neuron j of that layer):
       w_up: [C_l, d] float32 arrays.   w_down_t: [C_l, d] (down projection, transposed).
       w_gate: [C_l, d] arrays, or None for activation "relu" (ungated).   b_up: [C_l] arrays or None.
-      activation: a name in pjinfer.activations.ACTIVATIONS.
+      activation: a name in cpu_offload.activation.ACTIVATIONS.
       cold_ids: optional per-layer int arrays: the dense neuron id of each cold row (kept for cold_position).
       weights: "float32" keeps the rows as given; "int8" stores them as int8 with a float32 scale per block of
         64 (kernels.quantize_rows): 17/64 of the bytes to read.
@@ -60,8 +61,8 @@ class ColdFFN:
                  weights: str = "float32"):
         if weights not in COLD_WEIGHTS:
             raise ConfigError(f"weights must be one of {COLD_WEIGHTS}, got {weights!r}")
-        code = _act_code(activation)
-        gated = activations.get(activation).gated
+        code = _act_code(activation)           # a ConfigError for an unknown name
+        gated = ACTIVATIONS[activation].gated
         n_layers = len(w_up)
         if n_layers == 0 or len(w_down_t) != n_layers:
             raise ConfigError("need one w_up and one w_down_t per layer (at least one layer)")
@@ -152,9 +153,6 @@ class ColdFFN:
         out_init: optional f32 array shaped like x whose buffer XLA reuses for the result (input_output_aliases).
         Its values are ignored; tests pass NaNs to check the handler overwrites rather than accumulates.
         """
-        import jax
-        import jax.numpy as jnp
-
         if self.closed:
             raise RuntimeError("ColdFFN is closed")
         if isinstance(layer, (int, np.integer)) and not 0 <= int(layer) < self.n_layers:
@@ -184,9 +182,6 @@ class ColdFFN:
 
     def masked(self, layer, x, mask):
         """y f32 [N, d]: token b's sum over the cold rows n of `layer` with mask[b, n] (bool [N, n_cold(layer)])."""
-        import jax
-        import jax.numpy as jnp
-
         if self.closed:
             raise RuntimeError("ColdFFN is closed")
         if not isinstance(layer, (int, np.integer)) or not 0 <= int(layer) < self.n_layers:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from pjinfer.config import ConfigError
+from .contract import ConfigError
 
 from . import activation, ffi, kernels, tables, vector_ir
 from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F32, DT_PRED, DT_S32,

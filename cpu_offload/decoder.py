@@ -16,9 +16,12 @@ weights live as long as the HostDecoder (a jitted function holding the model hol
 """
 from __future__ import annotations
 
+import gguf
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from pjinfer.config import ConfigError
+from .contract import ConfigError
 
 from . import ffi, kernels, q4, quants, tables, team
 from .ffi import RUNTIME_ADDR
@@ -138,8 +141,6 @@ def _stored_float32(name: str, w) -> np.ndarray:
 
 def _q8_0(values: np.ndarray) -> QBlocks:
     """float32 [rows, cols] as Q8_0 blocks (gguf's quantizer, llama.cpp's rule)."""
-    import gguf
-
     q = gguf.quants.quantize(np.ascontiguousarray(values, np.float32), gguf.GGMLQuantizationType.Q8_0)
     return QBlocks(q, values.shape[1], gguf.GGMLQuantizationType.Q8_0.value)
 
@@ -267,9 +268,6 @@ class HostDecoder:
         """Decoder layer `layer` for one token: (x [..., d] with d elements, position, float16 caches
         [1, S, KV, hd]) -> (x out, caches with position pos written). The caches are updated in place when XLA can
         donate them."""
-        import jax
-        import jax.numpy as jnp
-
         if not 0 <= int(layer) < self.config.n_layers:
             raise ConfigError(f"layer {layer} out of range [0, {self.config.n_layers})")
         if x.size != self.config.d_model:
@@ -284,9 +282,6 @@ class HostDecoder:
 
     def head(self, hidden):
         """hidden [d] -> logits [vocab] from the output head."""
-        import jax
-        import jax.numpy as jnp
-
         if hidden.shape != (self.config.d_model,):
             raise ConfigError(f"hidden must be [{self.config.d_model}], got {hidden.shape}")
         call = jax.ffi.ffi_call(self.target, jax.ShapeDtypeStruct((self.config.vocab_size,), jnp.float32))

@@ -15,14 +15,16 @@ import hashlib
 import os
 import threading
 
+import jax
 import numpy as np
 
-from pjinfer.config import ConfigError
+from .contract import ConfigError
 
 from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
 
 from llvmlite import ir  # noqa: E402
 from numba import njit, types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 FFI_API_VERSION = (0, 3)  # the xla/ffi/api/c_api.h version the handlers were written against
@@ -300,8 +302,6 @@ def make_error(typingctx, api, errc, message):
         return None
 
     def codegen(context, builder, sig, args):
-        from numba.core import cgutils
-
         api_, errc_, msg_ = args
         errc_ = context.cast(builder, errc_, sig.args[1], types.int32)
         msg_ = context.cast(builder, msg_, sig.args[2], types.int64)
@@ -465,7 +465,6 @@ def register(name: str, handler) -> None:
     with _register_lock:
         if name in _registered:
             return
-        import jax
 
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler.address), platform="cpu")
         _registered.add(name)

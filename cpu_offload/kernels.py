@@ -8,7 +8,7 @@ active list ``ids[:count]`` (indices into the C rows, any order):
 
     out = sum_k act(w_gate[n_k] . x, w_up[n_k] . x + b_up[n_k]) * w_down_t[n_k]
 
-Activations: ``act`` (cpu_offload.activation) is pjinfer.activations' table in Numba, selected by code (swiglu
+Activations: ``act`` (cpu_offload.activation) is the activations' table in Numba, selected by code (swiglu
 silu(g)*u, geglu gelu_tanh(g)*u, reglu relu(g)*u, drelu relu(g)*relu(u), relu relu(u), whose ``w_gate`` may be
 empty, shape [0, d]). ``b_up`` is optional for every activation (pass an empty [0] array for none); OPT's fc1 bias
 is the "relu" case.
@@ -34,14 +34,13 @@ from . import _numba  # noqa: F401  (the threading layer and the BLAS check, bef
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pjinfer import activations  # noqa: E402  (a bottom-level module: the activations' one home)
 from llvmlite import ir  # noqa: E402
 from numba import njit, prange, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import activation, ffi, vector_ir  # noqa: E402
-from .activation import act  # noqa: E402
+from .activation import act, get as activation_named, reference as activation_reference  # noqa: E402
 
 ffi.purge_stale_cache("kernels", activation, vector_ir)  # act's IR is compiled into this module's cached functions
 
@@ -342,7 +341,7 @@ def cold_ffn(x, w_gate, w_up, w_down_t, b_up, scales, ids, count, act_code, out)
 
 
 def act_code(activation: str) -> int:
-    return activations.get(activation).code
+    return activation_named(activation).code
 
 
 def empty_gate(d: int) -> np.ndarray:
@@ -411,7 +410,7 @@ def cold_ffn_ref(x, w_gate, w_up, w_down_t, b_up, ids, count, activation) -> np.
         u = u + np.asarray(b_up, np.float64)[ids]
     gated = w_gate is not None and np.asarray(w_gate).shape[0] > 0
     g = np.asarray(w_gate, np.float64)[ids] @ x if gated else np.zeros_like(u)
-    a = activations.reference(activation, g, u)
+    a = activation_reference(activation, g, u)
     return (a @ np.asarray(w_down_t, np.float64)[ids]).astype(np.float32)
 
 
@@ -422,7 +421,7 @@ def dense_ffn_ref(x, w_gate, w_up, w_down_t, b_up, activation) -> np.ndarray:
     if b_up is not None and np.asarray(b_up).size:
         u = u + np.asarray(b_up, np.float64)
     g = np.asarray(w_gate, np.float64) @ x if activation != "relu" else np.zeros_like(u)
-    return (activations.reference(activation, g, u) @ np.asarray(w_down_t, np.float64)).astype(np.float32)
+    return (activation_reference(activation, g, u) @ np.asarray(w_down_t, np.float64)).astype(np.float32)
 
 
 def _start_numba_threads() -> None:

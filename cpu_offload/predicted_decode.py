@@ -27,7 +27,7 @@ from .ffi import (CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, ERRC_INVALID_ARGUMENT, N
                   make_error, ptr_f32, ptr_i32, ptr_u8, store_i64, unlock)
 from .qtensor import aligned_zeros
 from .host_decode import H_D, H_FF, H_MAGIC, H_RUNTIME, H_TASK, H_TEAM, K_LAYER, K_STAGE, ST_ATTN, ST_HEAD, ST_O, ST_QKV
-from pjinfer.config import ConfigError
+from .contract import ConfigError
 
 from numba import carray, cfunc, njit, types  # noqa: E402
 

@@ -38,7 +38,7 @@ from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import activation, blocks, ffi, kernels, quants  # noqa: E402
-from pjinfer.config import ConfigError  # noqa: E402
+from .contract import ConfigError  # noqa: E402
 from .activation import act  # noqa: E402
 from .kernels import prefetch  # noqa: E402
 
@@ -47,7 +47,7 @@ ffi.purge_stale_cache("predicted_ffn", activation, blocks, kernels, quants)
 F32, F16 = 0, 1
 # ggml type number -> (name, weights per block, bytes per block): the float rows, then quants.py's block types.
 KINDS = {F32: ("F32", 32, 128), F16: ("F16", 32, 64)} | blocks.KINDS
-RELU_GATED = (2, 3)   # activation codes (pjinfer.activations) whose activation is 0 wherever the gate is <= 0
+RELU_GATED = (2, 3)   # activation codes (cpu_offload.activation) whose activation is 0 wherever the gate is <= 0
 _F0 = np.float32(0.0)
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 KINDS_BLOCK = np.zeros(16, np.int64)   # weights per block by type number, as a table Numba code can index

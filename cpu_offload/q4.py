@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from pjinfer.config import ConfigError
+from .contract import ConfigError
 
 from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
 
 from llvmlite import ir  # noqa: E402
 from numba import njit, types  # noqa: E402
-from numba.core import cgutils  # noqa: E402
+from numba.core import cgutils, config  # noqa: E402
+from numba.core.codegen import get_host_cpu_features  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import ffi, kernels, vector_ir  # noqa: E402
@@ -90,8 +91,6 @@ def dequantize(blocks: np.ndarray, cols: int) -> np.ndarray:
 
 def _has_avx512f() -> bool:
     """Whether Numba compiles for a CPU with AVX-512F (its vpermps picks 16 floats by 4-bit index)."""
-    from numba.core import config
-    from numba.core.codegen import get_host_cpu_features
     features = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
     return "+avx512f" in features.split(",")
 

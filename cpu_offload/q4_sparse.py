@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pjinfer.config import ConfigError
+from .contract import ConfigError
 
 from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
 

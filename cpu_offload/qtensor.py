@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-from pjinfer.config import ConfigError
+from .contract import ConfigError
 
 from . import blocks
 

@@ -42,7 +42,7 @@ from .host_decode import (H_EPS, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS, H_RUN
 from .activation import act_span
 from .q4 import BLOCK
 from .qtensor import Int8Tensor
-from pjinfer.config import THRESHOLD_INPUTS, ConfigError
+from .contract import THRESHOLD_INPUTS, ConfigError
 
 from numba import carray, cfunc, njit, types  # noqa: E402
 

@@ -28,7 +28,7 @@ import threading
 
 import numpy as np
 
-from pjinfer.config import ConfigError
+from .contract import ConfigError
 
 from . import ffi
 from .ffi import (NOJIT, RUNTIME, R_YIELD, call_void0, load_acquire_i64, load_i64, store_i64,

@@ -19,9 +19,15 @@ gather.default_block_d and gather.default_n_split make), for tuning those defaul
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
+
+from pallas_kernels import gather, gather_matvec, hot_ffn
 
 SHAPES = {  # name -> (d, d_ff, q/k/v outputs): Llama-2-7B's layer, SmolLM2-135M's
     "7b": (4096, 11008, 3 * 4096),
@@ -31,7 +37,7 @@ MATVEC_SHARES = (1.0, 0.7, 0.5, 0.3, 0.1)
 FFN_SHARES = (1.0, 0.5, 0.2, 0.1)
 
 
-def copy_rate(jax, jnp, calls: int) -> float:
+def copy_rate(calls: int) -> float:
     """Bytes read plus written per second by a jitted ``a * 2`` over 1 GiB of float32 (64 MiB in interpret runs)."""
     n = (1 << 28) if jax.default_backend() == "gpu" else (1 << 24)
     a = jnp.ones((n,), jnp.float32)
@@ -47,8 +53,6 @@ def copy_rate(jax, jnp, calls: int) -> float:
 def looped(fn, calls: int):
     """jit(x, *rest): `calls` applications of fn(x, *rest) in one lax.fori_loop, so that no call pays Python's
     dispatch; each call's x moves by its last output (times 1e-30), so XLA cannot hoist the call out of the loop."""
-    import jax
-
     def run(x, *rest):
         return jax.lax.fori_loop(0, calls, lambda _, x: x + 1e-30 * fn(x, *rest)[0], x)
     return jax.jit(run)
@@ -104,31 +108,25 @@ def main(argv=None) -> None:
     if args.pairs < 1 or args.calls < 1:
         ap.error("--pairs and --calls must be at least 1")
 
-    import jax
-    import jax.numpy as jnp
-    from tqdm import tqdm
-
     if not args.interpret and jax.default_backend() != "gpu":
         raise SystemExit(f"pallas_kernels.bench: compiled kernels need a GPU and JAX here runs on "
                          f"{jax.default_backend()}; --interpret checks the command in interpret mode")
     d, f, n_qkv = SHAPES[args.shapes]
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.shapes} layer (d {d}, d_ff {f}); "
           f"{args.pairs} pairs x {args.calls} calls{'; interpret mode: not timings' if args.interpret else ''}")
-    print(f"copy rate (a * 2, read + written): {copy_rate(jax, jnp, args.calls) / 1e9:.0f} GB/s")
+    print(f"copy rate (a * 2, read + written): {copy_rate(args.calls) / 1e9:.0f} GB/s")
     rng = np.random.default_rng(0)
     matrices = {"qkv": (d, n_qkv), "o": (d, d), "gate+up": (d, 2 * f), "down": (f, d)}
     if args.sweep:
-        sweep(jax, jnp, matrices, rng, args)
+        sweep(matrices, rng, args)
     with tqdm(total=len(matrices) * len(MATVEC_SHARES) + len(FFN_SHARES), desc="cases", unit="case") as bar:
-        lines = matvec_cases(jax, jnp, matrices, rng, args, bar) + ffn_cases(jax, jnp, d, f, rng, args, bar)
+        lines = matvec_cases(matrices, rng, args, bar) + ffn_cases(d, f, rng, args, bar)
     print("matrix  active kernel us  dense us   dense/kernel (range)  kernel GB/s  dense GB/s")
     print("\n".join(lines))
 
 
-def matvec_cases(jax, jnp, matrices, rng, args, bar) -> list[str]:
+def matvec_cases(matrices, rng, args, bar) -> list[str]:
     """gather_matvec against jnp.dot on each matrix at each of MATVEC_SHARES: a row each."""
-    from pallas_kernels import gather_matvec
-
     kernel = jax.jit(lambda x, w, ids, c: gather_matvec(x, w, ids, c, interpret=args.interpret))
     dense = jax.jit(jnp.dot)
     lines = []
@@ -149,10 +147,8 @@ def matvec_cases(jax, jnp, matrices, rng, args, bar) -> list[str]:
     return lines
 
 
-def ffn_cases(jax, jnp, d, f, rng, args, bar) -> list[str]:
+def ffn_cases(d, f, rng, args, bar) -> list[str]:
     """hot_ffn (SwiGLU) against the dense gate, up and down products at each of FFN_SHARES: a row each."""
-    from pallas_kernels import hot_ffn
-
     kernel = jax.jit(lambda x, g, u, dn, ids, c: hot_ffn(x, g, u, dn, ids, c, activation="swiglu",
                                                          interpret=args.interpret))
     dense = jax.jit(lambda x, g, u, dn: jnp.dot(jax.nn.silu(g @ x) * (u @ x), dn))
@@ -178,16 +174,9 @@ def ffn_cases(jax, jnp, d, f, rng, args, bar) -> list[str]:
 SWEEP = {"block_k": (16, 32, 64), "block_d": (128, 256), "n_split": (1, 4, 16, 64)}
 
 
-def sweep(jax, jnp, matrices, rng, args) -> None:
+def sweep(matrices, rng, args) -> None:
     """gather_matvec at half the inputs active, every combination of SWEEP per matrix: us per call (median of
     three looped timings), then each matrix's fastest and the defaults' time."""
-    import itertools
-
-    from tqdm import tqdm
-
-    from pallas_kernels import gather
-    from pallas_kernels.gather import gather_matvec
-
     combos = list(itertools.product(*SWEEP.values()))
     print(f"sweep: gather_matvec, 50% active, us per call for block_k x block_d x n_split in {SWEEP}")
     for name, (n_in, n_out) in matrices.items():

@@ -20,9 +20,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from cpu_offload.activation import ACTIVATIONS, GATED, activate  # the activations' one home, shared with the model
 from pallas_kernels.gather import (default_block_d, drop_aliased_input, gathered_rows, is_pow2, pad_ids,
                                           split_for, sum_parts)
-from pjinfer.activations import ACTIVATIONS, GATED, activate  # the activations' one home, shared with the model
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,11 @@
-"""One dataclass that describes a decoder-only transformer, whatever checkpoint it came from."""
+"""One dataclass that describes a decoder-only transformer, whatever checkpoint it came from, and the settings'
+choices. A bottom-level module: every layer of the app may import it. The error class, the threshold inputs and the
+cold rows' formats are cpu_offload.contract's, re-exported here: the kernels raise and read the same ones."""
 from __future__ import annotations
 
 import dataclasses
+
+from cpu_offload.contract import COLD_WEIGHTS, THRESHOLD_INPUTS, ConfigError  # noqa: F401  (shared with the kernels)
 
 ARCHITECTURES = ("llama", "opt")
 # Gated FFNs compute act(gate) * up (drelu: relu(gate) * relu(up)); "relu" is OPT's plain fc1 + ReLU.
@@ -16,22 +20,13 @@ WEIGHT_FORMATS = ("float32", "int8", "q4_1", "gguf")
 WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)
 
 
-# A predictor bundle's engine (pjinfer.runtime.sparse): where hot neurons run, and how cold rows are stored in host
-# memory (cpu_offload.bridge). With a bundle's thresholds on float32 weights the same choice says where one-token
-# products run: xla (dense masked products) or the Pallas gather kernels (pjinfer.runtime.gathered).
+# A predictor bundle's engine (pjinfer.runtime.sparse): where hot neurons run; its cold rows' formats are COLD_WEIGHTS
+# (cpu_offload.contract). With a bundle's thresholds on float32 weights the same choice says where one-token products
+# run: xla (dense masked products) or the Pallas gather kernels (pjinfer.runtime.gathered).
 HOT_BACKENDS = ("xla", "pallas", "pallas-interpret")
-COLD_WEIGHTS = ("float32", "int8")
 # Which of a bundle's rules runs (pjinfer.runtime.backends.bundle_rule): auto (its thresholds when it has them, else
 # its predictors and placement), or one of the two by name.
 SPARSE_RULES = ("auto", "thresholds", "predictors")
-
-# The matrix inputs a calibrated threshold gates, per layer (pjinfer.offline.teal fits them, cpu_offload.sparse_decode
-# applies them): q/k/v's input, o's input, gate/up's input, down's input.
-THRESHOLD_INPUTS = ("attn_in", "o_in", "ffn_in", "down_in")
-
-
-class ConfigError(ValueError):
-    """A model or setting that pjinfer cannot run; the message is one line for the user."""
 
 
 @dataclasses.dataclass(frozen=True)

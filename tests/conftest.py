@@ -130,7 +130,7 @@ class SmallBundle:
     def __init__(self, engine, path):
         from pjinfer.offline import policy
         from pjinfer.offline import stages
-        from pjinfer.offline.bundle import Bundle
+        from pjinfer.load.bundle import Bundle
 
         self.path = path
         self.lines = {"profile": [], "train": [], "solve": []}

@@ -10,8 +10,8 @@ import pytest
 
 from pjinfer.config import ConfigError
 from pjinfer.load import powerinfer
-from pjinfer.offline.bundle import Bundle
-from pjinfer.offline.powerinfer import predictor_state
+from pjinfer.load.bundle import Bundle
+from pjinfer.load.powerinfer import predictor_state
 from tests.conftest import tiny_config
 
 CONFIG = tiny_config(d_model=32, head_dim=8, d_ff=64, n_layers=2)

@@ -1,31 +1,46 @@
-"""The layers of the tree: kernel and training packages never import the app above them, and pjinfer's modules
-import each other without a cycle at import time. The activations have one home that every layer shares."""
+"""The layers of the tree: the kernel and training packages import nothing from the app above them, neither modules
+nor packages import each other in a cycle, and the activations and the error class have one home each, which every
+layer shares."""
 import ast
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from numba import njit
+
+from cpu_offload import activation as activations
+from cpu_offload import contract
+from cpu_offload.activation import act
+from cpu_offload.bridge import ColdFFN
+from pjinfer.config import ACTIVATIONS as PER_ARCH
+from pjinfer.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 LOWER = ("cpu_offload", "pallas_kernels", "train")
-# Bottom-level pjinfer modules (they import no other pjinfer module): the lower layers may use these.
-SHARED = {"pjinfer.config", "pjinfer.activations"}
+# pjinfer's sub-packages; every module directly in pjinfer/ (config, progress, arguments) is a bottom-level module.
+APP_PACKAGES = ("load", "runtime", "offline", "measure", "serve", "cli")
 
 
 def imports(path: Path) -> set[str]:
-    """Absolute module names `path` imports anywhere in it (inside functions too), except under TYPE_CHECKING."""
+    """Absolute module names `path` imports anywhere in it (inside functions too; relative imports resolved),
+    except under TYPE_CHECKING."""
     tree = ast.parse(path.read_text())
     skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
             for n in ast.walk(node)}
+    package = module_name(path).split(".")
+    package = package if path.name == "__init__.py" else package[:-1]
     found = set()
     for node in ast.walk(tree):
         if id(node) in skip:
             continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
+            module = ".".join(part for part in (base, node.module) if part)
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
     return found
 
 
@@ -37,26 +52,9 @@ def sources(*packages: str) -> list[Path]:
     return sorted(p for package in packages for p in (ROOT / package).rglob("*.py"))
 
 
-@pytest.mark.parametrize("package", LOWER)
-def test_lower_layers_import_no_app_module(package):
-    wrong = {}
-    for path in sources(package):
-        app = {m for m in imports(path) if m.startswith("pjinfer")
-               and m not in SHARED and not any(m.startswith(s + ".") for s in SHARED) and m != "pjinfer"}
-        if app:
-            wrong[module_name(path)] = sorted(app)
-    assert not wrong, f"lower layers importing pjinfer's app modules: {wrong}"
-
-
-def test_shared_modules_are_bottom_level():
-    for name in SHARED:
-        path = ROOT / (name.replace(".", "/") + ".py")
-        inner = {m for m in imports(path) if m.startswith("pjinfer")}
-        assert inner <= {"pjinfer.config", "pjinfer.config.ConfigError"} - {name}, (name, inner)
-
-
-def test_no_import_cycle():
-    """Between modules, counting imports inside functions too: a deferred import is still an arrow."""
+def module_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports (a deferred import inside a function is still an arrow; a package's
+    own __init__ is not counted as imported by its modules)."""
     modules = {module_name(p): p for p in sources("pjinfer", *LOWER)}
 
     def target(name: str) -> str | None:   # `from a.b import c`: the module a.b.c, or else a.b
@@ -64,23 +62,89 @@ def test_no_import_cycle():
             name = name.rpartition(".")[0]
         return name or None
 
-    graph = {m: {t for i in imports(p) if (t := target(i)) and t != m and not m.startswith(t + ".")}
-             for m, p in modules.items()}
+    return {m: {t for i in imports(p) if (t := target(i)) and t != m and not m.startswith(t + ".")}
+            for m, p in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` (its nodes in order, the first repeated at the end), or None."""
     done, stack = set(), []
 
     def visit(m):
         if m in stack:
-            raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(m):] + [m]))
+            return stack[stack.index(m):] + [m]
         if m in done:
-            return
+            return None
         stack.append(m)
-        for n in sorted(graph[m]):
-            visit(n)
+        for n in sorted(graph.get(m, ())):
+            if cycle := visit(n):
+                return cycle
         stack.pop()
         done.add(m)
+        return None
 
     for m in sorted(graph):
-        visit(m)
+        if cycle := visit(m):
+            return cycle
+    return None
+
+
+def package_of(module: str) -> str:
+    """pjinfer.runtime.engine -> pjinfer.runtime; pjinfer.config -> pjinfer.config (a bottom-level module is a node
+    of its own); cpu_offload.bridge -> cpu_offload."""
+    parts = module.split(".")
+    if parts[0] == "pjinfer" and len(parts) > 1 and parts[1] in APP_PACKAGES:
+        return ".".join(parts[:2])
+    return module if parts[0] == "pjinfer" else parts[0]
+
+
+def package_graph(top_level: bool) -> dict[str, set[str]]:
+    """The module graph folded onto pjinfer's sub-packages and bottom-level modules, or onto the top-level packages."""
+    fold = (lambda m: m.split(".")[0]) if top_level else package_of
+    graph: dict[str, set[str]] = {}
+    for m, targets in module_graph().items():
+        for t in targets:
+            if fold(m) != fold(t):
+                graph.setdefault(fold(m), set()).add(fold(t))
+    return graph
+
+
+@pytest.mark.parametrize("package", LOWER)
+def test_lower_layers_import_nothing_from_the_app(package):
+    wrong = {}
+    for path in sources(package):
+        app = {m for m in imports(path) if m == "pjinfer" or m.startswith("pjinfer.")}
+        if app:
+            wrong[module_name(path)] = sorted(app)
+    assert not wrong, f"lower layers importing from pjinfer: {wrong}"
+
+
+def test_bottom_level_modules_import_no_other_pjinfer_module():
+    bottom = [p for p in sorted((ROOT / "pjinfer").glob("*.py")) if p.name != "__init__.py"]
+    assert {module_name(p) for p in bottom} >= {"pjinfer.config", "pjinfer.progress", "pjinfer.arguments"}
+    wrong = {module_name(p): sorted(m for m in imports(p) if m.startswith("pjinfer"))
+             for p in bottom if any(m.startswith("pjinfer") for m in imports(p))}
+    assert not wrong, wrong
+
+
+def test_no_import_cycle_between_modules():
+    cycle = find_cycle(module_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+@pytest.mark.parametrize("top_level", [False, True], ids=["pjinfer's packages", "top-level packages"])
+def test_no_import_cycle_between_packages(top_level):
+    graph = package_graph(top_level)
+    assert graph, "no packages found"
+    cycle = find_cycle(graph)
+    assert cycle is None, "package cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+    assert package_of("pjinfer.runtime.engine") == "pjinfer.runtime" and package_of("pjinfer.config") == "pjinfer.config"
+    assert {"cpu_offload._numba", "cpu_offload.activation.act"} <= imports(ROOT / "cpu_offload/kernels.py")
 
 
 def test_modules_and_functions_stay_small():
@@ -98,13 +162,6 @@ def test_modules_and_functions_stay_small():
 
 def test_every_form_of_each_activation_agrees():
     """JAX (model, Pallas), Numba (host kernels) and the numpy reference, on fresh random inputs."""
-    import jax.numpy as jnp
-    from numba import njit
-
-    from cpu_offload.activation import act
-    from pjinfer import activations
-    from pjinfer.config import ACTIVATIONS as PER_ARCH
-
     assert {a for names in PER_ARCH.values() for a in names} <= set(activations.ACTIVATIONS)
     numba_act = njit(lambda g, u, code: np.array([act(g[i], u[i], code) for i in range(g.size)], np.float32))
     rng = np.random.default_rng(3)
@@ -116,16 +173,15 @@ def test_every_form_of_each_activation_agrees():
         np.testing.assert_allclose(numba_act(g, u, a.code), want, rtol=2e-5, atol=1e-5, err_msg=name)
         if a.exact_zero:
             assert (want[u < 0] == 0).all() if name == "relu" else (want[g < 0] == 0).all()
-    with pytest.raises(ValueError, match="unknown activation 'gelu'"):
+    with pytest.raises(ConfigError, match="unknown activation 'gelu'"):
         activations.get("gelu")
 
 
 def test_host_kernels_refuse_with_the_projects_error():
-    """cpu_offload refuses bad input with config.ConfigError (a ValueError), so every caller reports it in one
-    line the same way; a plain ValueError raised there would be the odd one out."""
-    from cpu_offload.bridge import ColdFFN
-    from pjinfer.config import ConfigError
-
+    """cpu_offload refuses bad input with cpu_offload.contract.ConfigError (a ValueError), the very class the app
+    raises and catches as pjinfer.config.ConfigError, so every caller reports it in one line the same way; a plain
+    ValueError raised there would be the odd one out."""
+    assert ConfigError is contract.ConfigError and issubclass(ConfigError, ValueError)
     plain = [module_name(p) for p in sources("cpu_offload") if "raise ValueError(" in p.read_text()]
     assert not plain, plain
     with pytest.raises(ConfigError, match="one w_up and one w_down_t per layer"):

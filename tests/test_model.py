@@ -47,7 +47,7 @@ def test_untied_head_differs_from_tied():
 
 
 def test_activations_match_their_definitions():
-    from pjinfer.activations import activate
+    from cpu_offload.activation import activate
 
     g, u = jnp.array([-2.0, -0.5, 0.0, 0.7, 3.0]), jnp.array([1.5, -1.0, 2.0, -0.3, 0.5])
     silu = lambda x: x / (1 + np.exp(-x))

@@ -16,11 +16,11 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from cpu_offload.activation import GATED, activate
 from pallas_kernels import gather as gm
 from pallas_kernels import hot_ffn, hot_ffn_reference
 from pallas_kernels.gather import split_for
 from pallas_kernels.hot_ffn import _prepare, hot_ffn_triton
-from pjinfer.activations import GATED, activate
 from tests.conftest import INTERPRET
 
 pytestmark = pytest.mark.gpu   # compiled where JAX has a GPU, interpret mode elsewhere

@@ -13,8 +13,8 @@ from flax import nnx
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from pjinfer.config import ConfigError
+from pjinfer.load.bundle import Bundle, model_record
 from pjinfer.offline import teal
-from pjinfer.offline.bundle import Bundle, model_record
 from pjinfer.runtime import gathered
 from pjinfer.runtime.backends import Request, bundle_rule, check_bundle_stages, resolve
 from pjinfer.runtime.engine import Engine

@@ -9,8 +9,8 @@ from flax import nnx
 from pjinfer.cli.main import main
 from pjinfer.config import ConfigError
 from pjinfer.load import loader
+from pjinfer.load.bundle import Bundle
 from pjinfer.load.gguf_file import GGUFFile
-from pjinfer.offline.bundle import Bundle
 from pjinfer.offline.powerinfer import run_import
 from tests.conftest import random_weights, tiny_config
 from tests.support.gguf_files import write_tiny_gguf

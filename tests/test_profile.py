@@ -8,9 +8,9 @@ from flax import nnx
 
 from pjinfer.config import ConfigError
 from pjinfer.load import data
+from pjinfer.load.bundle import Bundle
 from pjinfer.offline import profile as prof
 from pjinfer.offline import stages
-from pjinfer.offline.bundle import Bundle
 from pjinfer.runtime.engine import Engine
 from pjinfer.runtime.model import KVCache
 from tests.conftest import random_weights, tiny_config

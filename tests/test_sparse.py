@@ -192,7 +192,7 @@ def test_cold_neurons_are_refused_where_jax_runs_on_a_gpu(monkeypatch):
 def test_bad_bundles_are_clear_errors(engine, tmp_path, capsys):
     import copy
 
-    from pjinfer.offline.bundle import Bundle, model_record
+    from pjinfer.load.bundle import Bundle, model_record
     from tests.support.cli import assert_clean_error, run_cli
 
     other = Bundle.create(tmp_path / "other", model={"identity": "0123456789abcdef", "name": "another model"})

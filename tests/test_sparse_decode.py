@@ -218,7 +218,7 @@ def test_a_threshold_bundle_is_the_engine_path_that_runs(engine, tmp_path, capsy
     records), Engine.path and generate's --json `sparse` flag (both said "dense" for a threshold bundle before)."""
     import json
 
-    from pjinfer.offline.bundle import Bundle, model_record
+    from pjinfer.load.bundle import Bundle, model_record
     from tests.support.cli import run_cli
 
     path = tmp_path / "thresholds"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import termios
 from typing import Iterator
 
 from pjinfer.config import ConfigError
@@ -112,8 +113,6 @@ class TerminalInput:
     @contextlib.contextmanager
     def quiet(self):
         """Terminal echo off while the body runs; then what was typed meanwhile is discarded and echo restored."""
-        import termios
-
         saved = termios.tcgetattr(self.fd)
         quiet = list(saved)
         quiet[3] &= ~termios.ECHO      # lflag

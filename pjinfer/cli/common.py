@@ -4,19 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
+from pathlib import Path
 
+from pjinfer.arguments import positive_int
 from pjinfer.config import COLD_WEIGHTS, HOT_BACKENDS, SPARSE_RULES, WEIGHT_CHOICES, ConfigError
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def port(text: str) -> int:
@@ -122,7 +116,6 @@ def check_host_threads() -> None:
 def sampling(args):
     """The sampling settings of generate and chat, checked before the model loads; --threads checked and applied.
     The seed: --seed, or a random one when the run samples without one (runtime.sampling.choose_seed)."""
-    import os
 
     from pjinfer.runtime.sampling import Sampling, choose_seed
 
@@ -137,7 +130,6 @@ def sampling(args):
 
 
 def read_json(path) -> dict:
-    from pathlib import Path
 
     try:
         return json.loads(Path(path).read_text())
@@ -149,9 +141,6 @@ def read_json(path) -> dict:
 
 def check_writable(path) -> None:
     """Refuses, in one line, an output path that a later write would fail on."""
-    import os
-    import tempfile
-    from pathlib import Path
 
     target = Path(path)
     if target.is_dir():
@@ -171,9 +160,6 @@ def check_writable(path) -> None:
 def write_json(path, obj) -> None:
     """Atomic: a temporary file beside `path`, renamed over it; never a half-written results file or a stray temp.
     The file gets the mode any new file gets (0666 less the umask), not mkstemp's private 0600."""
-    import os
-    import tempfile
-    from pathlib import Path
 
     target = Path(path)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
@@ -189,7 +175,6 @@ def write_json(path, obj) -> None:
 
 def current_umask() -> int:
     """This process's umask (reading it means setting it: it is put straight back)."""
-    import os
 
     mask = os.umask(0o022)
     os.umask(mask)

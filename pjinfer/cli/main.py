@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 from pjinfer.cli import common, measure, pipeline, run
 
@@ -30,8 +31,6 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 def package_version() -> str:
     """The installed pjinfer's version (its package metadata)."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("pjinfer")
     except PackageNotFoundError:   # a source tree that was never installed

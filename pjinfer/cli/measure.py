@@ -6,6 +6,7 @@ import time
 
 from pjinfer.cli import common
 from pjinfer.config import ConfigError
+from pjinfer.load import data
 
 
 def add_commands(command) -> None:
@@ -41,8 +42,6 @@ def add_commands(command) -> None:
 
 
 def cmd_perplexity(args):
-    from pjinfer.load import data
-
     text = data.read_text(args.text_file)
     engine = common.load(args, args.bundle)
     ids = engine.tokenizer.encode(text, add_special=False)

@@ -2,8 +2,11 @@
 stages, each adding its part to a sparse bundle."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from pjinfer.cli import common
 from pjinfer.config import ConfigError
+from pjinfer.load import data
 
 
 def add_commands(command) -> None:
@@ -51,8 +54,7 @@ def add_commands(command) -> None:
 
 
 def cmd_profile(args):
-    from pjinfer.activations import EXACT_ZERO
-    from pjinfer.load import data
+    from cpu_offload.activation import EXACT_ZERO
     from pjinfer.offline import stages
     from pjinfer.progress import Progress
 
@@ -103,8 +105,6 @@ def cmd_solve(args):
 
 
 def cmd_import_powerinfer(args):
-    from pathlib import Path
-
     from pjinfer.load.loader import default_model_path
     from pjinfer.offline import powerinfer
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 
@@ -165,8 +166,6 @@ def cmd_chat(args):
 
 
 def cmd_serve(args):
-    import logging
-
     from pjinfer.serve.server import Server, bind, serve
 
     sock = bind(args.host, args.port)      # a busy port is one line and exit 2, before the model loads

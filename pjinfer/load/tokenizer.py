@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
@@ -154,7 +155,6 @@ class Tokenizer:
         """Render the model's chat template with a generation prompt, as HF's apply_chat_template does."""
         if not self.chat_template:
             raise ConfigError("this model has no chat template; drop --chat")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,

@@ -4,15 +4,22 @@ from __future__ import annotations
 import statistics
 import time
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from numba import njit, prange
 
 from cpu_offload.team import usable_cores
 from pjinfer.config import ConfigError
 from pjinfer.load import data
-from pjinfer.measure import machine
+from pjinfer.measure import machine, native_peer
+from pjinfer.measure.peer import llama_cpp_runner
+from pjinfer.offline import teal
 from pjinfer.runtime.engine import Engine
+from pjinfer.runtime.model import KVCache
+from pjinfer.runtime.sparse import SparseFFN, skipped_share
 
 
 def bench_prompt(engine: Engine, prompt_len: int) -> list[int]:
@@ -126,15 +133,12 @@ def _peer_runner(peer: str, engine: Engine, prompt: list[int], new_tokens: int):
     threads = usable_cores()   # as many as pjinfer's host kernels use by default
     name = PEER_NAMES[peer]
     if peer == "llama-cpp":
-        from pjinfer.measure.peer import llama_cpp_runner
-
         measure = _timed(llama_cpp_runner(engine.source, prompt, new_tokens, threads=threads), new_tokens)
         import llama_cpp
 
         info = {"name": name, "binary": "llama-cpp-python's token loop", "model": str(engine.source),
                 "build": f"llama-cpp-python {llama_cpp.__version__}"}
         return name, measure, info
-    from pjinfer.measure import native_peer
 
     if peer == "llama-bench":
         native = native_peer.llama_bench(engine.source, prompt_len=len(prompt), new_tokens=new_tokens, threads=threads)
@@ -161,18 +165,11 @@ def engine_bytes_per_token(engine: Engine, cache_len: int, mean_position: int) -
     share of the FFN rows, the share measured on the bench prompt. A host decode (int8, q4_1) reads
     its stored weights and scales, and the cache up to the run's mean position; with input thresholds, less the
     columns of the inputs at or below them (their share measured on the bench prompt, teal.skipped_shares)."""
-    from flax import nnx
-
-    from pjinfer.runtime.model import KVCache
-    from pjinfer.runtime.sparse import SparseFFN, skipped_share
-
     config = engine.config
     model = nnx.merge(engine.graphdef, engine.state)
     if engine.host is not None:
         read = engine.host.nbytes
         if engine.thresholds is not None:   # the inputs at or below their thresholds leave their columns unread
-            from pjinfer.offline import teal
-
             read -= float((teal.skipped_shares(engine, bench_prompt(engine, 256)) * engine.host.input_bytes()).sum())
         return float(read + KVCache.nbytes(config, mean_position))
     total = state_bytes(engine)
@@ -189,8 +186,6 @@ def engine_bytes_per_token(engine: Engine, cache_len: int, mean_position: int) -
 def gguf_bytes_per_token(engine: Engine, mean_position: int) -> float:
     """What llama.cpp reads per decode step: the GGUF's tensors as stored (quantized; the tied embedding
     once, as the output head) and an f16 KV cache up to the mean position of the run."""
-    import gguf
-
     reader = gguf.GGUFReader(engine.source)
     config = engine.config
     names = {t.name for t in reader.tensors}
@@ -202,9 +197,6 @@ def gguf_bytes_per_token(engine: Engine, mean_position: int) -> float:
 def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     """Measured memory read bandwidth in bytes/s: the best of a few parallel sums over a buffer far larger
     than the caches, on every core (a decode step has all of them)."""
-    import cpu_offload  # noqa: F401  (threading layer first)
-    from numba import njit, prange
-
     @njit(parallel=True, fastmath=True, nogil=True)
     def total(a):
         s = 0.0
@@ -227,10 +219,6 @@ def _seconds(fn, *args) -> float:
 def breakdown(engine: Engine, *, cache_len: int = 256, repeats: int = 20) -> dict:
     """Where one decode step's time goes: every layer's attention, every layer's FFN and the output
     head, each timed as its own jitted function on a one-token input (median ms), against the whole step."""
-    from flax import nnx
-
-    from pjinfer.runtime.model import KVCache
-
     graphdef, state = engine.graphdef, engine.state
     cache = KVCache.create(engine.config, 1, cache_len)
     pos = jnp.int32(cache_len // 2)

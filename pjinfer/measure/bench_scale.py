@@ -21,10 +21,13 @@ import sys
 import time
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 from cpu_offload.team import usable_cores
 from pjinfer.config import ModelConfig
+from pjinfer.load.gguf_file import GGUFFile
+from pjinfer.load.loader import default_model_path
 
 # name -> (d_model, layers, heads, kv heads, d_ff); head_dim 64 except 7b (128). Parameters include the embedding.
 SIZES = {
@@ -64,11 +67,6 @@ def _q8_0_blocks(rng, rows: int, cols: int) -> np.ndarray:
 
 def write_model(path: Path, size: str, seed: int = 0) -> None:
     """A random Llama GGUF of this size, Q4_1 layers, tokenizer and chat template from the default model."""
-    import gguf
-
-    from pjinfer.load.gguf_file import GGUFFile
-    from pjinfer.load.loader import default_model_path
-
     src = GGUFFile(default_model_path()).fields
     d, layers, heads, kv, ff = SIZES[size]
     hd = d // heads

@@ -28,7 +28,11 @@ import time
 import httpx
 from tqdm import tqdm
 
-from pjinfer.cli.common import positive_int
+from pjinfer.arguments import positive_int
+from pjinfer.runtime.batch import Batch
+from pjinfer.runtime.engine import Engine
+from pjinfer.runtime.sampling import Sampling
+from pjinfer.serve.scheduler import STEPS
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The best way to learn is",
            "Water boils at", "My favourite animal is", "In 1492,", "The opposite of hot is"]
@@ -151,10 +155,6 @@ def run(base: str, *, requests: int, clients: int, tokens: int, pairs: int = 3) 
 def run_direct(engine, *, requests: int, clients: int, tokens: int, pairs: int = 3) -> dict:
     """The --no-http measurement: tokens per second of `requests` requests decoded `clients` at a time (each
     wave prefilled, then stepped until every request has its `tokens`) against two requests one at a time."""
-    from pjinfer.runtime.batch import Batch
-    from pjinfer.runtime.sampling import Sampling
-    from pjinfer.serve.scheduler import STEPS
-
     batch = Batch(engine, clients)
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
 
@@ -191,8 +191,6 @@ def main(argv=None) -> int:
     p.add_argument("--no-http", action="store_true", help="the engine's part only: batched decode in this process")
     args = p.parse_args(argv)
     if args.no_http:
-        from pjinfer.runtime.engine import Engine
-
         try:
             engine = Engine.load(args.model, weights=args.weights)
             result = run_direct(engine, requests=args.requests, clients=args.clients, tokens=args.tokens,

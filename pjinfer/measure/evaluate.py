@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 import time
 from functools import partial
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from pjinfer.config import ConfigError
+from pjinfer.load.loader import model_identity
 from pjinfer.measure.tasks import GENERATIVE, TASKS, Request, load_task
 from pjinfer.progress import Progress
 from pjinfer.runtime.generate import bucket
@@ -185,17 +188,11 @@ def _model_name(engine) -> str:
 
 
 def _model_identity(engine) -> str | None:
-    from pathlib import Path
-
-    from pjinfer.load.loader import model_identity
-
     source = getattr(engine, "source", "")
     return model_identity(Path(source)) if source and Path(source).exists() else None
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("pjinfer")
     except PackageNotFoundError:

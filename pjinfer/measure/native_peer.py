@@ -14,8 +14,10 @@ import os
 import re
 import subprocess
 from dataclasses import dataclass, field
-from typing import Callable
 from pathlib import Path
+from typing import Callable
+
+import gguf
 
 from pjinfer.config import ConfigError
 
@@ -99,8 +101,6 @@ def untied_copy(src, folder=None) -> Path:
     """A copy of the GGUF src with its embedding also written as `output.weight` (every other field and tensor as it
     is), for PowerInfer, which needs an explicit output head. Written once into folder (default: peers_dir()/untied),
     named by src's size and modification time, so a changed source gets a new copy; src itself if it has the head."""
-    import gguf
-
     src = Path(src)
     reader = gguf.GGUFReader(str(src))
     names = {t.name for t in reader.tensors}
@@ -122,8 +122,6 @@ def untied_copy(src, folder=None) -> Path:
 
 def _write_untied(reader, path: Path) -> None:
     """Write reader's fields and tensors to path, plus token_embd.weight's data again as output.weight."""
-    import gguf
-
     arch = reader.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(path), arch)
     for key, f in reader.fields.items():

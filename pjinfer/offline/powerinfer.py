@@ -11,22 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 
 from pjinfer.config import ConfigError
 from pjinfer.load import powerinfer
+from pjinfer.load.bundle import Bundle, model_record
 from pjinfer.load.loader import gguf_header
-from pjinfer.offline.bundle import Bundle, model_record
-
-
-def predictor_state(fc1: np.ndarray, fc2: np.ndarray, threshold: float) -> dict:
-    """One PowerInfer predictor (fc1 [rank, d], fc2 [d_ff, rank]) as a train.predictor.Predictor's pure state."""
-    cutoff = np.nextafter(np.float32(threshold), np.float32(-np.inf))
-    if abs(cutoff) < np.finfo(np.float32).tiny:   # subnormal, which XLA on the CPU flushes to zero
-        cutoff = np.float32(-np.finfo(np.float32).tiny if threshold <= 0 else 0.0)
-    return {"down": {"kernel": np.ascontiguousarray(fc1.T, np.float32)},
-            "up": {"kernel": np.ascontiguousarray(fc2.T, np.float32), "bias": np.zeros(fc2.shape[0], np.float32)},
-            "threshold": np.asarray(cutoff, np.float32)}
+from pjinfer.offline.stages import table
 
 
 def read(model: Path, gpu_index=None):
@@ -48,8 +38,6 @@ def read(model: Path, gpu_index=None):
 def run_import(model, bundle_path, *, gpu_index=None, out=print) -> Bundle:
     """Check the file (and GPU index) completely, then write the bundle's predictors stage and, when there is a
     placement, its placement stage; print a per-layer table."""
-    from pjinfer.offline.stages import table
-
     model = Path(model)
     config, predictors, hot, hot_from = read(model, gpu_index)
     bundle = Bundle.create(bundle_path, model=model_record(config, model))
@@ -59,7 +47,7 @@ def run_import(model, bundle_path, *, gpu_index=None, out=print) -> Bundle:
     record = {"source": f"PowerInfer predictors in {model.name}", "reads": "residual",
               "sparse_threshold": predictors.threshold, "ranks": predictors.ranks, "layers": layers,
               "params": sum(params), "bytes": 4 * sum(params) + 4 * config.n_layers, "size_vs_model": sum(params) / config.n_params}
-    states = {str(l): predictor_state(a, b, predictors.threshold)
+    states = {str(l): powerinfer.predictor_state(a, b, predictors.threshold)
               for l, (a, b) in enumerate(zip(predictors.fc1, predictors.fc2))}
     bundle.save_stage("predictors", states, record)
     counts = None if hot is None else hot.sum(axis=1)

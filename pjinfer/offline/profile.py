@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pjinfer.activations import EXACT_ZERO
+from cpu_offload.activation import EXACT_ZERO
 from pjinfer.config import ConfigError
 from pjinfer.load import data
 from pjinfer.runtime.engine import Engine

@@ -6,14 +6,16 @@ and achieved figures in the manifest, and prints a per-layer table.
 from __future__ import annotations
 
 import numpy as np
+from flax import nnx
 
-from pjinfer.activations import EXACT_ZERO
+from cpu_offload.activation import EXACT_ZERO
 from pjinfer.config import THRESHOLD_INPUTS, ConfigError
+from pjinfer.load.bundle import THRESHOLDS, Bundle, model_record
 from pjinfer.offline import profile as prof
-from pjinfer.offline import teal
-from pjinfer.offline.bundle import THRESHOLDS, Bundle, model_record
+from pjinfer.offline import policy, teal
 from pjinfer.runtime.engine import Engine
 from pjinfer.runtime.model import KVCache
+from train.predictor import fit_layer, n_params
 
 
 def table(header: list[str], rows: list[list], out=print) -> None:
@@ -101,8 +103,6 @@ def neuron_bytes(engine: Engine) -> int:
 
 def run_solve(engine: Engine, bundle_path, *, device_memory: int, kv_tokens: int, batch: int, hardware,
               out=print) -> Bundle:
-    from pjinfer.offline import policy
-
     bundle = Bundle.open(bundle_path, source=engine.source)
     stats = load_stats(bundle)
     pred = bundle.require("predictors", "bytes", "layers")
@@ -140,10 +140,6 @@ def run_solve(engine: Engine, bundle_path, *, device_memory: int, kv_tokens: int
 
 def run_train(engine: Engine, bundle_path, *, recall: float, max_rank: int, epochs: int, progress=None,
               out=print) -> Bundle:
-    from flax import nnx
-
-    from train.predictor import fit_layer, n_params
-
     if not 0 < recall < 1:
         raise ConfigError(f"--recall must be in (0, 1), got {recall}")
     bundle = Bundle.open(bundle_path, source=engine.source)

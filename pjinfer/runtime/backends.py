@@ -42,7 +42,7 @@ from pjinfer.config import (COLD_WEIGHTS, HOT_BACKENDS, SPARSE_RULES, WEIGHT_CHO
                             ConfigError)
 from pjinfer.load import loader
 from pjinfer.load.powerinfer import file_layout
-from pjinfer.offline.bundle import THRESHOLDS, Bundle
+from pjinfer.load.bundle import THRESHOLDS, Bundle
 from pjinfer.runtime import gathered, host
 from pjinfer.runtime.gathered import PALLAS_BACKENDS, pallas_interpret
 from pjinfer.runtime.model import Float32View, Transformer, float32_weights, set_thresholds

@@ -5,9 +5,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import sys
+import time
 from pathlib import Path
 
 import jax
+from numba.core import event
 
 _TRACE = "/jax/core/compile/jaxpr_trace_duration"
 _LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
@@ -111,7 +114,6 @@ class KernelCompileNotice:
         """Listen for compilations (no-op while listening, or once the line was written)."""
         if self._listener is not None or self._done:
             return
-        from numba.core import event
 
         notice = self
 
@@ -126,9 +128,6 @@ class KernelCompileNotice:
         event.register("numba:compile", self._listener)
 
     def _on_start(self):
-        import sys
-        import time
-
         if self._depth == 0:
             self._began = time.perf_counter()
             if not self._begun:
@@ -138,8 +137,6 @@ class KernelCompileNotice:
         self._depth += 1
 
     def _on_end(self):
-        import time
-
         self._depth -= 1
         if self._depth == 0:
             self.seconds += time.perf_counter() - self._began
@@ -147,11 +144,8 @@ class KernelCompileNotice:
 
     def finish(self) -> None:
         """Stop listening; end the line if one was begun."""
-        import sys
-
         if self._listener is None:
             return
-        from numba.core import event
 
         event.unregister("numba:compile", self._listener)
         self._listener = None

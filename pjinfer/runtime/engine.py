@@ -16,7 +16,7 @@ from cpu_offload.decoder import check_supported
 from pjinfer.config import ConfigError, ModelConfig
 from pjinfer.load import loader, powerinfer
 from pjinfer.load.tokenizer import Tokenizer
-from pjinfer.offline.bundle import THRESHOLDS, Bundle
+from pjinfer.load.bundle import THRESHOLDS, Bundle
 from pjinfer.runtime import backends, batch, sparse
 from pjinfer.runtime import generate as gen
 from pjinfer.runtime import host as pjinfer_host

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from cpu_offload.activation import activate
 from pallas_kernels import active_inputs, gather_matvec
-from pjinfer.activations import activate
 from pjinfer.config import ConfigError
 from pjinfer.runtime.model import FFN, Attention, Block, Transformer, sparsify_input, value
 

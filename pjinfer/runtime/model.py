@@ -29,8 +29,8 @@ import numpy as np
 from flax import nnx
 
 from cpu_offload import blocks
+from cpu_offload.activation import activate
 from cpu_offload.qtensor import INT8_BLOCK, Q4_BLOCK, Q4_BLOCK_BYTES, Int8Tensor, Q4Tensor, QBlocks, is_quantized
-from pjinfer.activations import activate
 from pjinfer.config import ConfigError, ModelConfig
 
 

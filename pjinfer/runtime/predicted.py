@@ -22,14 +22,14 @@ import numpy as np
 from flax import nnx
 
 from pjinfer.config import ConfigError
-from pjinfer.offline.powerinfer import predictor_state
+from pjinfer.load.powerinfer import predictor_state
 from pjinfer.runtime import host
 from pjinfer.runtime.model import FFN, QMatrix, Transformer
 
 
 def powerinfer_predictor(fc1: np.ndarray, fc2: np.ndarray, threshold: float):
     """One layer's PowerInfer predictor (fc1 [rank, d], fc2 [d_ff, rank]) as a train.predictor.Predictor reading the
-    residual stream: its ``active(r)`` is fc2 relu(fc1 r) >= threshold (offline.powerinfer.predictor_state)."""
+    residual stream: its ``active(r)`` is fc2 relu(fc1 r) >= threshold (load.powerinfer.predictor_state)."""
     from train.predictor import Predictor
 
     predictor = Predictor(fc1.shape[1], fc2.shape[0], fc1.shape[0], rngs=nnx.Rngs(0), reads="residual")

@@ -21,8 +21,11 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+from flax import nnx
 
 from pjinfer.config import THRESHOLD_INPUTS, ConfigError
+from pjinfer.load.loader import model_identity
+from train.predictor import INPUTS, Predictor
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -31,8 +34,6 @@ THRESHOLDS = "thresholds"   # the stage of input-sparsity thresholds (pjinfer.of
 
 def model_record(config, source) -> dict:
     """What a bundle records of the model it was made for; its identity is checked whenever it is opened."""
-    from pjinfer.load.loader import model_identity
-
     c = config
     return {"source": str(source), "identity": model_identity(Path(source)), "name": c.name, "arch": c.arch,
             "activation": c.activation, "n_layers": c.n_layers, "d_ff": c.d_ff, "d_model": c.d_model}
@@ -81,8 +82,6 @@ class Bundle:
             raise ConfigError(f"bundle manifest {file} is corrupt ({problem})")
         bundle = cls(path, manifest)
         if source is not None:
-            from pjinfer.load.loader import model_identity
-
             bundle.check_model(model_identity(Path(source)))
         return bundle
 
@@ -116,10 +115,6 @@ class Bundle:
     def predictors(self, config) -> list:
         """One train.predictor.Predictor per layer, as the predictors stage stored them (trained by
         `train-predictors`, or imported from a PowerInfer file by `import-powerinfer`: the record's "reads")."""
-        from flax import nnx
-
-        from train.predictor import INPUTS, Predictor
-
         record = self.require("predictors")
         ranks, reads = record.get("ranks"), record.get("reads", "ffn_in")
         if not isinstance(ranks, list) or len(ranks) != config.n_layers or \
