@@ -188,3 +188,55 @@ def test_refusals_are_one_line(tmp_path):
     config, tensors, _ = loader.load_gguf(plain, keep_q4_1=True, keep_blocks=True, neuron_rows=True)
     with pytest.raises(ConfigError, match=r"layers.0.w_down_t must be \[192, 64\] Q8_0 rows, got 64 rows of 204 bytes"):
         attach_powerinfer(Transformer(config, tensors), config, tensors, dense=True)
+
+
+def powerinfer_engine_and_reply(tmp_path):
+    """(the tiny file, its engine, the engine's greedy 6-token reply to "hello world" in the chat template)."""
+    from pjinfer.runtime.engine import Engine
+
+    path = write_file(tmp_path / "m.powerinfer.gguf", T.Q4_0)
+    engine = Engine.load(path)
+    tok = engine.tokenizer
+    ids = tok.encode(tok.apply_chat([{"role": "user", "content": "hello world"}]), add_special=False)
+    return path, engine, tok.decode(engine.generate(ids, max_new_tokens=6))
+
+
+def test_a_powerinfer_file_chats(tmp_path, capsys, monkeypatch):
+    """`pjinfer chat` on the tiny PowerInfer file (a line on stdin): the reply is the engine's own."""
+    import io
+
+    from tests.support.cli import run_cli
+
+    path, _, want = powerinfer_engine_and_reply(tmp_path)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello world\n"))
+    code, out, err = run_cli(capsys, "chat", "--model", str(path), "--max-new-tokens", "6")
+    assert code == 0, err
+    assert want.strip() and want.strip() in out
+
+
+def test_a_powerinfer_file_serves(tmp_path):
+    """The tiny PowerInfer file behind the server over a real socket, asked with the openai client."""
+    import threading
+
+    import openai
+    import uvicorn
+
+    from pjinfer.measure.bench_serve import free_port, wait_healthy
+    from pjinfer.serve.server import Server
+
+    _, engine, want = powerinfer_engine_and_reply(tmp_path)
+    server = Server(engine, max_active=2)
+    port = free_port()
+    runner = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=runner.run, daemon=True)
+    thread.start()
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", timeout=60)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(model="m.powerinfer", max_tokens=6, temperature=0,
+                                               messages=[{"role": "user", "content": "hello world"}])
+        assert reply.choices[0].message.content == want
+    finally:
+        server.scheduler.close()
+        runner.should_exit = True
+        thread.join(timeout=30)
