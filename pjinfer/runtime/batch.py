@@ -3,8 +3,10 @@ scheduler all run it; a single request is a batch of one.
 
 ``Batch(engine, max_batch)`` holds up to max_batch requests, one per slot:
 
-    state = batch.start(slot, prompt_ids, max_new_tokens, sampling)   # the prefill (Engine.prefill) into `slot`;
-                                                                      # state.token is its first token
+    prefix = batch.prefill(prompt_ids, max_new_tokens, sampling)      # the prompt run (Engine.prefill): its first
+                                                                      # token and its cache, in no slot yet
+    state = batch.insert(prefix, slot)                                # the request takes `slot`
+    (batch.start(slot, prompt_ids, ...) does both; state.token is the request's first token)
     batch.step([state, ...], steps=8)                                 # up to 8 tokens for every state given, in
                                                                       # state.new
     batch.wake()                                                      # from any thread: step() returns after its
@@ -66,6 +68,13 @@ class State:
     stops: np.ndarray
     sampling: Sampling
     new: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Prefix:
+    """A prefilled request not in a slot yet (Batch.prefill): its state (slot -1) and its cache [1, L, KV, hd]."""
+    state: State
+    cache: KVCache
 
 
 @partial(jax.jit, donate_argnames=("pool",))
@@ -144,22 +153,34 @@ class Batch:
 
     def start(self, slot: int, prompt_ids, max_new_tokens: int, sampling: Sampling, stop_ids=None, *,
               cache_len: int | None = None) -> State:
-        """Prefill a request (Engine.plan refuses what the context cannot hold) into `slot`. stop_ids: None for the
-        tokenizer's end ids, [] for none. cache_len: at least what Engine.plan gives (one executable for several
-        max_new_tokens)."""
+        """prefill, then insert into `slot`."""
+        return self.insert(self.prefill(prompt_ids, max_new_tokens, sampling, stop_ids, cache_len=cache_len), slot)
+
+    def prefill(self, prompt_ids, max_new_tokens: int, sampling: Sampling, stop_ids=None, *,
+                cache_len: int | None = None) -> Prefix:
+        """Run a request's prompt (Engine.plan refuses what the context cannot hold): its first token and its cache,
+        in no slot yet. stop_ids: None for the tokenizer's end ids, [] for none. cache_len: at least what
+        Engine.plan gives (one executable for several max_new_tokens)."""
         e = self.engine
         _, planned = e.plan(len(prompt_ids), max_new_tokens)
         cache_len = planned if cache_len is None else max(cache_len, planned)
         key, sub = jax.random.split(jax.random.key(sampling.seed))
         token, cache = e.prefill(prompt_ids, cache_len=cache_len, sampling=sampling, key=sub)
+        return Prefix(State(-1, int(token), max_new_tokens - 1, len(prompt_ids) - 1,
+                            np.asarray(jax.random.key_data(key)), np.asarray(recent_ids(prompt_ids)),
+                            np.asarray(e.stop_tokens(stop_ids)), sampling), cache)
+
+    def insert(self, prefix: Prefix, slot: int) -> State:
+        """A prefilled request takes `slot` (free: its previous request released or finished); its state, whose
+        token is the request's first."""
+        cache = prefix.cache
         if not self.together:
             self.caches[slot] = cache
         else:
-            if cache_len > self.pool.length:
-                self.pool = _grow(self.pool, length=cache_len)
+            if cache.length > self.pool.length:
+                self.pool = _grow(self.pool, length=cache.length)
             self.pool = _insert(self.pool, cache, jnp.int32(slot))
-        return State(slot, int(token), max_new_tokens - 1, len(prompt_ids) - 1, np.asarray(jax.random.key_data(key)),
-                     np.asarray(recent_ids(prompt_ids)), np.asarray(e.stop_tokens(stop_ids)), sampling)
+        return dataclasses.replace(prefix.state, slot=slot)
 
     def wake(self) -> None:
         """From any thread: a `step` running now, or the next one, returns after its current decode step (until
