@@ -48,7 +48,8 @@ from .contract import ConfigError
 class BlockType:
     """One row of the table (see the module docstring). values: float32 [..., block] of the blocks b (int32
     [..., nbytes] byte values) given the f16 decoder and xp; None where the matrix is not one byte array (int8).
-    quantize: float32 [rows, cols] -> the matrix's arrays (int8's is Numba, int8.quantize). gemv: the host GEMV (cpu_offload module.function).
+    quantize: float32 [rows, cols] -> the matrix's arrays (None for int8: its quantizer is Numba, int8.quantize).
+    gemv: the host GEMV (cpu_offload module.function).
     gemm: the batched decode's GEMM, None where it reads no such matrix. relayouts: (layout, what relays a matrix
     of this type into it) pairs."""
     name: str
@@ -224,7 +225,7 @@ TYPES = {t.code: t for t in (
     BlockType("Q4_K", 12, 256, 144, _q4_k, None, _GEMV),
     BlockType("Q5_K", 13, 256, 176, _q5_k, None, _GEMV),
     BlockType("Q6_K", 14, 256, 210, _q6_k, None, _GEMV),
-    BlockType("int8", INT8, 64, 68, None, None, "int8.gemv", gemm="q4_gemm.gemm_int8"))}   # quantizer: int8.quantize
+    BlockType("int8", INT8, 64, 68, None, None, "int8.gemv", gemm="q4_gemm.gemm_int8"))}
 GGUF_TYPES = {code: t for code, t in TYPES.items() if t.values is not None}   # the GGUF block types, by ggml number
 BY_NAME = {t.name: code for code, t in GGUF_TYPES.items()}
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = (BY_NAME[n] for n in
