@@ -3,7 +3,7 @@ cache rows, every weight matrix read once per step for all of them (``q4_gemm``)
 
 Usage::
 
-    host = HostDecoder(config, stored, "q4_1")           # the single-token decoder (host_decode.py)
+    host = HostDecoder(config, stored, fmt)             # the single-token decoder (host_decode.py), fmt q4_1 or int8
     batch = BatchDecoder(host, max_batch=8)             # reads host's weights, team and lock; its own scratch
     x, k, v = batch.layer(l, x, pos, k, v)              # inside jit: x [B, ..., d], pos int32 [B] (-1: empty slot),
                                                         # caches f16 [B, S, KV, hd] aliased to the results
@@ -39,12 +39,13 @@ from . import activation, attention, ffi, host_decode, int8, kernels, q4, q4_gem
 from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F16, DT_F32, DT_S32,
                   ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, buffer_numel, cstr, load_i32,
                   load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i32, ptr_u8, ptr_u16, store_i64, unlock)
-from .host_decode import (F_Q4_1, H_EPS, H_FORMAT, H_HEAD, H_HEAD_SCALES, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS,
+from .host_decode import (F_BLOCKS, H_EPS, H_FORMAT, H_HEAD, H_HEAD_SCALES, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS,
                           H_RUNTIME, H_STAGE, H_TABLE, H_TASK, H_TEAM, H_VOCAB, H_WIDTH, L_ATTN_NORM, L_DOWN,
                           L_FFN_NORM, L_GATE, L_K, L_O, L_Q, L_UP, L_V, L_WIDTH, ST_ATTN, ST_DOWN,
                           ST_GATE_UP, ST_HEAD, ST_O, ST_QKV, add_qkv_bias, cache_rows, dims, f32_view, int8_matrix, rmsnorm, rope,
                           thread_share)
 from .activation import act_span
+from .blocks import INT8, TYPES
 from .qtensor import aligned_zeros
 
 
@@ -88,11 +89,12 @@ def _bscratch(header):
 
 @njit(**NOJIT)
 def _matmul(header, layer, slot, rows, x, y, nt, lo, hi):
-    """y[t, lo:hi] = rows lo..hi-1 of the layer's matrix in slot times x[t], t < nt."""
+    """y[t, lo:hi] = rows lo..hi-1 of the layer's matrix in slot times x[t], t < nt (blocks: Q4_1, the one block
+    type with a batched GEMM, checked by BatchDecoder)."""
     cols = x.shape[1]
-    if load_i64(header + 8 * H_FORMAT) == F_Q4_1:
+    if load_i64(header + 8 * H_FORMAT) == F_BLOCKS:
         blocks = carray(ptr_u8(load_i64(load_i64(header + 8 * H_TABLE) + 8 * (L_WIDTH * layer + slot))),
-                        (rows, q4.row_bytes(cols)))
+                        (rows, cols // q4.BLOCK * q4.BLOCK_BYTES))
         q4_gemm.gemm(blocks, x, y, nt, lo, hi)
     else:
         w, s = int8_matrix(header, layer, slot, rows, cols)
@@ -364,6 +366,11 @@ class BatchDecoder:
         heads x span floats): a decoder for prompts of at most max_batch tokens from position 0 needs max_batch."""
         if max_batch < 1:
             raise ConfigError(f"max batch must be >= 1, got {max_batch}")
+        unread = {w.type.name for w in host._quantized.values() if w.type.gemm is None}
+        if unread or host._head.code != INT8:
+            batched = [t.name for t in TYPES.values() if t.gemm]
+            raise ConfigError(f"batched decode reads layers of {' or '.join(batched)} and an int8 head, not "
+                              f"{', '.join(sorted(unread | {host._head.type.name}))}")
         c = host.config
         self.host, self.config, self.max_batch = host, c, int(max_batch)
         self.span = c.max_seq_len if span is None else min(int(span), c.max_seq_len)

@@ -1,7 +1,12 @@
-"""llama.cpp's block formats (GGUF tensor types) that the host decode reads as stored, and their float32 values.
+"""The block-type table: one row per way a matrix row is stored in blocks, as ggml's type_traits.
 
-Every type here stores a matrix row as consecutive blocks of ``block`` weights; ``KINDS`` gives each one's ggml
-type number, block size and block bytes. The layouts (bytes in block order; f16 little-endian):
+A row (``BlockType``) says what a type is and who reads it: its code (the ggml type number; the FFI headers
+carry it), weights and bytes per block, its dequantizer (written once for numpy and jax.numpy), its quantizer,
+the host GEMV and the batched GEMM that read it, and the other layouts it is relaid into. ``TYPES`` holds every
+row by code; code elsewhere looks a type up here instead of testing its name.
+
+The llama.cpp block types (GGUF tensor types) store a row as consecutive blocks of ``block`` weights, their bytes
+in block order (f16 little-endian):
 
     Q4_0  (32, 18)   d; 16 bytes: low nibbles are elements 0..15, high nibbles 16..31      w = d (q - 8)
     Q4_1  (32, 20)   d, m; nibbles as Q4_0                                                  w = d q + m
@@ -16,38 +21,68 @@ type number, block size and block bytes. The layouts (bytes in block order; f16 
                      element 32i + l (i = 0..3, l < 32) has low 4 bits from ql[64n + l + 32 (i % 2)] (shift 4 for
                      i >= 2) and high 2 bits (qh[32n + l] >> 2i) & 3; w = d sc[8n + 2i + l // 16] (q - 32)
 
-``dequantize(kind, data, cols, xp)`` computes the float32 values with the same float32 operations, in the same
-order, as the gguf package's numpy dequantizer (``gguf.quants.dequantize``, the reference the tests hold it to),
-written once for numpy and jax.numpy: ``xp`` is either module. Used for ``qtensor.QBlocks.float32`` (numpy) and
-inside jit by ``pjinfer.runtime.model.QMatrix`` (jnp), so the XLA path and the host kernels (``quants.py``) compute one
-model.
+A matrix of these is one uint8 array [rows, row_bytes(cols)]. pjinfer's own int8 (code -1, no ggml type) is two
+arrays: int8 [rows, cols] and a float32 scale per block of 64 inputs [rows, cols / 64] (``int8.quantize``; every
+matrix with ``--weights int8``, and the host decode's output head).
+
+``BlockType.dequantize(arrays, cols, xp)`` computes the float32 values from a matrix's arrays; for the GGUF types
+with the same float32 operations, in the same order, as the gguf package's numpy dequantizer
+(``gguf.quants.dequantize``, the reference the tests hold it to). ``xp`` is numpy (``qtensor.QTensor.float32``)
+or jax.numpy (inside jit, ``pjinfer.runtime.model.QMatrix``), so the XLA path and the host kernels compute one
+model. This module imports no Numba: a row names its kernels as ``module.function`` of cpu_offload.
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .contract import ConfigError
 
-# ggml type number -> (name, weights per block, bytes per block)
-KINDS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
-         12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
-BY_NAME = {name: kind for kind, (name, _, _) in KINDS.items()}
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = (BY_NAME[n] for n in
-                                                  ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
 
+@dataclasses.dataclass(frozen=True)
+class BlockType:
+    """One row of the table (see the module docstring). values: float32 [..., block] of the blocks b (int32
+    [..., nbytes] byte values) given the f16 decoder and xp; None where the matrix is not one byte array (int8).
+    quantize: float32 [rows, cols] -> the matrix's arrays (None for int8: its quantizer is Numba, int8.quantize).
+    gemv: the host GEMV (cpu_offload module.function).
+    gemm: the batched decode's GEMM, None where it reads no such matrix. relayouts: (layout, what relays a matrix
+    of this type into it) pairs."""
+    name: str
+    code: int
+    block: int
+    nbytes: int
+    values: Callable | None = dataclasses.field(repr=False)
+    quantize: Callable | None = dataclasses.field(repr=False)
+    gemv: str
+    gemm: str | None = None
+    relayouts: tuple = ()
 
-def name(kind: int) -> str:
-    return KINDS[kind][0]
+    def row_bytes(self, cols: int) -> int:
+        """Bytes of a row of cols weights (cols a multiple of the block size)."""
+        if cols % self.block:
+            raise ConfigError(f"{self.name} rows need a multiple of {self.block} elements, got {cols}")
+        return cols // self.block * self.nbytes
 
+    def relayout(self, into: str) -> str | None:
+        """What relays a matrix of this type into the layout `into` ("int8", "columns"), or None."""
+        return dict(self.relayouts).get(into)
 
-def row_bytes(kind: int, cols: int) -> int:
-    """Bytes of a row of cols weights (cols a multiple of the block size)."""
-    _, block, nbytes = KINDS[kind]
-    if cols % block:
-        raise ConfigError(f"{name(kind)} rows need a multiple of {block} elements, got {cols}")
-    return cols // block * nbytes
+    def dequantize(self, arrays, cols: int, xp=np):
+        """A matrix's arrays (GGUF types: (uint8 [rows, row_bytes(cols)],); int8: (q, scales)) -> float32
+        [rows, cols]; xp: numpy or jax.numpy."""
+        if self.values is None:
+            q, scales = (xp.asarray(a) for a in arrays)
+            return (q.astype(xp.float32) * xp.repeat(scales, self.block, axis=-1)[..., :cols]).astype(xp.float32)
+        (data,) = arrays
+        rows = data.shape[0]
+        b = xp.asarray(data).reshape(rows, cols // self.block, self.nbytes).astype(xp.int32)
+        f16 = _np_f16 if xp is np else _jnp_f16
+        return self.values(b, f16, xp).reshape(rows, cols).astype(xp.float32)
 
 
 def _np_f16(lo, hi):
@@ -88,53 +123,132 @@ def _k_scales(s, xp):
     return sc, mn
 
 
-def _small(kind, b, f16, xp):
-    """Blocks of 32: [..., bytes] int32 -> float32 [..., 32]."""
-    if kind == Q8_0:
-        return _f16_at(b, 0, f16) * _signed(b[..., 2:34]).astype(xp.float32)
-    if kind in (Q4_0, Q4_1):
-        q = _nibbles(b[..., 4 if kind == Q4_1 else 2:], xp)
-        if kind == Q4_0:
-            return _f16_at(b, 0, f16) * (q - 8).astype(xp.float32)
-        return q.astype(xp.float32) * _f16_at(b, 0, f16) + _f16_at(b, 2, f16)
-    off = 4 if kind == Q5_1 else 2
-    q = _nibbles(b[..., off + 4:], xp) | (_bits(b, off, xp) << 4)
-    if kind == Q5_0:
-        return _f16_at(b, 0, f16) * (q - 16).astype(xp.float32)
-    return q.astype(xp.float32) * _f16_at(b, 0, f16) + _f16_at(b, 2, f16)
+# ---------------------------------------------------------------------------------------------------------------
+# Each type's values, block by block: b int32 [..., nbytes] -> float32 [..., block].
+
+def _q4_0(b, f16, xp):
+    return _f16_at(b, 0, f16) * (_nibbles(b[..., 2:], xp) - 8).astype(xp.float32)
 
 
-def _k(kind, b, f16, xp):
-    """Blocks of 256: [..., bytes] int32 -> float32 [..., 256]."""
+def _q4_1(b, f16, xp):
+    return _nibbles(b[..., 4:], xp).astype(xp.float32) * _f16_at(b, 0, f16) + _f16_at(b, 2, f16)
+
+
+def _q5(b, off, xp):
+    """The 5-bit codes of a Q5_0 / Q5_1 block whose qh starts at byte off."""
+    return _nibbles(b[..., off + 4:], xp) | (_bits(b, off, xp) << 4)
+
+
+def _q5_0(b, f16, xp):
+    return _f16_at(b, 0, f16) * (_q5(b, 2, xp) - 16).astype(xp.float32)
+
+
+def _q5_1(b, f16, xp):
+    return _q5(b, 4, xp).astype(xp.float32) * _f16_at(b, 0, f16) + _f16_at(b, 2, f16)
+
+
+def _q8_0(b, f16, xp):
+    return _f16_at(b, 0, f16) * _signed(b[..., 2:34]).astype(xp.float32)
+
+
+def _k45(b, f16, xp, qs, qh):
+    """A Q4_K (qh None) or Q5_K block, its nibbles at qs.."""
     lead = b.shape[:-1]
-    if kind == Q6_K:
-        d = _f16_at(b, 208, f16)
-        scale = (d * _signed(b[..., 192:208]).astype(xp.float32))[..., None]          # [..., 16, 1]
-        ql = b[..., 0:128].reshape(*lead, 2, 1, 64) >> xp.asarray([0, 4], b.dtype).reshape(2, 1)
-        ql = (ql & 15).reshape(*lead, 2, 4, 32)                                        # i = 0..3 per half
-        qh = b[..., 128:192].reshape(*lead, 2, 1, 32) >> xp.asarray([0, 2, 4, 6], b.dtype).reshape(4, 1)
-        q = (ql | ((qh & 3) << 4)) - 32
-        return (scale * q.reshape(*lead, 16, 16).astype(xp.float32)).reshape(*lead, 256)
     d, dmin = _f16_at(b, 0, f16), _f16_at(b, 2, f16)
     sc, mn = _k_scales(b[..., 4:16], xp)
     ds = (d * sc.astype(xp.float32))[..., None]                                        # [..., 8, 1]
     dm = (dmin * mn.astype(xp.float32))[..., None]
-    qs = b[..., 16:144] if kind == Q4_K else b[..., 48:176]
-    q = (qs.reshape(*lead, 4, 1, 32) >> xp.asarray([0, 4], b.dtype).reshape(2, 1)) & 15
+    q = (b[..., qs:qs + 128].reshape(*lead, 4, 1, 32) >> xp.asarray([0, 4], b.dtype).reshape(2, 1)) & 15
     q = q.reshape(*lead, 8, 32)
-    if kind == Q5_K:
-        qh = (b[..., 16:48].reshape(*lead, 1, 32) >> xp.arange(8, dtype=b.dtype).reshape(8, 1)) & 1
-        q = q | (qh << 4)
+    if qh is not None:
+        q = q | (((b[..., qh:qh + 32].reshape(*lead, 1, 32) >> xp.arange(8, dtype=b.dtype).reshape(8, 1)) & 1) << 4)
     return (ds * q.astype(xp.float32) - dm).reshape(*lead, 256)
 
 
-def dequantize(kind: int, data, cols: int, xp=np):
-    """uint8 [rows, row_bytes(kind, cols)] blocks -> float32 [rows, cols]; xp: numpy or jax.numpy."""
-    if kind not in KINDS:
-        raise ConfigError(f"no dequantizer for ggml type {kind}")
-    _, block, nbytes = KINDS[kind]
-    rows = data.shape[0]
-    b = xp.asarray(data).reshape(rows, cols // block, nbytes).astype(xp.int32)
-    f16 = _np_f16 if xp is np else _jnp_f16
-    out = _k(kind, b, f16, xp) if block == 256 else _small(kind, b, f16, xp)
-    return out.reshape(rows, cols).astype(xp.float32)
+def _q4_k(b, f16, xp):
+    return _k45(b, f16, xp, 16, None)
+
+
+def _q5_k(b, f16, xp):
+    return _k45(b, f16, xp, 48, 16)
+
+
+def _q6_k(b, f16, xp):
+    lead = b.shape[:-1]
+    d = _f16_at(b, 208, f16)
+    scale = (d * _signed(b[..., 192:208]).astype(xp.float32))[..., None]              # [..., 16, 1]
+    ql = b[..., 0:128].reshape(*lead, 2, 1, 64) >> xp.asarray([0, 4], b.dtype).reshape(2, 1)
+    ql = (ql & 15).reshape(*lead, 2, 4, 32)                                            # i = 0..3 per half
+    qh = b[..., 128:192].reshape(*lead, 2, 1, 32) >> xp.asarray([0, 2, 4, 6], b.dtype).reshape(4, 1)
+    q = (ql | ((qh & 3) << 4)) - 32
+    return (scale * q.reshape(*lead, 16, 16).astype(xp.float32)).reshape(*lead, 256)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quantizers: float32 [rows, cols] -> the matrix's arrays.
+
+def _quantize_q4_1(w):
+    """llama.cpp's Q4_1 rule: m = the block's min, d = (max - min) / 15, q rounded. Every block therefore holds a q
+    of 0 and a q of 15, and re-quantizing the values a Q4_1 tensor stands for gives back its bytes
+    (tests/test_real_model.py checks it on the default model)."""
+    w = np.ascontiguousarray(w, np.float32)
+    rows, cols = w.shape
+    b = w.reshape(rows, TYPES[Q4_1].row_bytes(cols) // 20, 32)
+    lo, hi = b.min(-1), b.max(-1)
+    d = ((hi - lo) / 15).astype(np.float16)
+    m = lo.astype(np.float16)
+    step = d.astype(np.float32)
+    inv = np.divide(1, step, out=np.zeros_like(step), where=step != 0)
+    q = np.clip(np.rint((b - m.astype(np.float32)[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
+    out = np.empty((rows, cols // 32, 20), np.uint8)
+    out[..., 0:2] = d.view(np.uint8).reshape(rows, -1, 2)
+    out[..., 2:4] = m.view(np.uint8).reshape(rows, -1, 2)
+    out[..., 4:] = q[..., :16] | (q[..., 16:] << 4)
+    return (out.reshape(rows, -1),)
+
+
+def _quantize_q8_0(w):
+    """gguf's quantizer (llama.cpp's rule)."""
+    return (gguf.quants.quantize(np.ascontiguousarray(w, np.float32), gguf.GGMLQuantizationType.Q8_0),)
+
+
+INT8 = -1   # pjinfer's own int8: no ggml type number
+_GEMV = "quants.gemv"   # every GGUF type's host GEMV (Q4_1's rows through q4.py's kernel)
+TYPES = {t.code: t for t in (
+    BlockType("Q4_0", 2, 32, 18, _q4_0, None, _GEMV),
+    BlockType("Q4_1", 3, 32, 20, _q4_1, _quantize_q4_1, _GEMV, gemm="q4_gemm.gemm",
+              relayouts=(("columns", "q4_sparse.relayout: by input column, sparse_decode's layers"),)),
+    BlockType("Q5_0", 6, 32, 22, _q5_0, None, _GEMV),
+    BlockType("Q5_1", 7, 32, 24, _q5_1, None, _GEMV),
+    BlockType("Q8_0", 8, 32, 34, _q8_0, _quantize_q8_0, _GEMV,
+              relayouts=(("int8", "int8.from_blocks: the int8 output head without a float32 copy"),)),
+    BlockType("Q4_K", 12, 256, 144, _q4_k, None, _GEMV),
+    BlockType("Q5_K", 13, 256, 176, _q5_k, None, _GEMV),
+    BlockType("Q6_K", 14, 256, 210, _q6_k, None, _GEMV),
+    BlockType("int8", INT8, 64, 68, None, None, "int8.gemv", gemm="q4_gemm.gemm_int8"))}
+GGUF_TYPES = {code: t for code, t in TYPES.items() if t.values is not None}   # the GGUF block types, by ggml number
+BY_NAME = {t.name: code for code, t in GGUF_TYPES.items()}
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = (BY_NAME[n] for n in
+                                                  ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """How a host decode format stores a model's matrices: the block types a layer matrix is kept in as given
+    (its file's blocks), the type any other layer matrix is quantized to, and the types the output head is kept
+    in (any other: int8)."""
+    layers: frozenset
+    made: int
+    head: frozenset
+
+
+FORMATS = {"int8": Format(frozenset({INT8}), INT8, frozenset({INT8})),
+           "q4_1": Format(frozenset({Q4_1}), Q4_1, frozenset({INT8})),
+           "gguf": Format(frozenset(GGUF_TYPES), Q8_0, frozenset({INT8, *GGUF_TYPES}))}
+
+
+def block_type(code: int) -> BlockType:
+    """The row of code; a ConfigError for a type without one."""
+    if code not in TYPES:
+        raise ConfigError(f"no block layout for ggml type {code}")
+    return TYPES[code]

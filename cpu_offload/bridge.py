@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import kernels, tables
+from . import int8, kernels, tables
 from .activation import ACTIVATIONS
 from .cold_handler import (H_ACT, H_D, H_ID, H_MAGIC, H_NLAYERS, H_RUNTIME, H_TABLE, MAGIC_ALIVE, T_BIAS, T_DOWN,
                            T_GATE, T_NCOLD, T_SCALES, T_UP, T_WIDTH, TARGET_NAME, cold_ffn_locked, register, retire)
@@ -52,7 +52,7 @@ class ColdFFN:
       activation: a name in cpu_offload.activation.ACTIVATIONS.
       cold_ids: optional per-layer int arrays: the dense neuron id of each cold row (kept for cold_position).
       weights: "float32" keeps the rows as given; "int8" stores them as int8 with a float32 scale per block of
-        64 (kernels.quantize_rows): 17/64 of the bytes to read.
+        64 (int8.quantize): 17/64 of the bytes to read.
     """
 
     def __init__(self, w_up: Sequence[np.ndarray], w_down_t: Sequence[np.ndarray],
@@ -93,9 +93,9 @@ class ColdFFN:
             if weights == "int8":
                 scales = np.ones((3, c, -(-d // kernels.QBLOCK)), np.float32)  # gate, up, down
                 if gated:
-                    gate, scales[0] = kernels.quantize_rows(gate)
-                up, scales[1] = kernels.quantize_rows(up)
-                down, scales[2] = kernels.quantize_rows(down)
+                    gate, scales[0] = int8.quantize(gate)
+                up, scales[1] = int8.quantize(up)
+                down, scales[2] = int8.quantize(down)
                 self.scales.append(scales)
                 table[l, T_SCALES] = scales.ctypes.data
             self.w_up.append(up)

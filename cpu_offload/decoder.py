@@ -3,9 +3,9 @@ target: cpu_offload/host_decode.py), and the weights it stores.
 
 Usage::
 
-    stored = quantize_weights(config, weights, "q4_1")  # every matrix as the host stores it (qtensor forms):
-                                                        # a Q4Tensor of the file is kept as it is
-    host = HostDecoder(config, stored, "q4_1")      # reads the stored arrays in place (numpy views, no copy:
+    stored = quantize_weights(config, weights, fmt)  # every matrix as the host stores it (qtensor.QTensor):
+                                                     # the file's blocks kept as they are where fmt reads them
+    host = HostDecoder(config, stored, fmt)         # reads the stored arrays in place (numpy views, no copy:
                                                     # jax arrays too), and keeps them alive
     reference = host.dequantized(stored)            # canonical float32: what the stored weights stand for
     x, k, v = host.layer(l, x, pos, k_cache, v_cache)    # inside jit; x [..., d] with d elements
@@ -16,94 +16,23 @@ weights live as long as the HostDecoder (a jitted function holding the model hol
 """
 from __future__ import annotations
 
-import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .contract import ConfigError
 
-from . import ffi, kernels, q4, quants, tables, team
+from . import ffi, int8, kernels, tables, team
+from .blocks import FORMATS, INT8
 from .ffi import RUNTIME_ADDR
-from .host_decode import (FORMATS, H_ACT, H_D, H_EPS, H_FF, H_FORMAT, H_HD, H_HEAD, H_HEAD_KIND, H_HEAD_SCALES,
+from .host_decode import (F_BLOCKS, F_INT8, H_ACT, H_D, H_EPS, H_FF, H_FORMAT, H_HD, H_HEAD, H_HEAD_KIND, H_HEAD_SCALES,
                           H_HEADS, H_INV_FREQ, H_KV, H_MAGIC, H_MAXLEN, H_NLAYERS, H_RUNTIME, H_SCRATCH, H_STAGE,
                           H_TABLE, H_TASK, H_TEAM, H_VOCAB, H_WIDTH, L_ATTN_NORM, L_FFN_NORM, L_QKV_BIAS, L_WIDTH,
                           MAGIC, MATRICES, TARGET_NAME, handler_cfunc, new_scratch, stage_cfunc)
 from .kernels import QBLOCK
-from .qtensor import Int8Tensor, Q4Tensor, QBlocks, aligned_empty, is_quantized
-
-from numba import njit, prange  # noqa: E402  (ffi sets the threading layer first)
-
-_F0, _ONE = np.float32(0.0), np.float32(1.0)
-
+from .qtensor import QTensor, is_quantized
 
 HEADERS: list[np.ndarray] = []  # every header ever made; never freed (executables hold their address)
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _quantize_rows(w, q, s):
-    """kernels.quantize_rows for cols a multiple of 64, row by row on every thread, the same float32 operations
-    (no fastmath: the division and the rounding must be numpy's) so the bytes are the same, in parallel."""
-    nb = w.shape[1] // QBLOCK
-    for r in prange(w.shape[0]):
-        for b in range(nb):
-            peak = _F0
-            for j in range(b * QBLOCK, (b + 1) * QBLOCK):
-                peak = max(peak, abs(w[r, j]))
-            scale = peak / np.float32(127.0) if peak > _F0 else _ONE
-            s[r, b] = scale
-            for j in range(b * QBLOCK, (b + 1) * QBLOCK):
-                q[r, j] = np.int8(min(max(np.rint(w[r, j] / scale), np.float32(-127.0)), np.float32(127.0)))
-
-
-def quantize(w) -> tuple[np.ndarray, np.ndarray]:
-    """float32 [rows, cols] -> (int8 rows, float32 scale per block of 64): kernels.quantize_rows' bytes,
-    C-contiguous (and XLA-aligned where cols is a multiple of 64: the host decode's matrices)."""
-    w = np.ascontiguousarray(w, np.float32)
-    if w.ndim != 2 or w.shape[1] % QBLOCK:
-        q, s = kernels.quantize_rows(w)
-        return np.ascontiguousarray(q), np.ascontiguousarray(s)
-    q = aligned_empty(w.shape, np.int8)
-    s = aligned_empty((w.shape[0], w.shape[1] // QBLOCK), np.float32)
-    _quantize_rows(w, q, s)
-    return q, s
-
-
-Q8_0_BLOCK_BYTES = 34  # GGUF Q8_0: float16 d, then 32 int8; element = d * q
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _int8_from_q8_0(qs, d, q, s):
-    """quantize's output for the float32 values of Q8_0 blocks (qs int8 [rows, blocks, 32], d float32 [rows,
-    blocks]), computed 64 values at a time without the float32 matrix."""
-    vals = np.empty((qs.shape[0], QBLOCK), np.float32)
-    for r in prange(qs.shape[0]):
-        v = vals[r]
-        for b in range(qs.shape[1] // 2):
-            peak = _F0
-            for h in range(2):
-                for j in range(32):
-                    x = np.float32(qs[r, 2 * b + h, j]) * d[r, 2 * b + h]
-                    v[32 * h + j] = x
-                    peak = max(peak, abs(x))
-            scale = peak / np.float32(127.0) if peak > _F0 else _ONE
-            s[r, b] = scale
-            for j in range(QBLOCK):
-                q[r, b * QBLOCK + j] = np.int8(min(max(np.rint(v[j] / scale), np.float32(-127.0)), np.float32(127.0)))
-
-
-def int8_from_q8_0(blocks, cols: int) -> Int8Tensor:
-    """A GGUF Q8_0 matrix (uint8 [rows, cols / 32 * 34]) as the host decode's int8 head: the bytes quantize gives
-    for its float32 values (the int8 GEMV takes a float32 scale per 64, not Q8_0's per-32 float16 one)."""
-    if cols % QBLOCK:
-        raise ConfigError(f"int8 rows need a multiple of {QBLOCK} columns, got {cols}")
-    rows = blocks.shape[0]
-    b = np.asarray(blocks).reshape(rows, cols // 32, Q8_0_BLOCK_BYTES)
-    d = np.ascontiguousarray(b[..., :2]).view(np.float16)[..., 0].astype(np.float32)
-    q = aligned_empty((rows, cols), np.int8)
-    s = aligned_empty((rows, cols // QBLOCK), np.float32)
-    _int8_from_q8_0(b[..., 2:].view(np.int8), d, q, s)
-    return Int8Tensor(q, s)
 
 
 def check_supported(config, weights: dict, fmt: str) -> None:
@@ -139,39 +68,25 @@ def _stored_float32(name: str, w) -> np.ndarray:
     return w.T if name.endswith("w_down_t") else w
 
 
-def _q8_0(values: np.ndarray) -> QBlocks:
-    """float32 [rows, cols] as Q8_0 blocks (gguf's quantizer, llama.cpp's rule)."""
-    q = gguf.quants.quantize(np.ascontiguousarray(values, np.float32), gguf.GGMLQuantizationType.Q8_0)
-    return QBlocks(q, values.shape[1], gguf.GGMLQuantizationType.Q8_0.value)
-
-
 def quantize_weights(config, weights: dict, fmt: str, *, check: bool = True, matrices: dict = MATRICES) -> dict:
-    """The weights as the host decode stores them (cpu_offload.qtensor forms), one matrix at a time: every layer
-    matrix in fmt ("q4_1": a Q4Tensor is kept as it is, the file's bytes, anything else becomes one; "gguf": a
-    Q4Tensor or QBlocks is kept as it is, anything else becomes Q8_0 blocks; "int8": Int8Tensor), a w_down_t
-    untransposed [d, F]; the output head Int8Tensor (a QBlocks head is kept with "gguf"); everything else as
-    given. weights may hold canonical float32 arrays (pjinfer.runtime.model's names) or quantized matrices. check=False
-    skips this decoder's shape rules (for another decoder of the same weights that has checked its own). matrices:
-    the layer matrices stored so (a decoder that stores its FFN in another form names the others)."""
+    """The weights as the host decode stores them (qtensor.QTensor), one matrix at a time, by blocks.FORMATS[fmt]: a
+    layer matrix kept as given where its type is one the format keeps, else quantized to the format's type from
+    its float32 values (a w_down_t untransposed [d, F]); the output head likewise, else int8; everything else as
+    given. weights may hold canonical float32 arrays (pjinfer.runtime.model's names) or quantized matrices.
+    check=False skips this decoder's shape rules (for another decoder of the same weights that has checked its
+    own). matrices: the layer matrices stored so (a decoder that stores its FFN in another form names the
+    others)."""
     if check:
         check_supported(config, weights, fmt)
+    f = FORMATS[fmt]
     out = dict(weights)
     names = [f"layers.{l}.{m}" for l in range(config.n_layers) for m in matrices]
-    for name in names:
+    for name, keep, made in [*((n, f.layers, f.made) for n in names), (_head_name(config), f.head, INT8)]:
         w = weights[name]
-        if fmt == "q4_1" and not isinstance(w, Q4Tensor):
+        if not (is_quantized(w) and w.code in keep):
             values = _stored_float32(name, w)
-            out[name] = Q4Tensor(q4.quantize(values), values.shape[1])
-        elif fmt == "gguf" and not isinstance(w, (Q4Tensor, QBlocks)):
-            out[name] = _q8_0(_stored_float32(name, w))
-        elif fmt == "int8" and not isinstance(w, Int8Tensor):
-            out[name] = Int8Tensor(*quantize(_stored_float32(name, w)))
-    head = _head_name(config)
-    w = weights[head]
-    if fmt == "gguf" and isinstance(w, Q4Tensor):   # the head reads its blocks through quants.gemv
-        out[head] = QBlocks(w.data, w.cols, quants.Q4_1)
-    elif not (isinstance(w, Int8Tensor) or fmt == "gguf" and isinstance(w, QBlocks)):
-        out[head] = Int8Tensor(*quantize(_stored_float32(head, w)))
+            out[name] = QTensor(INT8, int8.quantize(values), values.shape[1]) if made == INT8 else \
+                QTensor.quantize(made, values)
     return out
 
 
@@ -180,9 +95,9 @@ class HostDecoder:
 
     config: pjinfer.runtime.model's ModelConfig. weights: canonical float32 weights, or what quantize_weights returns
     (the matrices then read in place: numpy arrays, or jax CPU arrays through zero-copy views, kept alive here).
-    fmt: how the layers' matrices are stored: "int8" (a float32 scale per 64), "q4_1" (the GGUF's 4-bit
-    blocks, cpu_offload/q4.py) or "gguf" (each matrix in the file's own block type, quants.py). The output head
-    is int8 in the first two (the GGUF keeps it at 8 bits too, Q8_0) and its own block type in "gguf"."""
+    fmt: how the weights are stored, a key of blocks.FORMATS: "int8" (a float32 scale per 64), "q4_1" (the GGUF's 4-bit
+    blocks) or "gguf" (each matrix in the file's own block type where a host GEMV reads it). The output head is
+    int8 in the first two (the GGUF keeps it at 8 bits too, Q8_0) and its own block type in "gguf"."""
 
     target = TARGET_NAME    # the FFI target layer() and head() call (a subclass with its own handler names its own)
     # What a subclass that keeps host_decode's header and layer table (and adds its own slots) changes: the layer
@@ -197,15 +112,13 @@ class HostDecoder:
         self.team = team.shared()
         self._keep = []  # every array the header points at
         table = np.zeros((c.n_layers, L_WIDTH), np.int64)
-        self._quantized = {}  # (layer, slot) -> Q4Tensor or Int8Tensor, one row per output
+        self._quantized = {}  # (layer, slot) -> QTensor, one row per output
         for l in range(c.n_layers):
             p = f"layers.{l}"
             for m, slot in self.matrices.items():
-                w = weights[f"{p}.{m}"]
-                stored = (w.data,) if isinstance(w, (Q4Tensor, QBlocks)) else (w.q, w.scales)
-                table[l, slot:slot + len(stored)] = [self._hold(np.asarray(a)) for a in stored]
-                if isinstance(w, QBlocks):
-                    table[l, slot + 1] = w.kind
+                w = weights[f"{p}.{m}"]   # (int8 rows, their scales) or (blocks, their type): host_decode's slots
+                table[l, slot] = self._hold(np.asarray(w.data))
+                table[l, slot + 1] = self._hold(np.asarray(w.arrays[1])) if w.code == INT8 else w.code
                 self._quantized[(l, slot)] = w
             table[l, L_ATTN_NORM] = self._hold(np.asarray(weights[f"{p}.attn_norm.scale"], np.float32))
             table[l, L_FFN_NORM] = self._hold(np.asarray(weights[f"{p}.ffn_norm.scale"], np.float32))
@@ -214,10 +127,8 @@ class HostDecoder:
                     [np.asarray(weights[f"{p}.{b}"], np.float32) for b in ("bq", "bk", "bv")]))
         self._head_name = _head_name(c)
         self._head = weights[self._head_name]
-        if isinstance(self._head, QBlocks):
-            head_q, head_s, head_kind = np.asarray(self._head.data), np.zeros(1, np.float32), self._head.kind
-        else:
-            head_q, head_s, head_kind = np.asarray(self._head.q), np.asarray(self._head.scales), 0
+        head = np.asarray(self._head.data)
+        head_s = np.asarray(self._head.arrays[1]) if self._head.code == INT8 else np.zeros(1, np.float32)
         inv_freq = (1.0 / (np.float32(c.rope_theta) ** (np.arange(0, c.head_dim, 2, dtype=np.float32)
                                                         / np.float32(c.head_dim)))).astype(np.float32)
         header = np.zeros(self.header_width, np.int64)
@@ -226,13 +137,13 @@ class HostDecoder:
             kernels.act_code(c.activation), c.max_seq_len]
         header.view(np.float64)[H_EPS] = c.norm_eps
         header[[H_TABLE, H_HEAD, H_HEAD_SCALES, H_INV_FREQ, H_SCRATCH, H_TASK, H_TEAM]] = [
-            self._hold(table), self._hold(head_q), self._hold(head_s), self._hold(inv_freq),
+            self._hold(table), self._hold(head), self._hold(head_s), self._hold(inv_freq),
             self._hold(new_scratch(c)), self._hold(np.zeros(8, np.int64)), self.team.address]
         # Addresses travel in the header, never as Numba globals: cached machine code would keep another
         # process's values.
         header[[H_STAGE, H_RUNTIME]] = [self.stage.address, RUNTIME_ADDR]
-        header[H_FORMAT] = FORMATS[fmt]
-        header[H_HEAD_KIND] = head_kind
+        header[H_FORMAT] = F_INT8 if FORMATS[fmt].made == INT8 else F_BLOCKS
+        header[H_HEAD_KIND] = self._head.code
         header[H_MAGIC] = self.magic
         HEADERS.append(header)
         self.header = header

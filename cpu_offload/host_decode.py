@@ -3,12 +3,10 @@
 
 Why: at batch 1 a decode step reads every weight once. XLA on the CPU keeps weights in float32 (a jitted dot on
 int8 weights converted to float32 measured slower, not faster) and spends a thunk on each of one token's many small ops.
-Here every matrix of a Llama-family layer is stored quantized and one Numba call does the whole layer. Two
-formats (``FORMATS``): "int8", a float32 scale per block of 64 inputs (``kernels.quantize_rows``: 17/64 of the
-float32 bytes), and "q4_1", the GGUF's own 4-bit blocks (``q4.py``: 5/32 of the bytes; for a Q4_1 GGUF it is the
-file's model exactly). The output head is int8 in both. A third, "gguf", keeps every matrix in the file's own
-llama.cpp block type (``quants.py``: Q8_0, Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; Q4_1 through ``q4.py``), the head
-too, so a Q4_K_M file decodes in its own mix; its ggml type number sits in the table slot after the blocks.
+Here every matrix of a Llama-family layer is stored quantized, in a block type of ``blocks.py``'s table, and one
+Numba call does the whole layer: the layers' matrices as int8 (``F_INT8``: rows and their scales in the table) or
+as GGUF blocks (``F_BLOCKS``: each matrix's blocks, its ggml type number in the table slot after them), the output
+head in the type H_HEAD_KIND names (``blocks.FORMATS`` say which a format stores).
 One layer (``_execute_layer``), under the ffi lock:
     h = rmsnorm(x) * attn_norm                            caller thread
     qkv = Wqkv h                                          team: rows split (stage QKV)
@@ -23,8 +21,9 @@ KV cache arrays (float16, [..., S, KV, hd]) are operands aliased to results: XLA
 position ``pos`` in place.
 
 Matrices are stored one row per output (a stored w_down_t is [d, d_ff], untransposed: pjinfer.runtime.model's rule for
-quantized matrices), so every stage is a GEMV over contiguous rows: ``int8.gemv`` takes four rows at a time against one pass over x;
-``q4.gemv`` takes one row at a time, dequantizing each block in registers.
+quantized matrices), so every stage is a GEMV over contiguous rows (``gemv_at``, the row's type's GEMV):
+``int8.gemv`` takes four rows at a time against one pass over x; ``quants.gemv`` (``q4.gemv`` for Q4_1) takes one
+row at a time, dequantizing each block in registers.
 
 Supported: the Llama family (RMSNorm, RoPE, grouped-query attention, gated FFN, no biases but Qwen2's q/k/v ones)
 with d_model, n_heads*head_dim and d_ff multiples of 64. Anything else is refused with a ConfigError-style ValueError.
@@ -36,12 +35,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import activation, attention, ffi, int8, kernels, q4, quants, tables, team, vector_ir
+from . import activation, attention, blocks, ffi, int8, kernels, q4, quants, tables, team, vector_ir
 from .ffi import (BUF_DATA, BUF_DIMS, BUF_DTYPE, BUF_RANK, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F16, DT_F32, DT_S32,
                   ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, buffer_numel, cstr,
                   last_dim, load_i32, load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i8, ptr_i32, ptr_u8, ptr_u16,
                   store_i64, unlock)
 from .activation import act_span
+from .blocks import INT8
 from .kernels import QBLOCK
 from .qtensor import aligned_zeros
 
@@ -54,12 +54,10 @@ MAGIC = 0x706A686F7374_0001  # "pjhost" + 1
 (H_MAGIC, H_NLAYERS, H_D, H_HEADS, H_KV, H_HD, H_FF, H_VOCAB, H_ACT, H_EPS, H_MAXLEN, H_TABLE, H_HEAD,
  H_HEAD_SCALES, H_INV_FREQ, H_SCRATCH, H_TASK, H_TEAM, H_STAGE, H_RUNTIME, H_FORMAT, H_HEAD_KIND) = range(22)
 H_WIDTH = 24
-# How the layers' matrices are stored: int8, or GGUF blocks ("q4_1": every layer matrix Q4_1; "gguf": each in the
-# file's own block type where quants.py has a kernel, Q8_0 otherwise).
-FORMATS = {"int8": 0, "q4_1": 1, "gguf": 1}
-F_Q4_1 = FORMATS["q4_1"]
-# Layer table slots: (int8 rows, float32 block scales), (Q4_1 blocks, 0) or (blocks, ggml type number) per
-# matrix, then the two norm scales.
+# H_FORMAT: how the layers' matrices are stored (int8, or GGUF blocks).
+F_INT8, F_BLOCKS = 0, 1
+# Layer table slots: (int8 rows, float32 block scales) or (blocks, ggml type number) per matrix, then the two norm
+# scales.
 (L_Q, L_Q_S, L_K, L_K_S, L_V, L_V_S, L_O, L_O_S, L_GATE, L_GATE_S, L_UP, L_UP_S, L_DOWN, L_DOWN_S, L_ATTN_NORM,
  L_FFN_NORM, L_QKV_BIAS) = range(17)
 L_WIDTH = 17   # L_QKV_BIAS: Qwen2's q, k and v biases as one float32 [(H + 2 KV) hd], or 0
@@ -159,21 +157,24 @@ def int8_matrix(header, layer, slot, rows, cols):
 
 
 @njit(**NOJIT)
-def _matvec(header, layer, slot, rows, x, y, lo, hi):
-    """y[lo:hi] = rows lo..hi-1 of the layer's matrix in slot times x (Q4_1, or another block type: its ggml type
-    number in the slot after the blocks, quants.gemv)."""
+def gemv_at(code, addr, scales, rows, x, y, lo, hi):
+    """y[lo:hi] = rows lo..hi-1 of the matrix at addr (block type code, blocks.TYPES; int8's scales at scales)
+    times x: the type's host GEMV."""
     cols = x.shape[0]
-    if load_i64(header + 8 * H_FORMAT) == F_Q4_1:
-        entry = load_i64(header + 8 * H_TABLE) + 8 * (L_WIDTH * layer + slot)
-        kind = load_i64(entry + 8)
-        if kind == 0:
-            blocks = carray(ptr_u8(load_i64(entry)), (rows, q4.row_bytes(cols)))
-            q4.gemv(blocks, x, y, lo, hi)
-        else:
-            quants.gemv(kind, carray(ptr_u8(load_i64(entry)), (rows, quants.row_bytes(kind, cols))), x, y, lo, hi)
+    if code == INT8:
+        int8.gemv(i8_view(addr, rows, cols), f32_view_2d(scales, rows, cols // QBLOCK), x, y, lo, hi)
     else:
-        w, s = int8_matrix(header, layer, slot, rows, cols)
-        int8.gemv(w, s, x, y, lo, hi)
+        quants.gemv(code, carray(ptr_u8(addr), (rows, quants.row_bytes(code, cols))), x, y, lo, hi)
+
+
+@njit(**NOJIT)
+def _matvec(header, layer, slot, rows, x, y, lo, hi):
+    """y[lo:hi] = rows lo..hi-1 of the layer's matrix in slot times x."""
+    entry = load_i64(header + 8 * H_TABLE) + 8 * (L_WIDTH * layer + slot)
+    if load_i64(header + 8 * H_FORMAT) == F_BLOCKS:
+        gemv_at(load_i64(entry + 8), load_i64(entry), 0, rows, x, y, lo, hi)
+    else:
+        gemv_at(INT8, load_i64(entry), load_i64(entry + 8), rows, x, y, lo, hi)
 
 
 @njit(**NOJIT)
@@ -220,19 +221,13 @@ def attend(header, pos, k_ptr, v_ptr):
 
 @njit(**NOJIT)
 def head_share(header, h, tid, n):
-    """Thread tid's share (rows in fours) of the logits at the task's K_OUT = the output head times h [d]: int8
-    rows, or GGUF blocks of the type in H_HEAD_KIND (quants.py)."""
-    d, vocab = h.shape[0], load_i64(header + 8 * H_VOCAB)
+    """Thread tid's share (rows in fours) of the logits at the task's K_OUT = the output head times h [d], in the
+    block type H_HEAD_KIND."""
+    vocab = load_i64(header + 8 * H_VOCAB)
     logits = f32_view(load_i64(load_i64(header + 8 * H_TASK) + 8 * K_OUT), vocab)
     lo, hi = thread_share(vocab, tid, n, 4)
-    kind = load_i64(header + 8 * H_HEAD_KIND)
-    if kind:
-        quants.gemv(kind, carray(ptr_u8(load_i64(header + 8 * H_HEAD)), (vocab, quants.row_bytes(kind, d))), h, logits,
-                    lo, hi)
-    else:
-        w = i8_view(load_i64(header + 8 * H_HEAD), vocab, d)
-        s = f32_view_2d(load_i64(header + 8 * H_HEAD_SCALES), vocab, d // QBLOCK)
-        int8.gemv(w, s, h, logits, lo, hi)
+    gemv_at(load_i64(header + 8 * H_HEAD_KIND), load_i64(header + 8 * H_HEAD), load_i64(header + 8 * H_HEAD_SCALES),
+            vocab, h, logits, lo, hi)
 
 
 @njit(**NOJIT)
@@ -283,7 +278,8 @@ def _stage_py(header, tid, n):
 
 
 
-ffi.purge_stale_cache("host_decode", attention, activation, kernels, ffi, int8, q4, quants, tables, team, vector_ir)
+ffi.purge_stale_cache("host_decode", attention, activation, blocks, kernels, ffi, int8, q4, quants, tables, team,
+                      vector_ir)
 
 # void stage(int64 header, int64 tid, int64 n): what the team runs.
 stage_cfunc = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True, cache=True)(_stage_py)

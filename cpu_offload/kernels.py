@@ -19,7 +19,7 @@ Semantics shared by every entry point here and by the FFI bridge:
 - Duplicated ids are computed as many times as they appear.
 - x, out and biases are float32; ids are int32 (any integer dtype works for direct calls). Weights are float32
   (``scales`` = ``no_scales()``), or int8 rows with float32 scales [3, C, ceil(d / QBLOCK)] for gate, up and
-  down, one per block of 64 elements (``quantize_rows``), dequantized inside the loops: 17/64 of the bytes.
+  down, one per block of 64 elements (``int8.quantize``), dequantized inside the loops: 17/64 of the bytes.
 
 Parallelism: the active list is cut into one contiguous chunk per thread; each thread accumulates into a private
 [d] partial row, the partials are summed at the end. The masked kernel cuts the tokens instead (disjoint output
@@ -333,7 +333,7 @@ def cold_ffn(x, w_gate, w_up, w_down_t, b_up, scales, ids, count, act_code, out)
     """out[:] = sum over the active cold neurons ids[:count] (see the module docstring). Returns nothing.
 
     x [d] f32; w_gate [C, d] or [0, d]; w_up, w_down_t [C, d] (C-contiguous), float32, or int8 with
-    scales [3, C, ceil(d / QBLOCK)] f32 (gate, up, down block scales; ``quantize_rows``), or ``no_scales()``;
+    scales [3, C, ceil(d / QBLOCK)] f32 (gate, up, down block scales; ``int8.quantize``), or ``no_scales()``;
     b_up [C] f32 or [0]; ids [K] int; count int; act_code from act_code(); out [d] f32 (overwritten). Uses
     numba.get_num_threads() threads of the calling thread.
     """
@@ -355,29 +355,6 @@ def empty_bias() -> np.ndarray:
 def no_scales() -> np.ndarray:
     """The scales argument for float32 weights."""
     return np.zeros((0, 0, 0), np.float32)
-
-
-def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """float32 [C, d] -> (int8 [C, d], float32 [C, ceil(d / QBLOCK)] scales), symmetric, each block's largest
-    magnitude mapped to 127. Blocks, not whole rows: this Q4_1 model's rows mix blocks of very different
-    ranges; with the default bundle's cold rows quantized, one scale per row cost 1.6-1.9% perplexity, one per
-    block of 64 cost 0.1%."""
-    w = np.asarray(w, np.float32)
-    c, d = w.shape
-    nblk = -(-d // QBLOCK)
-    padded = np.zeros((c, nblk * QBLOCK), np.float32)
-    padded[:, :d] = w
-    blocks = padded.reshape(c, nblk, QBLOCK)
-    peak = np.abs(blocks).max(axis=2)
-    scale = np.where(peak > 0, peak / 127.0, 1.0).astype(np.float32)
-    q = np.clip(np.rint(blocks / scale[:, :, None]), -127, 127).astype(np.int8)
-    return np.ascontiguousarray(q.reshape(c, nblk * QBLOCK)[:, :d]), scale
-
-
-def dequantize_rows(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """The float32 rows that quantize_rows' output stands for."""
-    c, d = q.shape
-    return (q.astype(np.float32) * np.repeat(scale, QBLOCK, axis=1)[:, :d]).astype(np.float32)
 
 
 def cold_ffn_call(x, w_gate, w_up, w_down_t, b_up, ids, count, activation, out=None) -> np.ndarray:

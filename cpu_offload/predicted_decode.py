@@ -188,8 +188,8 @@ class PredictedHostDecoder(decoder.HostDecoder):
     the module docstring); ``layer(...)`` and ``head(...)`` as HostDecoder's.
 
     config: pjinfer.runtime.model's ModelConfig (a gated FFN). weights: canonical weights whose w_gate, w_up and
-    w_down_t are the file's rows ([d_ff, d] each, w_down_t PowerInfer's ffn_down_t), each a qtensor QBlocks or
-    Q4Tensor, or a float16 / float32 array (F16 / F32 rows: predicted_ffn.stored_rows); q, k, v, o and the head as
+    w_down_t are the file's rows ([d_ff, d] each, w_down_t PowerInfer's ffn_down_t), each a qtensor QTensor of a
+    GGUF block type, or a float16 / float32 array (F16 / F32 rows: predicted_ffn.stored_rows); q, k, v, o and the head as
     HostDecoder's "gguf" format takes them. fc1 [rank_l, d] and fc2 [d_ff, rank_l] per layer, float32 (or anything
     that converts), and threshold: PowerInfer's predictors (pjinfer.load.powerinfer.Predictors' fields); fc1 None:
     every neuron computed (dense)."""

@@ -46,7 +46,8 @@ ffi.purge_stale_cache("predicted_ffn", activation, blocks, kernels, quants)
 
 F32, F16 = 0, 1
 # ggml type number -> (name, weights per block, bytes per block): the float rows, then quants.py's block types.
-KINDS = {F32: ("F32", 32, 128), F16: ("F16", 32, 64)} | blocks.KINDS
+KINDS = {F32: ("F32", 32, 128), F16: ("F16", 32, 64)} | {k: (t.name, t.block, t.nbytes) for k, t in
+                                                           blocks.GGUF_TYPES.items()}
 RELU_GATED = (2, 3)   # activation codes (cpu_offload.activation) whose activation is 0 wherever the gate is <= 0
 _F0 = np.float32(0.0)
 _JIT = dict(fastmath=True, cache=True, nogil=True)
@@ -253,15 +254,13 @@ def reduce(parts, n, y):
 # ---------------------------------------------------------------------------------------------------------------
 
 def stored_rows(w) -> tuple[np.ndarray, int]:
-    """A matrix as the kernels read it: (uint8 [rows, row bytes], type number). w: a cpu_offload.qtensor Q4Tensor
-    or QBlocks (the file's blocks), or a float16 / float32 numpy array (F16 / F32 rows); no copy where w is
-    C-contiguous."""
-    from .qtensor import Q4Tensor, QBlocks
+    """A matrix as the kernels read it: (uint8 [rows, row bytes], type number). w: a cpu_offload.qtensor QTensor
+    of a GGUF block type (the file's blocks), or a float16 / float32 numpy array (F16 / F32 rows); no copy where w
+    is C-contiguous."""
+    from .qtensor import is_quantized
 
-    if isinstance(w, Q4Tensor):
-        return np.asarray(w.data), blocks.Q4_1
-    if isinstance(w, QBlocks):
-        return np.asarray(w.data), w.kind
+    if is_quantized(w) and w.code in blocks.GGUF_TYPES:
+        return np.asarray(w.data), w.code
     w = np.asarray(w)
     kind = {np.dtype(np.float32): F32, np.dtype(np.float16): F16}.get(w.dtype)
     if kind is None or w.ndim != 2:
@@ -300,4 +299,4 @@ def float32_rows(data: np.ndarray, kind: int, cols: int) -> np.ndarray:
         return data.view(np.float32).reshape(-1, cols).copy()
     if kind == F16:
         return data.view(np.float16).reshape(-1, cols).astype(np.float32)
-    return blocks.dequantize(kind, data, cols)
+    return blocks.TYPES[kind].dequantize((data,), cols)

@@ -1,13 +1,10 @@
-"""4-bit weights in the GGUF's own Q4_1 block layout, and the GEMV that reads them (``host_decode``'s layers).
+"""The GEMV over the GGUF's own Q4_1 blocks (``host_decode``'s layers with ``--weights q4_1``).
 
-A row of ``cols`` weights (a multiple of 32) is cols/32 blocks of 20 bytes, exactly as llama.cpp stores Q4_1:
-float16 d, float16 m, then 16 bytes whose low nibbles are elements 0..15 and high nibbles elements 16..31;
-element = d * q + m. That is 0.625 bytes a weight, against 1.0625 for int8 with a scale per 64.
-
-``quantize`` follows llama.cpp's rule (m = the block's min, d = (max - min) / 15, q rounded). Every block of a
-Q4_1 tensor therefore holds a q of 0 and a q of 15, and re-quantizing the float32 values the loader dequantized
-gives back the file's bytes (tests/test_real_model.py checks it on the default model): for a Q4_1 GGUF the 4-bit
-decode is the file's own model, not a further approximation.
+A row of ``cols`` weights (a multiple of 32) is cols/32 blocks of 20 bytes, exactly as llama.cpp stores Q4_1
+(``blocks.py`` has the layout, the dequantizer and the quantizer): float16 d, float16 m, then 16 bytes whose low
+nibbles are elements 0..15 and high nibbles elements 16..31; element = d * q + m. That is 0.625 bytes a weight,
+against 1.0625 for int8 with a scale per 64. For a Q4_1 GGUF the 4-bit decode is the file's own model, not a
+further approximation.
 
 The GEMV dequantizes in registers and takes the dot in float32. Per block, shared by every input that reads the
 row: the 16 bytes as q_lo and q_hi, 16 floats each (``emit_nibbles``: a widening, a vpermps, a shift and a
@@ -24,10 +21,6 @@ inserts (2.4 G weights/s on one thread here); the IR form streams about 16 G wei
 """
 from __future__ import annotations
 
-import numpy as np
-
-from .contract import ConfigError
-
 from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
 
 from llvmlite import ir  # noqa: E402
@@ -36,57 +29,16 @@ from numba.core import cgutils, config  # noqa: E402
 from numba.core.codegen import get_host_cpu_features  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from . import ffi, kernels, vector_ir  # noqa: E402
+from . import blocks, ffi, kernels, vector_ir  # noqa: E402
 from .vector_ir import F32, I64, V16F, V16I8, V16I32, ZERO16, hsum, load, splat, strict, vector_intrinsic  # noqa: E402
-from .qtensor import dequantize_q4_1  # noqa: E402
 from .kernels import prefetch  # noqa: E402
 
-ffi.purge_stale_cache("q4", kernels, vector_ir)  # prefetch is compiled into this module's cached functions
+ffi.purge_stale_cache("q4", kernels, vector_ir, blocks)  # prefetch is compiled into this module's cached functions
 
-BLOCK = 32          # weights per block
-BLOCK_BYTES = 20    # float16 d, float16 m, 16 bytes of nibbles
+BLOCK, BLOCK_BYTES = blocks.TYPES[blocks.Q4_1].block, blocks.TYPES[blocks.Q4_1].nbytes
 PREFETCH_ROWS = 8   # rows ahead to prefetch (8 beat 16 and 32 on one thread: docs/performance.md)
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# numpy side: quantize, dequantize (the reference the kernel is tested against).
-
-@njit(**_JIT)
-def row_bytes(cols):
-    """Bytes of a row of cols weights."""
-    return cols // BLOCK * BLOCK_BYTES
-
-
-def quantize(w) -> np.ndarray:
-    """float32 [rows, cols] (cols a multiple of 32) -> uint8 [rows, cols / 32 * 20] Q4_1 blocks."""
-    w = np.ascontiguousarray(w, np.float32)
-    rows, cols = w.shape
-    if cols % BLOCK:
-        raise ConfigError(f"Q4_1 rows need a multiple of {BLOCK} elements, got {cols}")
-    b = w.reshape(rows, cols // BLOCK, BLOCK)
-    lo, hi = b.min(-1), b.max(-1)
-    d = ((hi - lo) / 15).astype(np.float16)
-    m = lo.astype(np.float16)
-    step = d.astype(np.float32)
-    inv = np.divide(1, step, out=np.zeros_like(step), where=step != 0)
-    q = np.clip(np.rint((b - m.astype(np.float32)[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
-    out = np.empty((rows, cols // BLOCK, BLOCK_BYTES), np.uint8)
-    out[..., 0:2] = d.view(np.uint8).reshape(rows, -1, 2)
-    out[..., 2:4] = m.view(np.uint8).reshape(rows, -1, 2)
-    out[..., 4:] = q[..., :16] | (q[..., 16:] << 4)
-    return out.reshape(rows, -1)
-
-
-def dequantize(blocks: np.ndarray, cols: int) -> np.ndarray:
-    """uint8 [rows, cols / 32 * 20] -> float32 [rows, cols] (``qtensor.dequantize_q4_1``)."""
-    return dequantize_q4_1(blocks, cols)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The kernel.
-
 
 
 def _has_avx512f() -> bool:

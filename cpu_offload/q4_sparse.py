@@ -57,7 +57,7 @@ _JIT = dict(fastmath=True, cache=True, nogil=True)
 
 
 def relayout(blocks: np.ndarray, out: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """q4.quantize's blocks of W [out, cols] -> (nib uint8 [cols * out / 2], d [cols / 32, out], m [cols / 32, out]:
+    """The Q4_1 blocks of W [out, cols] -> (nib uint8 [cols * out / 2], d [cols / 32, out], m [cols / 32, out]:
     float16 bits as uint16), the same numbers in row tiles by input column (module docstring). out and cols
     multiples of 32."""
     if out % BLOCK or cols % BLOCK:

@@ -1,8 +1,10 @@
 """GEMV over llama.cpp's block formats as stored in a GGUF (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
 
-``gemv(kind, q, x, y, lo, hi)``: y[r] = row r of the matrix q (uint8 [rows, blocks.row_bytes(kind, cols)], rows of
-``kind``'s blocks, ``blocks.py`` has the layouts) dotted with x (float32 [cols]), for r in [lo, hi). Only y[lo:hi] is
-written. No bounds checks beyond the shapes: the caller owns them.
+``gemv(kind, q, x, y, lo, hi)``: y[r] = row r of the matrix q (uint8 [rows, row bytes], rows of ``kind``'s blocks,
+``blocks.py`` has the layouts) dotted with x (float32 [cols]), for r in [lo, hi). Only y[lo:hi] is written. No
+bounds checks beyond the shapes: the caller owns them. Q4_1 rows go to ``q4.gemv`` (the batched decode's kernel
+too, so a Q4_1 matrix has one GEMV); every other type is walked here. ``row_dot`` and ``emit_block`` read Q4_1
+too (predicted_ffn's rows).
 
 How: a row is walked 16 weights at a time. ``_axpy16`` (LLVM vector IR: Numba's autovectorizer turns byte
 unpacking into byte-by-byte inserts, see q4.py) loads 16 bytes, extracts each weight's integer code as
@@ -24,22 +26,21 @@ from numba import njit, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from . import ffi, kernels  # noqa: E402
+from . import ffi, kernels, q4, vector_ir  # noqa: E402
 from . import blocks  # noqa: E402
-from .blocks import KINDS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0  # noqa: E402
+from .blocks import GGUF_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0  # noqa: E402
 from .kernels import prefetch  # noqa: E402
 
-ffi.purge_stale_cache("quants", kernels, blocks)
+ffi.purge_stale_cache("quants", kernels, blocks, q4, vector_ir)
 
-SUPPORTED = tuple(KINDS)   # every type blocks.py describes has a kernel here
 PREFETCH_ROWS = 8
 _F0 = np.float32(0.0)
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 # Block bytes by ggml type number, as a table Numba code can index (0: not a block type here).
 _BLOCK_BYTES = np.zeros(16, np.int64)
 _BLOCK = np.zeros(16, np.int64)
-for _k, (_, _b, _n) in KINDS.items():
-    _BLOCK_BYTES[_k], _BLOCK[_k] = _n, _b
+for _k, _t in GGUF_TYPES.items():
+    _BLOCK_BYTES[_k], _BLOCK[_k] = _t.nbytes, _t.block
 
 _f32, _i32, _i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
 _V = 16
@@ -182,7 +183,7 @@ def emit_block(row, kind, bp, x0):
     a subclass whose ``add`` does something else with each 16 weights: predicted_ffn's AXPY)."""
     if kind == Q6_K:
         _emit_q6_k(row, bp, x0)
-    elif KINDS[kind][1] == 256:
+    elif GGUF_TYPES[kind].block == 256:
         _emit_k45(row, kind, bp, x0)
     else:
         _emit_small(row, kind, bp, x0)
@@ -191,7 +192,7 @@ def emit_block(row, kind, bp, x0):
 def _row_intrinsic(kind):
     """An intrinsic (p, nb, xa) -> float32: the dot of the row of nb blocks of kind at address p with the float32
     input at address xa (addresses as integers)."""
-    _, block, nbytes = KINDS[kind]
+    block, nbytes = GGUF_TYPES[kind].block, GGUF_TYPES[kind].nbytes
 
     @intrinsic
     def row_dot(typingctx, p, nb, xa):
@@ -206,7 +207,7 @@ def _row_intrinsic(kind):
     return row_dot
 
 
-_ROW = {kind: _row_intrinsic(kind) for kind in KINDS}
+_ROW = {kind: _row_intrinsic(kind) for kind in GGUF_TYPES}
 _row_q4_0, _row_q4_1, _row_q5_0, _row_q5_1, _row_q8_0 = (_ROW[k] for k in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0))
 _row_q4_k, _row_q5_k, _row_q6_k = (_ROW[k] for k in (Q4_K, Q5_K, Q6_K))
 
@@ -234,6 +235,9 @@ def row_dot(kind, p, nb, xa):
 @njit(**_JIT)
 def gemv(kind, q, x, y, lo, hi):
     """y[r] = row r of q (uint8 [rows, row bytes], blocks of ggml type kind) dotted with x, for r in [lo, hi)."""
+    if kind == Q4_1:
+        q4.gemv(q, x, y, lo, hi)
+        return
     nb = q.shape[1] // _BLOCK_BYTES[kind]
     base = q.ctypes.data
     xa = x.ctypes.data

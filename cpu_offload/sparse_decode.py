@@ -25,7 +25,7 @@ One layer, under the ffi lock (host_decode's helpers for norms, RoPE, attention 
 Each thread computes whole rows (q4_sparse.tile_share), so there are no partial sums to add.
 
 The header keeps host_decode's slots (so its ``dims``, ``scratch``, ``run_stage``, ``run_head`` and ``head_share`` work
-on it; the head is int8, H_HEAD_KIND 0) and adds
+on it; the head is int8, H_HEAD_KIND blocks.INT8) and adds
 the thresholds and the active-index scratch (q4_sparse.active's idx, then q4_sparse.segments' seg). Lifetime:
 like HostDecoder, the header is never freed.
 """
@@ -40,8 +40,9 @@ from .ffi import (CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, ERRC_INVALID_ARGUMENT, N
 from .host_decode import (H_EPS, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS, H_RUNTIME, H_TABLE, H_TASK, H_VOCAB,
                           K_LAYER, K_STAGE, ST_ATTN, ST_DOWN, ST_GATE_UP, ST_HEAD, ST_O, ST_QKV)
 from .activation import act_span
+from .blocks import INT8, Q4_1
 from .q4 import BLOCK
-from .qtensor import Int8Tensor
+from .qtensor import QTensor
 from .contract import THRESHOLD_INPUTS, ConfigError
 
 from numba import carray, cfunc, njit, types  # noqa: E402
@@ -258,15 +259,15 @@ class SparseHostDecoder(decoder.HostDecoder):
             }
             for slot, make in mats.items():
                 w = np.asarray(make(), np.float32)
-                arrays = q4_sparse.relayout(q4.quantize(w), *w.shape)
+                arrays = q4_sparse.relayout(QTensor.quantize(Q4_1, w).data, *w.shape)
                 del w
                 table[l, slot:slot + 3] = [self._hold(a) for a in arrays]
                 self._quantized[(l, slot)] = arrays
             table[l, L_ATTN_NORM] = self._hold(np.asarray(weights[f"{p}.attn_norm.scale"], np.float32))
             table[l, L_FFN_NORM] = self._hold(np.asarray(weights[f"{p}.ffn_norm.scale"], np.float32))
         head_name = "embed" if c.tie_embeddings else "lm_head"
-        head_q, head_s = decoder.quantize(weights[head_name])
-        self._head_name, self._head = head_name, (head_q, head_s)
+        self._head_name = head_name
+        self._head = QTensor(INT8, int8.quantize(weights[head_name]), c.d_model)
         inv_freq = (1.0 / (np.float32(c.rope_theta) ** (np.arange(0, c.head_dim, 2, dtype=np.float32)
                                                         / np.float32(c.head_dim)))).astype(np.float32)
         widest = max(c.d_model, c.n_heads * c.head_dim, c.d_ff)
@@ -278,12 +279,12 @@ class SparseHostDecoder(decoder.HostDecoder):
             kernels.act_code(c.activation), c.max_seq_len]
         header.view(np.float64)[H_EPS] = c.norm_eps
         header[[H_TABLE, hd.H_HEAD, hd.H_HEAD_SCALES, H_INV_FREQ, hd.H_SCRATCH, H_TASK, hd.H_TEAM]] = [
-            self._hold(table), self._hold(head_q), self._hold(head_s), self._hold(inv_freq),
+            self._hold(table), self._hold(self._head.data), self._hold(self._head.arrays[1]), self._hold(inv_freq),
             self._hold(hd.new_scratch(c)), self._hold(task), self.team.address]
         header[[H_THRESH, H_IDX]] = [self._hold(thresholds),
                                      self._hold(np.zeros(widest + widest // BLOCK + 1, np.int32))]
         header[[hd.H_STAGE, H_RUNTIME]] = [_stage.address, RUNTIME_ADDR]
-        header[hd.H_FORMAT] = hd.F_Q4_1
+        header[[hd.H_FORMAT, hd.H_HEAD_KIND]] = [hd.F_BLOCKS, INT8]
         header[H_MAGIC] = MAGIC
         decoder.HEADERS.append(header)
         self.address = int(header.ctypes.data)
@@ -303,13 +304,13 @@ class SparseHostDecoder(decoder.HostDecoder):
             out[f"{p}.wo"] = deq(L_O)
             out[f"{p}.w_gate"], out[f"{p}.w_up"] = np.split(deq(L_GATE_UP), 2)
             out[f"{p}.w_down_t"] = np.ascontiguousarray(deq(L_DOWN).T)
-        out[self._head_name] = Int8Tensor(*self._head).float32()
+        out[self._head_name] = self._head.float32()
         return out
 
     @property
     def nbytes(self) -> int:
         """Bytes of every stored matrix (the most a decode step reads; it reads the active inputs' share)."""
-        return int(sum(a.nbytes for arrays in [*self._quantized.values(), self._head] for a in arrays))
+        return int(sum(a.nbytes for arrays in self._quantized.values() for a in arrays) + self._head.nbytes)
 
     def input_bytes(self) -> np.ndarray:
         """[n_layers, 4] nibble bytes of each layer's q/k/v, o, gate/up and down matrices (the thresholds' order):

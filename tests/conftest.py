@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from cpu_offload.qtensor import dequantize_q4_1
+from cpu_offload.blocks import INT8, Q4_1, TYPES
 from pjinfer.config import ModelConfig
 
 _CACHE_HOME = None
@@ -61,6 +61,21 @@ def tiny_config(arch: str = "llama", activation: str = "swiglu", **changes) -> M
     return ModelConfig(**base)
 
 
+def q4_1(w) -> np.ndarray:
+    """float32 [rows, cols] -> its Q4_1 blocks, uint8 [rows, cols / 32 * 20] (the block-type table's quantizer)."""
+    return TYPES[Q4_1].quantize(w)[0]
+
+
+def q4_1_values(blocks, cols: int) -> np.ndarray:
+    """The float32 [rows, cols] that Q4_1 blocks stand for (the block-type table's dequantizer)."""
+    return TYPES[Q4_1].dequantize((blocks,), cols)
+
+
+def int8_values(q, scales) -> np.ndarray:
+    """The float32 values of int8 rows with a scale per 64 (the block-type table's dequantizer)."""
+    return TYPES[INT8].dequantize((q, scales), np.shape(q)[1])
+
+
 def q4_dot_tolerance(blocks: np.ndarray, cols: int, x: np.ndarray) -> np.ndarray:
     """Absolute error bound [nt, rows] of cpu_offload.q4's float32 dot of Q4_1 rows with inputs x [nt, cols].
 
@@ -68,7 +83,7 @@ def q4_dot_tolerance(blocks: np.ndarray, cols: int, x: np.ndarray) -> np.ndarray
     a 16-lane tree: its rounding scales with sum |w x|, not with the result, which can cancel to near zero.
     Bound: (blocks + 8) float32 epsilons of that sum."""
     x = np.atleast_2d(np.asarray(x, np.float64))
-    w = np.abs(dequantize_q4_1(blocks, cols).astype(np.float64))                 # [rows, cols]
+    w = np.abs(q4_1_values(blocks, cols).astype(np.float64))                 # [rows, cols]
     return (cols // 32 + 8) * 2.0 ** -23 * (np.abs(x) @ w.T) + 1e-30
 
 

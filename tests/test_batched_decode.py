@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from cpu_offload import batched_decode as bd
-from cpu_offload import decoder, int8, kernels, q4, q4_gemm
-from tests.conftest import q4_dot_tolerance, random_weights, tiny_config
+from cpu_offload import decoder, int8, q4, q4_gemm
+from tests.conftest import int8_values, q4_1, q4_1_values, q4_dot_tolerance, random_weights, tiny_config
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
@@ -29,9 +29,9 @@ def _bits(a):
 def test_q4_gemm_matches_float64_numpy_and_the_gemv_bit_for_bit(rows, cols, nt):
     seed, rng = _fresh_rng()
     w = rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.1, 3, (rows, 1)).astype(np.float32)
-    blocks = q4.quantize(w)
+    blocks = q4_1(w)
     x = rng.standard_normal((nt, cols)).astype(np.float32)
-    want = x.astype(np.float64) @ q4.dequantize(blocks, cols).astype(np.float64).T       # [nt, rows]
+    want = x.astype(np.float64) @ q4_1_values(blocks, cols).astype(np.float64).T       # [nt, rows]
     xs = np.full((nt + 2, cols + 7), np.nan, np.float32)                                 # wider rows than needed
     xs[:nt, :cols] = x
     for lo, hi in [(0, rows), (0, 0), (rows // 2, rows), (1 % rows, max(1 % rows, rows - 1))]:
@@ -50,9 +50,9 @@ def test_q4_gemm_matches_float64_numpy_and_the_gemv_bit_for_bit(rows, cols, nt):
 @pytest.mark.parametrize("nt", [1, 4, 11])
 def test_int8_gemm_matches_float64_numpy_and_the_gemv_bit_for_bit(rows, cols, nt):
     seed, rng = _fresh_rng()
-    q, s = decoder.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.1, 3, (rows, 1)))
+    q, s = int8.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.1, 3, (rows, 1)))
     x = rng.standard_normal((nt, cols)).astype(np.float32)
-    want = x.astype(np.float64) @ kernels.dequantize_rows(q, s).astype(np.float64).T
+    want = x.astype(np.float64) @ int8_values(q, s).astype(np.float64).T
     out_rows = rng.permutation(nt + 2)[:nt].astype(np.int64)    # token t's output goes to row out_rows[t]
     for lo, hi in [(0, rows), (0, 0), (rows // 4 * 4, rows)]:
         y = np.full((nt + 2, rows), np.nan, np.float32)

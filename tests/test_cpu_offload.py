@@ -7,7 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from cpu_offload import bridge, cold_handler, ffi, kernels
+from cpu_offload import bridge, cold_handler, ffi, int8, kernels
+from tests.conftest import int8_values
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
@@ -123,25 +124,25 @@ def quantized(layer):
     q_gate = np.zeros((0, d), np.int8)
     deq_gate = None
     if gate is not None:
-        q_gate, scales[0] = kernels.quantize_rows(gate)
-        deq_gate = kernels.dequantize_rows(q_gate, scales[0])
-    q_up, scales[1] = kernels.quantize_rows(up)
-    q_down, scales[2] = kernels.quantize_rows(down)
-    return (q_gate, q_up, q_down, scales), (deq_gate, kernels.dequantize_rows(q_up, scales[1]),
-                                            kernels.dequantize_rows(q_down, scales[2]), bias)
+        q_gate, scales[0] = int8.quantize(gate)
+        deq_gate = int8_values(q_gate, scales[0])
+    q_up, scales[1] = int8.quantize(up)
+    q_down, scales[2] = int8.quantize(down)
+    return (q_gate, q_up, q_down, scales), (deq_gate, int8_values(q_up, scales[1]),
+                                            int8_values(q_down, scales[2]), bias)
 
 
-def test_quantize_rows_round_trip():
+def test_int8_quantize_round_trip():
     rng = np.random.default_rng(81)
     b = kernels.QBLOCK
     d = 2 * b + 6                                         # two whole blocks and a tail of 6
     w = rng.standard_normal((9, d)).astype(np.float32) * rng.uniform(0.01, 10, (9, 1)).astype(np.float32)
     w[3] = 0.0                                            # an all-zero row keeps scale 1 and codes 0
     w[5, b:2 * b] *= 1e-3                                 # a quiet block gets its own fine scale
-    q, scale = kernels.quantize_rows(w)
+    q, scale = int8.quantize(w)
     assert q.dtype == np.int8 and scale.dtype == np.float32 and q.shape == w.shape and scale.shape == (9, 3)
     step = np.repeat(scale, kernels.QBLOCK, axis=1)[:, :d]
-    assert np.all(np.abs(kernels.dequantize_rows(q, scale) - w) <= step / 2 + 1e-7)
+    assert np.all(np.abs(int8_values(q, scale) - w) <= step / 2 + 1e-7)
     assert np.all(scale[3] == 1.0) and not q[3].any()
     assert np.abs(q[5, b:2 * b]).max() == 127 and scale[5, 1] < 1e-2 * scale[5, 0]
 

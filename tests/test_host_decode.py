@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cpu_offload import decoder, int8, kernels, q4, team
+from cpu_offload import decoder, int8, q4, team
 from cpu_offload import host_decode as hd
-from tests.conftest import q4_dot_tolerance, random_weights, tiny_config
+from tests.conftest import int8_values, q4_1, q4_1_values, q4_dot_tolerance, random_weights, tiny_config
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
@@ -17,9 +17,9 @@ jnp = jax.numpy
 @pytest.mark.parametrize("rows,cols", [(1, 64), (3, 64), (5, 192), (37, 128), (130, 576)])
 def test_gemv_matches_numpy_on_its_rows_only(rows, cols):
     rng = np.random.default_rng(rows * 1000 + cols)
-    q, s = decoder.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.1, 3, (rows, 1)))
+    q, s = int8.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.1, 3, (rows, 1)))
     x = rng.standard_normal(cols).astype(np.float32)
-    want = kernels.dequantize_rows(q, s) @ x
+    want = int8_values(q, s) @ x
     for lo, hi in [(0, rows), (0, 0), (rows // 2, rows), (1 % rows, max(1 % rows, rows - 1))]:
         y = np.full(rows, np.nan, np.float32)
         int8.gemv(q, s, x, y, lo, hi)
@@ -41,26 +41,26 @@ def _q4_matrix(rng, rows, cols):
 def test_q4_quantize_rounds_to_the_nearest_step_and_round_trips(rows, cols):
     rng = np.random.default_rng(rows * 1000 + cols)
     w = _q4_matrix(rng, rows, cols)
-    blocks = q4.quantize(w)
+    blocks = q4_1(w)
     assert blocks.shape == (rows, cols // 32 * 20) and blocks.dtype == np.uint8
-    back = q4.dequantize(blocks, cols)
+    back = q4_1_values(blocks, cols)
     b = w.reshape(rows, -1, 32)
     step = (b.max(-1) - b.min(-1)) / 15
     # Half a step, plus float16's rounding of d (times q <= 15) and of the block minimum.
     slack = step / 2 + 15 * step * 2.0 ** -11 + np.abs(b.min(-1)) * 2.0 ** -11 + 1e-7
     assert (np.abs(back - w).reshape(rows, -1, 32).max(-1) <= slack).all()
     np.testing.assert_array_equal(back[0, :32], 0.25)  # a constant block is exact (d = 0)
-    np.testing.assert_array_equal(q4.quantize(back), blocks)  # the values it stands for quantize to themselves
+    np.testing.assert_array_equal(q4_1(back), blocks)  # the values it stands for quantize to themselves
     with pytest.raises(ValueError, match="multiple of 32"):
-        q4.quantize(np.zeros((2, 48), np.float32))
+        q4_1(np.zeros((2, 48), np.float32))
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 32), (3, 64), (5, 96), (37, 576), (130, 1536)])
 def test_q4_gemv_matches_numpy_on_its_rows_only(rows, cols):
     rng = np.random.default_rng(rows * 7 + cols)
-    blocks = q4.quantize(_q4_matrix(rng, rows, cols))
+    blocks = q4_1(_q4_matrix(rng, rows, cols))
     x = rng.standard_normal(cols).astype(np.float32)
-    want = q4.dequantize(blocks, cols).astype(np.float64) @ x
+    want = q4_1_values(blocks, cols).astype(np.float64) @ x
     for lo, hi in [(0, rows), (0, 0), (rows // 2, rows), (1 % rows, max(1 % rows, rows - 1))]:
         y = np.full(rows, np.nan, np.float32)
         q4.gemv(blocks, x, y, lo, hi)

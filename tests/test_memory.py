@@ -9,45 +9,61 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from cpu_offload import decoder, kernels, q4
-from cpu_offload.qtensor import (XLA_ALIGNMENT, Int8Tensor, Q4Tensor, aligned, aligned_empty, dequantize_int8,
-                                 dequantize_q4_1, is_aligned, is_quantized)
+from cpu_offload import int8
+from cpu_offload.blocks import INT8, Q4_1, Q8_0
+from cpu_offload.qtensor import XLA_ALIGNMENT, QTensor, aligned, aligned_empty, is_aligned, is_quantized
 from pjinfer.load import loader
 from pjinfer.load.gguf_file import GGUFFile
 from pjinfer.runtime import model
-from tests.conftest import random_weights, tiny_config
+from tests.conftest import int8_values, q4_1, q4_1_values, random_weights, tiny_config
 from tests.support.gguf_files import write_tiny_gguf
 
 
 def _q4_blocks(rng, rows, cols):
     w = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 2, (rows, 1))).astype(np.float32)
-    return q4.quantize(w)
+    return q4_1(w)
+
+
+def _int8_reference(w):
+    """numpy's int8 rows and scales of w (int8.quantize's rule): the largest magnitude of each block of 64 (the
+    last one shorter where cols is not a multiple) to 127, an all-zero block scale 1."""
+    rows, cols = w.shape
+    nblk = -(-cols // 64)
+    blocks = np.zeros((rows, nblk * 64), np.float32)
+    blocks[:, :cols] = w
+    blocks = blocks.reshape(rows, nblk, 64)
+    peak = np.abs(blocks).max(axis=2)
+    scale = np.where(peak > 0, peak / np.float32(127), np.float32(1)).astype(np.float32)
+    q = np.clip(np.rint(blocks / scale[:, :, None]), -127, 127).astype(np.int8)
+    return q.reshape(rows, nblk * 64)[:, :cols], scale
 
 
 @pytest.mark.parametrize("rows,cols", [(7, 32), (33, 96), (5, 576)])
 def test_xla_dequantizing_equals_the_numpy_reference(rows, cols):
     rng = np.random.default_rng(rows * cols)
     blocks = _q4_blocks(rng, rows, cols)
-    np.testing.assert_array_equal(np.asarray(jax.jit(model.dequantize_q4_1)(blocks)), dequantize_q4_1(blocks, cols))
-    w = rng.standard_normal((rows, cols + 64)).astype(np.float32)
-    q, s = kernels.quantize_rows(w)
-    np.testing.assert_array_equal(np.asarray(jax.jit(model.dequantize_int8)(q, s)), dequantize_int8(q, s))
     ids = jnp.asarray([[rows - 1, 0, rows // 2]])
-    np.testing.assert_array_equal(np.asarray(model.QMatrix(Q4Tensor(blocks, cols)).rows(ids))[0],
-                                  dequantize_q4_1(blocks, cols)[[rows - 1, 0, rows // 2]])
-    np.testing.assert_array_equal(np.asarray(model.QMatrix(Q4Tensor(blocks, cols), transposed=True)[...]),
-                                  dequantize_q4_1(blocks, cols).T)
+    w = rng.standard_normal((rows, cols + 64)).astype(np.float32)
+    for t in (QTensor(Q4_1, (blocks,), cols), QTensor(INT8, int8.quantize(w), cols + 64), QTensor.quantize(Q8_0, w)):
+        want = t.float32()
+        np.testing.assert_array_equal(np.asarray(nnx.jit(lambda m: m[...])(model.QMatrix(t))), want)
+        np.testing.assert_array_equal(np.asarray(model.QMatrix(t).rows(ids))[0], want[[rows - 1, 0, rows // 2]])
+        np.testing.assert_array_equal(np.asarray(model.QMatrix(t, transposed=True)[...]), want.T)
+    np.testing.assert_array_equal(QTensor(Q4_1, (blocks,), cols).float32(), q4_1_values(blocks, cols))
 
 
-@pytest.mark.parametrize("rows,cols", [(1, 64), (37, 192), (300, 576)])
-def test_fast_int8_quantizer_gives_kernels_bytes(rows, cols):
+@pytest.mark.parametrize("rows,cols", [(1, 64), (37, 192), (300, 576), (5, 100), (3, 17), (0, 64), (4, 0)])
+def test_int8_quantizer_gives_numpys_bytes(rows, cols):
     rng = np.random.default_rng(rows)
     w = (rng.standard_normal((rows, cols)) * rng.uniform(0, 3, (rows, 1))).astype(np.float32)
-    w[0, :64] = 0  # an all-zero block takes scale 1
-    got, want = decoder.quantize(w), kernels.quantize_rows(w)
+    w[:1, :64] = 0  # an all-zero block takes scale 1
+    got, want = int8.quantize(w), _int8_reference(w)
+    assert is_aligned(got[0]) and is_aligned(got[1])
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(int8_values(*got), (want[0] * np.repeat(want[1], 64, axis=1)[:, :cols]))
 
 
 def test_reader_reads_what_ggufs_reader_reads(tmp_path):
@@ -73,7 +89,7 @@ def test_q4_1_layers_stay_the_files_blocks(tmp_path):
     assert set(kept) == set(dense)
     for name, w in kept.items():
         if name.startswith("layers.") and dense[name].ndim == 2:
-            assert isinstance(w, Q4Tensor), name
+            assert isinstance(w, QTensor) and w.code == Q4_1, name
             np.testing.assert_array_equal(model.float32_weight(name, w), dense[name], err_msg=name)
             if not name.endswith((".wq", ".wk")) and w.data.ctypes.data % XLA_ALIGNMENT == 0:
                 base = w.data   # as stored: a view of the file's memory map, no copy
@@ -81,10 +97,10 @@ def test_q4_1_layers_stay_the_files_blocks(tmp_path):
                     base = base.base
                 assert isinstance(getattr(base, "obj", base), mmap.mmap), name   # np.frombuffer's memoryview
         elif name == "lm_head":  # the untied head, Q8_0 in the file: the host decode's int8, no float32 copy
-            assert isinstance(w, Int8Tensor)
-            want = decoder.quantize(dense[name])
-            np.testing.assert_array_equal(w.q, want[0])
-            np.testing.assert_array_equal(w.scales, want[1])
+            assert isinstance(w, QTensor) and w.code == INT8
+            want = int8.quantize(dense[name])
+            np.testing.assert_array_equal(w.arrays[0], want[0])
+            np.testing.assert_array_equal(w.arrays[1], want[1])
         else:
             np.testing.assert_array_equal(w, dense[name], err_msg=name)
     assert GGUFFile(path).mmap.size == path.stat().st_size
@@ -134,7 +150,7 @@ def test_a_q4_1_engine_holds_each_matrix_once_even_from_a_file_aligned_to_32(tmp
         path.unlink()
     assert path.exists(), "no padding put the file's tensors off a 64-byte boundary"
     config, kept, tokenizer = loader.load(path, keep_q4_1=True)
-    arrays = [a for w in kept.values() if is_quantized(w) for a in vars(w).values() if isinstance(a, np.ndarray)]
+    arrays = [a for w in kept.values() if is_quantized(w) for a in w.arrays]
     assert len(arrays) > 3 * config.n_layers
     assert all(is_aligned(a) for a in arrays)
     engine = Engine(config, kept, tokenizer, weights_format="q4_1")
@@ -143,14 +159,26 @@ def test_a_q4_1_engine_holds_each_matrix_once_even_from_a_file_aligned_to_32(tmp
     assert engine.host is not None
 
 
+@pytest.mark.parametrize("code", [Q8_0, Q4_1])
+def test_int8_from_blocks_is_the_quantizers_bytes_of_their_values(code):
+    rng = np.random.default_rng(code)
+    rows = int8.FROM_BLOCKS_ROWS + 3                                       # a chunk and a short one
+    w = (rng.standard_normal((rows, 96)) * rng.uniform(0, 3, (rows, 1))).astype(np.float32)
+    blocks = QTensor.quantize(code, w)
+    got = int8.from_blocks(code, blocks.data, 96)
+    assert got.code == INT8 and got.shape == (rows, 96)
+    for a, b in zip(got.arrays, int8.quantize(blocks.float32())):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.real_model
 def test_int8_head_from_the_real_q8_0_embedding():
     path = loader.default_model_path()
     t = next(t for t in GGUFFile(path).tensors if t.name == "token_embd.weight")
-    got = decoder.int8_from_q8_0(t.data, t.shape[1])
-    want = decoder.quantize(gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType.Q8_0))
-    np.testing.assert_array_equal(got.q, want[0])
-    np.testing.assert_array_equal(got.scales, want[1])
+    got = int8.from_blocks(Q8_0, t.data, t.shape[1])
+    want = int8.quantize(gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType.Q8_0))
+    np.testing.assert_array_equal(got.arrays[0], want[0])
+    np.testing.assert_array_equal(got.arrays[1], want[1])
 
 
 def _rss_file_mb() -> float:

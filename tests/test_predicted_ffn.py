@@ -23,7 +23,7 @@ def random_rows(rng, kind, rows, cols):
         data, got_kind = pf.stored_rows(w)
         assert got_kind == kind and data.shape == (rows, pf.row_bytes(kind, cols))
         return data, w.astype(np.float64)
-    data = random_blocks(rng, kind, rows, cols // blocks.KINDS[kind][1])
+    data = random_blocks(rng, kind, rows, cols // blocks.TYPES[kind].block)
     return data, gguf.quants.dequantize(data, gguf.GGMLQuantizationType(kind)).astype(np.float64)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cpu_offload import q4, q4_sparse as qs
+from cpu_offload import q4_sparse as qs
+from tests.conftest import q4_1, q4_1_values
 
 # out = 576 (4.5 tiles: a remainder tile of 2 groups), 1536 (12 tiles), 96 / 160 / 224 (remainders of 3, 1, 3)
 SHAPES = [(32, 32), (64, 96), (96, 64), (160, 64), (224, 96), (576, 576), (1536, 576), (576, 1536), (960, 576)]
@@ -33,23 +34,23 @@ def _run(nib, d, m, x, threshold, threads=1):
 @pytest.mark.parametrize("out,cols", SHAPES)
 def test_relayout_keeps_the_numbers_of_the_q4_1_blocks(out, cols):
     rng = np.random.default_rng(out + 7 * cols)
-    blocks = q4.quantize(_matrix(rng, out, cols))
+    blocks = q4_1(_matrix(rng, out, cols))
     nib, d, m = qs.relayout(blocks, out, cols)
     assert nib.shape == (cols * out // 2,) and d.shape == m.shape == (cols // 32, out)
     assert nib.ctypes.data % 64 == 0  # a full tile's column is one cache line
     assert nib.nbytes + d.nbytes + m.nbytes == blocks.nbytes  # the same 0.625 bytes a weight
-    np.testing.assert_array_equal(qs.dequantize(nib, d, m), q4.dequantize(blocks, cols))
+    np.testing.assert_array_equal(qs.dequantize(nib, d, m), q4_1_values(blocks, cols))
     with pytest.raises(ValueError, match="multiples of 32"):
-        qs.relayout(q4.quantize(np.zeros((48, 32), np.float32)), 48, 32)
+        qs.relayout(q4_1(np.zeros((48, 32), np.float32)), 48, 32)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("out,cols", SHAPES)
 def test_matvec_against_float64_over_empty_partial_and_full_active_sets(out, cols, threads):
     rng = np.random.default_rng()  # fresh inputs every run
-    blocks = q4.quantize(_matrix(rng, out, cols))
+    blocks = q4_1(_matrix(rng, out, cols))
     nib, d, m = qs.relayout(blocks, out, cols)
-    w = q4.dequantize(blocks, cols).astype(np.float64)
+    w = q4_1_values(blocks, cols).astype(np.float64)
     x = rng.standard_normal(cols).astype(np.float32)
     if cols >= 64:
         x[32:64] *= 0.01  # a block whose inputs are all small: skipped whole at the middle threshold
@@ -90,7 +91,7 @@ def test_inactive_columns_and_blocks_are_never_read(out, cols):
     """Nibbles of inactive inputs and scales of blocks without an active input may hold anything (here NaN
     scales and garbage nibbles): the result is the same bits as with the true ones."""
     rng = np.random.default_rng()
-    blocks = q4.quantize(_matrix(rng, out, cols))
+    blocks = q4_1(_matrix(rng, out, cols))
     nib, d, m = qs.relayout(blocks, out, cols)
     x = rng.standard_normal(cols).astype(np.float32)
     x[32:64] *= 0.01   # block 1 inactive at the threshold below
@@ -104,7 +105,7 @@ def test_inactive_columns_and_blocks_are_never_read(out, cols):
         tile[~keep] = ~tile[~keep]
     d[1] = np.float16(np.nan).view(np.uint16)
     m[1] = np.float16(np.nan).view(np.uint16)
-    assert not np.array_equal(qs.dequantize(nib, d, m)[:, ~keep], q4.dequantize(blocks, cols)[:, ~keep])
+    assert not np.array_equal(qs.dequantize(nib, d, m)[:, ~keep], q4_1_values(blocks, cols)[:, ~keep])
     y, _, _ = _run(nib, d, m, x, t, 2)
     np.testing.assert_array_equal(y, want)
 
@@ -124,7 +125,7 @@ def test_the_portable_ir_gives_the_bits_of_the_avx512_one(groups):
 
     rng = np.random.default_rng()
     out, cols = 32 * groups, 160
-    nib, d, m = qs.relayout(q4.quantize(_matrix(rng, out, cols)), out, cols)
+    nib, d, m = qs.relayout(q4_1(_matrix(rng, out, cols)), out, cols)
     x = rng.standard_normal(cols).astype(np.float32)
     want, idx, seg = _run(nib, d, m, x, 0.5)
     y = np.full(out, np.nan, np.float32)

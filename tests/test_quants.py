@@ -23,30 +23,51 @@ _F16_AT = {"Q4_0": (0,), "Q5_0": (0,), "Q8_0": (0,), "Q4_1": (0, 2), "Q5_1": (0,
 
 def random_blocks(rng, kind, rows, n_blocks):
     """Fresh random blocks: every byte random (all codes, scales, bits), the f16 scales finite and small."""
-    _, _, nbytes = blocks.KINDS[kind]
+    nbytes = blocks.TYPES[kind].nbytes
     data = rng.integers(0, 256, (rows, n_blocks, nbytes), dtype=np.uint8)
-    for off in _F16_AT[blocks.name(kind)]:
+    for off in _F16_AT[blocks.TYPES[kind].name]:
         d = (rng.standard_normal((rows, n_blocks)) * 0.02).astype(np.float16)
         data[..., off:off + 2] = d.view(np.uint8).reshape(rows, n_blocks, 2)
     return data.reshape(rows, -1)
 
 
 def test_every_type_the_loader_keeps_has_a_kernel_and_gguf_sizes():
-    assert set(quants.SUPPORTED) == set(blocks.KINDS)
-    for kind, (name, block, nbytes) in blocks.KINDS.items():
-        assert gguf.GGMLQuantizationType(kind).name == name
-        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)] == (block, nbytes)
-        assert quants.row_bytes(kind, 3 * block) == 3 * nbytes == blocks.row_bytes(kind, 3 * block)
+    assert {gguf.GGMLQuantizationType(kind) for kind in blocks.GGUF_TYPES} == set(TYPES)
+    for kind, t in blocks.GGUF_TYPES.items():
+        assert gguf.GGMLQuantizationType(kind).name == t.name and blocks.BY_NAME[t.name] == kind
+        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)] == (t.block, t.nbytes)
+        assert quants.row_bytes(kind, 3 * t.block) == 3 * t.nbytes == t.row_bytes(3 * t.block)
+    with pytest.raises(ValueError, match="Q4_K rows need a multiple of 256"):
+        blocks.TYPES[blocks.Q4_K].row_bytes(320)
+    with pytest.raises(ValueError, match="no block layout for ggml type 1"):
+        blocks.block_type(1)   # F16
+
+
+def test_the_table_names_kernels_that_exist():
+    """Every row's GEMV, batched GEMM and relayouts name a cpu_offload function; int8 is the one row that is not a
+    GGUF type."""
+    import importlib
+
+    def function(name):
+        module, attr = name.split(":")[0].split(".")
+        return getattr(importlib.import_module(f"cpu_offload.{module}"), attr)
+
+    assert set(blocks.TYPES) - set(blocks.GGUF_TYPES) == {blocks.INT8}
+    for t in blocks.TYPES.values():
+        assert callable(function(t.gemv)) and (t.gemm is None or callable(function(t.gemm))), t.name
+        for into, by in t.relayouts:
+            assert t.relayout(into) == by and callable(function(by.split(":")[0])), t.name
+    assert [t.name for t in blocks.TYPES.values() if t.gemm] == ["Q4_1", "int8"]
 
 
 @pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
 @pytest.mark.parametrize("rows,n_blocks", [(1, 1), (7, 3), (37, 2)])
 def test_dequantize_equals_gguf_in_numpy_and_jnp(kind, rows, n_blocks):
     data = random_blocks(np.random.default_rng(rows * 100 + kind), kind, rows, n_blocks)
-    cols = n_blocks * blocks.KINDS[kind][1]
+    cols = n_blocks * blocks.TYPES[kind].block
     want = gguf.quants.dequantize(data, kind)
-    np.testing.assert_array_equal(blocks.dequantize(kind, data, cols), want)
-    got = jax.jit(lambda d: blocks.dequantize(kind, d, cols, jnp))(jnp.asarray(data))
+    np.testing.assert_array_equal(blocks.TYPES[kind].dequantize((data,), cols), want)
+    got = jax.jit(lambda d: blocks.TYPES[kind].dequantize((d,), cols, jnp))(jnp.asarray(data))
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
@@ -56,7 +77,7 @@ def test_dequantize_equals_gguf_in_numpy_and_jnp(kind, rows, n_blocks):
 def test_gemv_matches_float64_on_gguf_values_and_writes_its_rows_only(kind, rows, n_blocks, lo, hi):
     rng = np.random.default_rng(1000 * kind + rows + lo)
     data = random_blocks(rng, kind, rows, n_blocks)
-    cols = n_blocks * blocks.KINDS[kind][1]
+    cols = n_blocks * blocks.TYPES[kind].block
     x = rng.standard_normal(cols).astype(np.float32)
     y = np.full(rows, np.nan, np.float32)
     quants.gemv(kind.value, data, x, y, lo, hi)
@@ -71,7 +92,7 @@ def test_gemv_reads_a_row_through_its_stride():
     kind = blocks.Q6_K
     rng = np.random.default_rng(3)
     wide = random_blocks(rng, kind, 5, 3)
-    view = wide[:, :blocks.row_bytes(kind, 512)]
+    view = wide[:, :blocks.TYPES[kind].row_bytes(512)]
     x = rng.standard_normal(512).astype(np.float32)
     y = np.full(5, np.nan, np.float32)
     quants.gemv(kind, view, x, y, 0, 5)
@@ -89,7 +110,7 @@ def test_our_k_quantizer_round_trips_through_gguf(name):
     w[1, :256] = 0                 # an all-zero block
     q = kquants.quantize(w, name)
     kind = gguf.GGMLQuantizationType[name]
-    assert q.shape == (9, blocks.row_bytes(kind, 512)) and q.dtype == np.uint8
+    assert q.shape == (9, blocks.TYPES[kind].row_bytes(512)) and q.dtype == np.uint8
     back = gguf.quants.dequantize(q, kind)
     np.testing.assert_array_equal(back[1, :256], 0)
     bits = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}[name]
@@ -127,7 +148,7 @@ def test_decode_step_in_the_files_own_blocks_equals_float32_on_gguf_values(tmp_p
     """kinds: every matrix in one type, a Q4_K_M-like mix, or that mix as a Qwen2 file (q/k/v biases, not
     permuted)."""
     from cpu_offload.decoder import HostDecoder, quantize_weights
-    from cpu_offload.qtensor import Q4Tensor, QBlocks
+    from cpu_offload.qtensor import QTensor
     from pjinfer.load import loader
     from pjinfer.runtime.host import attach
     from pjinfer.runtime.model import Transformer
@@ -149,10 +170,9 @@ def test_decode_step_in_the_files_own_blocks_equals_float32_on_gguf_values(tmp_p
     assert ("layers.1.bv" in values) == (kinds == "qwen2")
     for name in ("layers.0.wq", "layers.1.w_down_t", "lm_head", "embed"):
         want = pick(name)
-        assert isinstance(stored[name], Q4Tensor if want == gguf.GGMLQuantizationType.Q4_1 else QBlocks)
-        assert getattr(stored[name], "kind", want) == want
+        assert isinstance(stored[name], QTensor) and stored[name].code == want
     stored = quantize_weights(config, stored, "gguf")
-    assert isinstance(stored["lm_head"], QBlocks)            # the head in its own type, not int8
+    assert stored["lm_head"].code == pick("lm_head")          # the head in its own type, not int8
     host = HostDecoder(config, stored, "gguf")
     model = Transformer(config, stored)
     attach(model, host)

@@ -171,8 +171,8 @@ def test_q4_1_blocks_are_the_gguf_files_own():
     the file's model, not a further approximation of it."""
     import gguf
 
-    from cpu_offload import q4
     from pjinfer.load import loader
+    from tests.conftest import q4_1
 
     path = loader.default_model_path()
     config, weights, _ = loader.load(path)
@@ -187,6 +187,6 @@ def test_q4_1_blocks_are_the_gguf_files_own():
         rows = np.asarray(t.data).reshape(w.shape[1] if kind == "ffn_down" else w.shape[0], -1)
         if kind in ("attn_q", "attn_k"):  # the loader un-permutes these rows; blocks run along each row
             rows = loader._unpermute_rope(rows, config.n_heads if kind == "attn_q" else config.n_kv_heads)
-        np.testing.assert_array_equal(q4.quantize(w.T if kind == "ffn_down" else w), rows, err_msg=t.name)
+        np.testing.assert_array_equal(q4_1(w.T if kind == "ffn_down" else w), rows, err_msg=t.name)
         checked += 1
     assert checked == 7 * config.n_layers

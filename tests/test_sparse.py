@@ -6,12 +6,12 @@ import pytest
 from flax import nnx
 
 from cpu_offload.ffi import check_platform
-from cpu_offload.kernels import dequantize_rows, quantize_rows
+from cpu_offload.int8 import quantize
 from pjinfer.config import ConfigError
 from pjinfer.runtime.engine import Engine
 from pjinfer.runtime.model import KVCache, Transformer
 from pjinfer.runtime.sparse import SparseFFN, sparsify
-from tests.conftest import random_weights, tiny_config
+from tests.conftest import int8_values, random_weights, tiny_config
 from train.predictor import Predictor
 
 FAMILIES = [("llama", "swiglu"), ("llama", "geglu"), ("llama", "reglu"), ("llama", "drelu"), ("opt", "relu")]
@@ -78,7 +78,7 @@ def test_int8_cold_rows_equal_dense_on_the_dequantized_weights(arch, activation)
     rounded = dict(weights)
     for name, w in weights.items():
         if name.rsplit(".", 1)[-1] in ("w_gate", "w_up", "w_down_t"):
-            rounded[name] = dequantize_rows(*quantize_rows(np.asarray(w)))
+            rounded[name] = int8_values(*quantize(np.asarray(w)))
     ids = np.random.default_rng(16).integers(0, config.vocab_size, 9)
     model = Transformer(config, weights)
     sparsify(model, placements(config)["all cold"], predictors=None, cold_weights="int8")

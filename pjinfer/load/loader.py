@@ -2,7 +2,7 @@
 
 Two formats: a GGUF file (the default model) and a Hugging Face directory (config.json +
 *.safetensors + tokenizer.json). Both end in the canonical weight names of pjinfer/runtime/model.py: float32
-arrays, or for a GGUF read with keep_q4_1 its Q4_1 matrices as the file's blocks (see load).
+arrays, or for a GGUF read with keep_q4_1 or keep_blocks matrices as the file's blocks (see load).
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import gguf
 import numpy as np
 from safetensors.flax import load_file  # via jax: reads bf16 checkpoints too
 
-from cpu_offload.blocks import BY_NAME, KINDS
-from cpu_offload.decoder import int8_from_q8_0
-from cpu_offload.qtensor import Q4Tensor, QBlocks, aligned, aligned_empty
+from cpu_offload.blocks import FORMATS, GGUF_TYPES, TYPES
+from cpu_offload.int8 import from_blocks
+from cpu_offload.qtensor import QTensor, aligned, aligned_empty, is_quantized
 from pjinfer.config import ConfigError, ModelConfig
 from pjinfer.load.gguf_checks import (LAYER_TENSOR, check_tensors, check_tokenizer_fields, float_field, int_field,
                                       shown)
@@ -82,15 +82,14 @@ def _layer_tensors(path) -> set[tuple[str, str]] | None:
 
 def stored_format(path: str | os.PathLike | None = None) -> str | None:
     """The host decode format that keeps the layer matrices of the GGUF at `path` as stored: "q4_1" when they are
-    all Q4_1 blocks, "gguf" when every one is a block type with a host kernel (cpu_offload.blocks.KINDS), else None
-    (float or other block types, HF directories, or a file the loader will refuse). Reads the header only."""
+    all Q4_1 blocks, "gguf" when every one is a block type with a host kernel: the first of
+    cpu_offload.blocks.FORMATS that keeps them all, else None (float or other block types, HF directories, or a
+    file the loader will refuse). Reads the header only."""
     found = _layer_tensors(path)
     kinds = {kind for name, kind in found or () if name in LAYER_MATRICES}
     if not kinds or any(name == "ffn_down_t" for name, _ in found):
         return None  # PowerInfer's transposed down matrix: no host kernel reads it as stored
-    if kinds == {"Q4_1"}:
-        return "q4_1"
-    return "gguf" if kinds <= set(BY_NAME) else None
+    return next((fmt for fmt, f in FORMATS.items() if kinds <= {TYPES[code].name for code in f.layers}), None)
 
 
 def load(path: str | os.PathLike | None = None, *, progress=None, keep_q4_1: bool = False,
@@ -98,20 +97,20 @@ def load(path: str | os.PathLike | None = None, *, progress=None, keep_q4_1: boo
     """Load a GGUF file or HF directory. Returns (config, weights, tokenizer).
 
     Weights are float32 numpy arrays, except with keep_q4_1 (GGUF only): every Q4_1 matrix then stays the file's
-    blocks as a cpu_offload.qtensor.Q4Tensor, a view of the file's memory map (wq / wk re-laid once by rows,
+    blocks as a cpu_offload.qtensor.QTensor, a view of the file's memory map (wq / wk re-laid once by rows,
     w_down_t held untransposed: see pjinfer/runtime/model.py). The loader never makes a float32 copy of those. keep_blocks
-    does the same for every matrix in a block type with a host kernel (cpu_offload.blocks.KINDS; the others as
-    QBlocks), the embedding and output head included."""
+    does the same for every matrix in a block type with a host kernel (cpu_offload.blocks.GGUF_TYPES), the
+    embedding and output head included."""
     path = default_model_path() if path is None else Path(path)
     if not path.exists():
         raise ConfigError(f"model not found: {path}")
     if path.is_dir():
         return load_hf(path, progress=progress)
-    return load_gguf(path, progress=progress, keep_q4_1=keep_q4_1 or keep_blocks, keep_blocks=keep_blocks)
+    return load_gguf(path, progress=progress, keep_q4_1=keep_q4_1, keep_blocks=keep_blocks)
 
 
 # ---------------------------------------------------------------- GGUF
-GGML_F32, GGML_F16, GGML_Q4_1, GGML_Q8_0 = 0, 1, 3, 8
+GGML_F32, GGML_F16 = 0, 1
 # general.architecture values read; Qwen2 runs as the Llama family with q/k/v biases (ModelConfig arch "llama"),
 # Bamboo (PowerInfer's) as the Llama family with relu(gate) * relu(up) (dReLU).
 GGUF_ARCHITECTURES = ("llama", "qwen2", "bamboo")
@@ -240,6 +239,7 @@ def gguf_header(path: Path):
 
 
 def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks: bool = False, neuron_rows=False):
+    kept = FORMATS["gguf"].layers if keep_blocks else FORMATS["q4_1"].layers if keep_q4_1 else frozenset()  # as stored
     reader, config = gguf_header(path)
     arch = reader.fields.get("general.architecture")
     check_tensors(reader, config, arch, path, beside=PREDICTOR_TENSORS + PLACEMENT_TENSORS)
@@ -253,11 +253,11 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks
                  "ffn_down_t.weight": "w_down_t"}
     if arch == "qwen2":
         per_layer |= {"attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv"}
-    if keep_q4_1 and not neuron_rows and any(t.name.endswith(".ffn_down_t.weight") for t in reader.tensors):
+    if kept and not neuron_rows and any(t.name.endswith(".ffn_down_t.weight") for t in reader.tensors):
         raise ConfigError(f"{path.name} stores PowerInfer's transposed ffn_down_t, which no host kernel reads as "
                           "stored; run it with --weights float32 or int8")
     weights = {}
-    dequantized = set()  # types of layer matrices made float32 although Q4_1 blocks were asked for
+    dequantized = set()  # types of layer matrices made float32 although blocks were asked for
     if progress:
         progress(0, len(reader.tensors))
     for n, t in enumerate(reader.tensors):
@@ -274,7 +274,7 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks
             continue  # e.g. rope_freqs: not used by this architecture
         keep_rows = neuron_rows and t.type in (GGML_F32, GGML_F16) and name.endswith(("w_gate", "w_up", "w_down_t"))
         weights[name] = aligned(t.data) if keep_rows else _gguf_weight(t, name, config, path, permuted=arch in (
-            "llama", "bamboo"), keep_q4_1=keep_q4_1, keep_blocks=keep_blocks, dequantized=dequantized)
+            "llama", "bamboo"), kept=kept, dequantized=dequantized)
         if not _aliases(weights[name], t.data):
             reader.release(t)   # a copy was made: the file's pages of it need not stay resident
         if progress:
@@ -287,31 +287,30 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks
 
 
 def _aliases(weight, data: np.ndarray) -> bool:
-    """Whether a loaded weight (an array, or a quantized matrix holding arrays) is a view of the file's data."""
-    arrays = [weight] if isinstance(weight, np.ndarray) else list(vars(weight).values())
+    """Whether a loaded weight (an array, or a QTensor holding arrays) is a view of the file's data."""
+    arrays = weight.arrays if is_quantized(weight) else [weight]
     return any(isinstance(a, np.ndarray) and np.may_share_memory(a, data) for a in arrays)
 
 
-def _gguf_weight(t, name: str, config: ModelConfig, path: Path, *, permuted: bool, keep_q4_1: bool,
-                 keep_blocks: bool, dequantized: set):
-    """Tensor t as the canonical weight `name`: the file's blocks where asked and a host kernel reads them (no
-    copy), else float32. permuted: llama.cpp's converter interleaved Llama's q/k rows for its rotary layout
-    (Qwen2's, NEOX rope, are as in HF). Adds the type of a layer matrix made float32 to `dequantized`."""
+def _gguf_weight(t, name: str, config: ModelConfig, path: Path, *, permuted: bool, kept: set, dequantized: set):
+    """Tensor t as the canonical weight `name`: the file's blocks where its type is in kept (no copy), an int8
+    output head where blocks are kept and its type relays into int8, else float32. permuted: llama.cpp's converter
+    interleaved Llama's q/k rows for its rotary layout (Qwen2's, NEOX rope, are as in HF). Adds the type of a layer
+    matrix made float32 to `dequantized`."""
     heads = config.n_heads if name.endswith(".wq") else config.n_kv_heads
     rope_rows = permuted and (name.endswith(".wq") or name.endswith(".wk"))
-    if keep_blocks and t.type in KINDS and t.type != GGML_Q4_1 and len(t.shape) == 2:
-        return QBlocks(_unpermute_rope(t.data, heads) if rope_rows else aligned(t.data), t.shape[1], t.type)
-    if keep_q4_1 and t.type == GGML_Q8_0 and name == ("embed" if config.tie_embeddings else "lm_head"):
-        # The output head: int8 on the host decode path, converted block by block without a float32 copy.
-        return int8_from_q8_0(t.data, t.shape[1])
-    if keep_q4_1 and t.type == GGML_Q4_1 and len(t.shape) == 2:
+    if t.type in kept and len(t.shape) == 2:
         # uint8 [rows, row bytes]; w_down_t stays [d, d_ff], the file's layout
-        return Q4Tensor(_unpermute_rope(t.data, heads) if rope_rows else aligned(t.data), t.shape[1])
+        return QTensor(t.type, (_unpermute_rope(t.data, heads) if rope_rows else aligned(t.data),), t.shape[1])
+    if (kept and name == ("embed" if config.tie_embeddings else "lm_head")
+            and t.type in GGUF_TYPES and GGUF_TYPES[t.type].relayout("int8")):
+        # The output head: int8 on the host decode path, converted block by block without a float32 copy.
+        return from_blocks(t.type, t.data, t.shape[1])
     try:
         w = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.type)).astype(np.float32)
     except Exception as e:
         raise ConfigError(f"cannot decode tensor {t.name} in {path.name}: {e}") from None
-    if keep_q4_1 and t.name.startswith("blk.") and w.ndim == 2:
+    if kept and t.name.startswith("blk.") and w.ndim == 2:
         dequantized.add(gguf.GGMLQuantizationType(t.type).name)
     if t.name.endswith(".ffn_down.weight"):  # [d, d_ff] as llama.cpp stores it; PowerInfer's ffn_down_t is [d_ff, d]
         return np.ascontiguousarray(w.T)

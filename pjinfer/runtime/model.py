@@ -10,11 +10,10 @@ Canonical weights (what every loader produces; float32 numpy, torch's [out, in] 
     layers.{i}.b_up [F]  b_down [d]                                         (OPT only)   one row per neuron)
     final_norm.scale [d]  final_norm.bias [d] (OPT only)  lm_head [vocab, d] (untied only)
 
-A matrix may instead be quantized (cpu_offload.qtensor: Q4Tensor, the GGUF's Q4_1 blocks, QBlocks, its other
-block types, or Int8Tensor): the model then holds its blocks, not float32 (a ``QMatrix``), and dequantizes it
-inside the jitted function where it is used, a float32 transient. A quantized w_down_t holds the down projection
-untransposed, [d, F] (the file's layout: blocks run along a row's inputs); ``QMatrix[...]`` still gives the
-canonical [F, d].
+A matrix may instead be quantized (a cpu_offload.qtensor.QTensor: a GGUF's blocks, or int8): the model then holds
+its blocks, not float32 (a ``QMatrix``), and dequantizes it inside the jitted function where it is used, a float32
+transient. A quantized w_down_t holds the down projection untransposed, [d, F] (the file's layout: blocks run along
+a row's inputs); ``QMatrix[...]`` still gives the canonical [F, d].
 """
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ from flax import nnx
 
 from cpu_offload import blocks
 from cpu_offload.activation import activate
-from cpu_offload.qtensor import INT8_BLOCK, Q4_BLOCK, Q4_BLOCK_BYTES, Int8Tensor, Q4Tensor, QBlocks, is_quantized
+from cpu_offload.qtensor import is_quantized
 from pjinfer.config import ConfigError, ModelConfig
 
 
@@ -72,37 +71,18 @@ def float32_weights(weights: dict) -> dict:
     return {name: float32_weight(name, w) for name, w in weights.items()}
 
 
-def dequantize_q4_1(blocks):
-    """jnp: uint8 [rows, cols / 32 * 20] Q4_1 blocks -> float32 [rows, cols] (cpu_offload.qtensor's numpy
-    reference, the same float32 operations)."""
-    rows, nbytes = blocks.shape
-    b = blocks.reshape(rows, nbytes // Q4_BLOCK_BYTES, Q4_BLOCK_BYTES)
-    d = jax.lax.bitcast_convert_type(b[..., 0:2], jnp.float16).astype(jnp.float32)
-    m = jax.lax.bitcast_convert_type(b[..., 2:4], jnp.float16).astype(jnp.float32)
-    q = jnp.concatenate([b[..., 4:] & 15, b[..., 4:] >> 4], -1).astype(jnp.float32)
-    return (q * d[..., None] + m[..., None]).reshape(rows, nbytes // Q4_BLOCK_BYTES * Q4_BLOCK)
-
-
-def dequantize_int8(q, scales):
-    """jnp: int8 [rows, cols] with float32 scales [rows, cols / 64] -> float32 [rows, cols]."""
-    return q.astype(jnp.float32) * jnp.repeat(scales, INT8_BLOCK, axis=-1)[..., :q.shape[-1]]
-
-
 class QMatrix(nnx.Module):
-    """A quantized [out, in] matrix inside the model: its blocks as jax arrays (uint8 Q4_1 blocks, uint8 blocks of
-    another ggml type ``kind``, cpu_offload.blocks, or int8 with float32 scales), dequantized where used. ``[...]`` gives the float32 matrix (transposed back when
-    `transposed`: a w_down_t held as [d, F]); ``rows(ids)`` dequantizes only the gathered rows (embedding)."""
+    """A quantized [out, in] matrix inside the model: a QTensor's arrays as jax arrays (``data``, and int8's
+    ``scales``), dequantized where used by its block type (cpu_offload.blocks). ``[...]`` gives the float32 matrix
+    (transposed back when `transposed`: a w_down_t held as [d, F]); ``rows(ids)`` dequantizes only the gathered
+    rows (embedding)."""
 
     def __init__(self, w, *, transposed: bool = False):
-        self.kind = None   # a ggml type number for QBlocks (blocks.dequantize), else None
-        if isinstance(w, Q4Tensor):
-            self.data, self.scales = nnx.Param(jnp.asarray(w.data)), None
-        elif isinstance(w, QBlocks):
-            self.data, self.scales, self.kind = nnx.Param(jnp.asarray(w.data)), None, w.kind
-        elif isinstance(w, Int8Tensor):
-            self.data, self.scales = nnx.Param(jnp.asarray(w.q)), nnx.Param(jnp.asarray(w.scales))
-        else:
+        if not is_quantized(w):
             raise TypeError(f"not a quantized matrix: {type(w).__name__}")
+        self.code = w.code   # the block type (blocks.TYPES)
+        self.data = nnx.Param(jnp.asarray(w.data))
+        self.scales = nnx.Param(jnp.asarray(w.arrays[1])) if len(w.arrays) > 1 else None
         self.stored_shape = w.shape
         self.transposed = transposed
 
@@ -112,9 +92,8 @@ class QMatrix(nnx.Module):
         return (cols, rows) if self.transposed else (rows, cols)
 
     def _values(self, data, scales):
-        if self.kind is not None:
-            return blocks.dequantize(self.kind, data, self.stored_shape[1], jnp)
-        return dequantize_q4_1(data) if scales is None else dequantize_int8(data, scales)
+        arrays = (data,) if scales is None else (data, scales)
+        return blocks.TYPES[self.code].dequantize(arrays, self.stored_shape[1], jnp)
 
     def __getitem__(self, key):
         if key is not Ellipsis:
