@@ -58,11 +58,12 @@ class Conversation:
             self.turns.append({"role": "assistant", "content": decoder.text.strip()})
 
 
-def repl(conversation: Conversation, *, read=input, out=sys.stdout, quiet_input=None) -> None:
+def repl(conversation: Conversation, *, read=input, out=None, quiet_input=None) -> None:
     """Reads a line, streams the reply, until /exit or end of input. Ctrl-C during a reply stops that reply and
     keeps the session; Ctrl-C at the prompt discards the line. A reply cut at the token limit ends with a
     "[cut at N tokens]" line. quiet_input: a context manager that keeps what is typed during a reply out of it
-    (TerminalInput.quiet), or None."""
+    (TerminalInput.quiet), or None. out: default the sys.stdout of the call (not of the import)."""
+    out = out or sys.stdout
     print(f"[{COMMANDS_HELP}]", file=out, flush=True)
     while True:
         try:
@@ -104,7 +105,7 @@ class TerminalInput:
     """The chat's terminal, when standard input is one: line editing and a history of this session's lines
     (the stdlib readline; no history file), and `quiet`, which keeps keys pressed during a reply out of it."""
 
-    def __init__(self, stdin=sys.stdin):
+    def __init__(self, stdin):
         import readline   # importing it gives input() line editing and history
 
         readline.parse_and_bind("set enable-bracketed-paste off")   # no escape codes around the prompt
@@ -124,6 +125,8 @@ class TerminalInput:
             termios.tcsetattr(self.fd, termios.TCSANOW, saved)
 
 
-def terminal_input(stdin=sys.stdin) -> TerminalInput | None:
-    """TerminalInput for `stdin` when it is a terminal, else None (a pipe or file is read as it is)."""
+def terminal_input(stdin=None) -> TerminalInput | None:
+    """TerminalInput for `stdin` (default: the sys.stdin of the call) when it is a terminal, else None (a pipe or
+    file is read as it is)."""
+    stdin = stdin or sys.stdin
     return TerminalInput(stdin) if stdin.isatty() else None

@@ -87,7 +87,7 @@ class Scheduler:
         reason = batching.unsupported(engine)
         self.batch = batching.Batch(engine, max_active)
         if reason:
-            print(f"pjinfer: requests take turns, one decode step each per round: {reason}", file=sys.stderr)
+            print(f"pjinfer: requests take turns, up to {STEPS} tokens each per round: {reason}", file=sys.stderr)
         self._thread = threading.Thread(target=self._run, name="pjinfer-scheduler", daemon=True)
         self._thread.start()
 
