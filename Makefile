@@ -7,7 +7,7 @@ LLAMA_VOCAB := $(VENV)/share/llama-vocab
 LLAMA_CPP_PYTHON := 0.3.36
 export NUMBA_THREADING_LAYER ?= workqueue
 
-.PHONY: setup run test test-fast fuzz mutants bench peers bench-peer bench-quants bench-long bench-serve soak bench-scale bench-pallas perplexity bundle clean
+.PHONY: setup run test test-fast fuzz mutants bench peers bench-peer bench-powerinfer bench-quants bench-long bench-serve soak bench-scale bench-pallas perplexity bundle clean
 
 # Idempotent: re-runs pip only when pyproject.toml changed.
 setup: $(STAMP) $(LLAMA_VOCAB)/.stamp
@@ -95,6 +95,14 @@ bench-peer: setup peers
 		$(VENV)/bin/pjinfer bench --peer $$p --prompt-len 16 --new-tokens 256 --runs 5 --weights q4_1 \
 			$(if $(wildcard $(BUNDLE)/manifest.json),--bundle $(BUNDLE)) || exit 1; \
 		$(VENV)/bin/pjinfer bench --peer $$p --prompt-len 512 --new-tokens 128 --runs 3 --weights q4_1 || exit 1; done
+
+# pjinfer's sparse decode of PowerInfer files against PowerInfer itself: random ReLU-Llama files in PowerInfer's layout
+# (Q4_0, ffn_down_t, F16 predictors of rank d/4, a threshold for about 10% active neurons) of about 0.5B and 1.5B
+# parameters (SCALE=7b adds 7B), written once into out/powerinfer; pjinfer sparse, pjinfer dense and PowerInfer's main
+# alternated after 16 and 512 prompt tokens, peak RSS and load time of each; then the default model against
+# PowerInfer's dense mode. Random weights measure speed at a density, never quality.
+bench-powerinfer: setup peers
+	$(PY) -m pjinfer.measure.bench_powerinfer --sizes 0.5b,1.5b$(if $(filter 7b,$(SCALE)),$(comma)7b) --dir out/powerinfer
 
 # llama.cpp through llama-cpp-python (built from source, ~12 min on 2 cores the first time; AVX2 because the native
 # AVX-512/AMX build crashed at generation on this machine kind): `--peer llama-cpp` drives its token loop from Python,

@@ -70,21 +70,26 @@ def cmd_bench(args):
 
     if args.peer:
         check_peer(args.peer, args.model)
+    from pjinfer.load.powerinfer import file_layout
     from pjinfer.runtime import backends
 
     def engine_name(weights):
         return "dense" if weights == "float32" else f"dense-{weights}"
 
+    # A PowerInfer file runs sparse on its own predictors unless --dense: then that is the sparse engine, measured
+    # against the same file dense, as a bundle's is against the dense engine of its weights.
+    own_predictors = args.bundle is None and not args.dense and file_layout(args.model) == (True, True)
+
     def dense_plan(weights):   # the sparse options are the sparse engine's (refused without --bundle)
-        if args.bundle is None:
+        if args.bundle is None and not own_predictors:
             return common.plan(args, weights=weights)
-        return backends.resolve(backends.Request(args.model, weights=weights))
+        return backends.resolve(backends.Request(args.model, weights=weights, dense=own_predictors))
 
     dense = [dense_plan(w) for w in args.weights]
     formats = [p.weights for p in dense]
     if len(set(formats)) != len(formats):
         raise ConfigError(f"--weights {','.join(args.weights)} runs the same engine twice ({', '.join(formats)})")
-    sparse = common.plan(args, args.bundle, weights="auto") if args.bundle else None
+    sparse = common.plan(args, args.bundle, weights="auto") if args.bundle or own_predictors else None
     if sparse and sparse.weights not in formats:
         dense.append(dense_plan(sparse.weights))   # sparse is measured against the dense engine of its own weights
     engines = {engine_name(p.weights): common.load(args, plan_made=p) for p in dense}
@@ -95,7 +100,7 @@ def cmd_bench(args):
     if args.breakdown:
         for name, engine in engines.items():
             result["engines"][name]["breakdown"] = bench.breakdown(engine)
-    if args.bundle:
+    if sparse:
         result["sparse_over_dense"] = result["engines"]["sparse"]["decode_over"][engine_name(sparse.weights)]
     if args.json:
         print(json.dumps(result))
@@ -119,7 +124,11 @@ def cmd_bench(args):
             print(f"  {name} decode step: " + ", ".join(f"{k[:-3]} {v:.1f} ms ({100 * v / b['step_ms']:.0f}%)"
                                                         for k, v in b.items() if k != "step_ms")
                   + f"; step {b['step_ms']:.1f} ms")
-    if args.bundle:
+    densities = [f"{name} {100 * r['density']:.1f}%" for name, r in result["engines"].items() if r.get("density")]
+    if densities:
+        print("FFN neurons computed per decode step (the file's predictors, every layer): " + ", ".join(densities)
+              + (f"; {result['peer']['name']} prints no density" if args.peer == "powerinfer" else ""))
+    if sparse:
         print(f"sparse decode / {engine_name(sparse.weights)} decode: {result['sparse_over_dense']:.2f}x "
               "(median of the runs' ratios)")
     busy = machine.describe(result["machine"])
@@ -150,6 +159,8 @@ def describe_peer(info: dict, prompt_len: int) -> str:
     line += f" on {info['model']}"
     if info.get("untied_copy"):
         line += " (an untied copy: the embedding also written as output.weight)"
+    if "sparse" in info:
+        line += ", its sparse operators with the file's predictors" if info["sparse"] else ", dense"
     if info.get("prompt_tokens") not in (None, prompt_len):
         line += (f"\npeer's prompt: the same text tokenized by the peer into {info['prompt_tokens']} tokens "
                  f"(pjinfer's: {prompt_len})")

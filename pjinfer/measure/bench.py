@@ -4,16 +4,17 @@ from __future__ import annotations
 import statistics
 import time
 
-import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from numba import njit, prange
 
+from cpu_offload.predicted_decode import PredictedHostDecoder
 from cpu_offload.team import usable_cores
 from pjinfer.config import ConfigError
 from pjinfer.load import data
+from pjinfer.load.gguf_file import GGUFFile
 from pjinfer.measure import machine, native_peer
 from pjinfer.measure.peer import llama_cpp_runner
 from pjinfer.offline import teal
@@ -58,8 +59,10 @@ def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: i
     prefill reported llama.cpp faster after 512 tokens than after 16). Runs alternate between the engines and the
     peer so a noisy machine affects all alike; each figure is the median over runs, each ratio the median of the
     runs' ratios. "machine" holds the shares of CPU time stolen and used by other work during the runs
-    (pjinfer.measure.machine); "peer" says what ran as the peer. bandwidth (bytes/s, default: measured here): a
-    decode rate whose bytes per token exceed it raises BenchError."""
+    (pjinfer.measure.machine); "peer" says what ran as the peer. An engine's "density": the share of FFN neurons
+    its PowerInfer predictors chose over an untimed decode of the same request (predicted_density), None for
+    other engines. bandwidth (bytes/s, default: measured here): a decode rate whose bytes per token exceed it
+    raises BenchError."""
     first = next(iter(engines.values()))
     prompt = bench_prompt(first, prompt_len)
     _, cache_len = first.plan(prompt_len, 1 + new_tokens)
@@ -69,6 +72,7 @@ def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: i
         name, runners[name], peer_info = _peer_runner(peer, first, prompt, new_tokens)
     for measure in runners.values():  # warm-up: compile all, and a first run of a native peer (page cache)
         measure()
+    density = {name: predicted_density(e, prompt, new_tokens) for name, e in engines.items()}
     times = {name: ([], []) for name in runners}
     before = machine.sample()
     for r in range(runs):
@@ -88,11 +92,13 @@ def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: i
         results[name] = {"prefill_tok_s": prompt_len / p if p else None, "decode_tok_s": decode,
                          "decode_ms_per_token": 1000 / decode, "prefill_s": p, "decode_runs_tok_s": decode_runs[name]}
         if name in engines:
+            results[name]["density"] = density[name]
             results[name]["bytes_per_token"] = engine_bytes_per_token(engines[name], cache_len,
-                                                                      prompt_len + new_tokens // 2)
+                                                                      prompt_len + new_tokens // 2, density[name])
             results[name]["device_weights_mb"] = state_bytes(engines[name]) / 1e6
-        else:
-            results[name]["bytes_per_token"] = gguf_bytes_per_token(first, prompt_len + new_tokens // 2)
+        else:   # PowerInfer's sparse path runs the predictors pjinfer's sparse engine runs, on the same stream
+            share = peer_density(peer_info, density)
+            results[name]["bytes_per_token"] = gguf_bytes_per_token(first, prompt_len + new_tokens // 2, share)
         implied = results[name]["bytes_per_token"] * decode
         if implied > bandwidth:
             raise BenchError(f"{name} decoded at {decode:.1f} tok/s, which reads {implied / 1e9:.1f} GB/s, above the "
@@ -113,6 +119,14 @@ def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: i
 
 # The peer's row name in bench's results, by --peer.
 PEER_NAMES = {"llama-cpp": "llama.cpp", "llama-bench": "llama-bench", "powerinfer": "powerinfer"}
+
+
+def peer_density(peer_info: dict | None, density: dict) -> float | None:
+    """For the peer's bytes per token only: PowerInfer running a file sparse reads about the share of FFN rows that
+    pjinfer's sparse engine measured (the same predictors and threshold); None (every row) for other peers."""
+    if not (peer_info or {}).get("sparse"):
+        return None
+    return next((d for d in density.values() if d is not None and d < 1), None)
 
 
 def _timed(runner, new_tokens: int):
@@ -154,21 +168,39 @@ def _peer_runner(peer: str, engine: Engine, prompt: list[int], new_tokens: int):
     return name, measure, native.info
 
 
+def predicted_density(engine: Engine, prompt: list[int], new_tokens: int) -> float | None:
+    """The share of FFN neurons a PowerInfer file's sparse host decode computes, over every layer and every decode
+    step of a greedy run of new_tokens after prompt (its decoder's counts, read after each step: one step per
+    jitted call, untimed). 1.0 for the file run dense; None for an engine without that decoder."""
+    from cpu_offload.predicted_decode import PredictedHostDecoder
+
+    if not isinstance(engine.host, PredictedHostDecoder) or new_tokens < 2:
+        return None
+    computed = []
+    for step, _ in enumerate(engine.stream(prompt, max_new_tokens=new_tokens, stop_ids=[], chunk=1)):
+        if step:   # the first token comes from the prefill, which the host decoder does not run
+            computed.append(int(engine.host.counts.sum()))
+    return sum(computed) / (len(computed) * engine.config.n_layers * engine.config.d_ff)
+
+
 def state_bytes(engine: Engine) -> int:
     """Bytes of everything the engine keeps on the accelerator (weights, hot rows, predictors)."""
     return sum(np.asarray(x).nbytes for x in jax.tree.leaves(engine.state))
 
 
-def engine_bytes_per_token(engine: Engine, cache_len: int, mean_position: int) -> float:
+def engine_bytes_per_token(engine: Engine, cache_len: int, mean_position: int, density: float | None = None) -> float:
     """Bytes one decode step reads: every weight once (a tied embedding once, as the head), the whole
     KV cache (XLA's attention reads every slot and masks), and for a sparse engine only the predicted-active
     share of the FFN rows, the share measured on the bench prompt. A host decode (int8, q4_1) reads
     its stored weights and scales, and the cache up to the run's mean position; with input thresholds, less the
-    columns of the inputs at or below them (their share measured on the bench prompt, teal.skipped_shares)."""
+    columns of the inputs at or below them (their share measured on the bench prompt, teal.skipped_shares); a
+    PowerInfer file's host decode, its FFN rows times density (predicted_density) when that is given."""
     config = engine.config
     model = nnx.merge(engine.graphdef, engine.state)
     if engine.host is not None:
         read = engine.host.nbytes
+        if density is not None and isinstance(engine.host, PredictedHostDecoder):   # its predicted rows only
+            read -= (1 - density) * sum(data.nbytes for data, _ in engine.host.ffn_rows.values())
         if engine.thresholds is not None:   # the inputs at or below their thresholds leave their columns unread
             read -= float((teal.skipped_shares(engine, bench_prompt(engine, 256)) * engine.host.input_bytes()).sum())
         return float(read + KVCache.nbytes(config, mean_position))
@@ -183,15 +215,23 @@ def engine_bytes_per_token(engine: Engine, cache_len: int, mean_position: int) -
     return float(total - ffn_rows + active * (ffn_rows + cold) + kv)
 
 
-def gguf_bytes_per_token(engine: Engine, mean_position: int) -> float:
+def gguf_bytes_per_token(engine: Engine, mean_position: int, ffn_share: float | None = None) -> float:
     """What llama.cpp reads per decode step: the GGUF's tensors as stored (quantized; the tied embedding
-    once, as the output head) and an f16 KV cache up to the mean position of the run."""
-    reader = gguf.GGUFReader(engine.source)
-    config = engine.config
-    names = {t.name for t in reader.tensors}
-    # With a separate output head, the embedding table is only looked up (one row per token).
-    weights = sum(int(t.n_bytes) for t in reader.tensors if t.name != "token_embd.weight" or "output.weight" not in names)
-    return float(weights + config.kv_cache_bytes(mean_position, 2))
+    once, as the output head) and an f16 KV cache up to the mean position of the run. ffn_share: the share of a
+    PowerInfer file's FFN neuron rows (ffn_gate, ffn_up, ffn_down_t) its sparse operators read (all by default)."""
+    tensors = GGUFFile(engine.source).tensors   # pjinfer's reader: it reads PowerInfer's magic too
+    names = {t.name for t in tensors}
+    share = 1.0 if ffn_share is None else ffn_share
+
+    def read(t) -> float:
+        if t.name == "token_embd.weight" and "output.weight" in names:
+            return 0.0   # with a separate output head, the embedding table is only looked up (one row per token)
+        return t.data.nbytes * (share if t.name.endswith(NEURON_ROWS) else 1.0)
+
+    return float(sum(read(t) for t in tensors) + engine.config.kv_cache_bytes(mean_position, 2))
+
+
+NEURON_ROWS = (".ffn_gate.weight", ".ffn_up.weight", ".ffn_down_t.weight")   # a PowerInfer file's FFN rows
 
 
 def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:

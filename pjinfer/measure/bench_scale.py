@@ -129,12 +129,18 @@ print(json.dumps({"load_s": load}))
 """
 
 
-def _timed(cmd: list[str]) -> tuple[dict, float]:
-    """(last JSON line of stdout, peak RSS in GB) of a command run under /usr/bin/time."""
-    result = subprocess.run(["/usr/bin/time", "-f", "PEAK_KB %M", *cmd], capture_output=True, text=True)
+def peak_rss(cmd: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+    """(the completed process, its peak RSS in GB) of a command run under /usr/bin/time; a failure raises."""
+    result = subprocess.run(["/usr/bin/time", "-f", "PEAK_KB %M", *cmd], capture_output=True, text=True,
+                            stdin=subprocess.DEVNULL)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:4])} failed:\n{result.stderr[-3000:]}")
-    peak = int(re.findall(r"PEAK_KB (\d+)", result.stderr)[-1]) / 1e6
+    return result, int(re.findall(r"PEAK_KB (\d+)", result.stderr)[-1]) / 1e6
+
+
+def _timed(cmd: list[str]) -> tuple[dict, float]:
+    """(last JSON line of stdout, peak RSS in GB) of a command run under /usr/bin/time."""
+    result, peak = peak_rss(cmd)
     return json.loads(result.stdout.strip().splitlines()[-1]), peak
 
 

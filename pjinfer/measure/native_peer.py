@@ -20,6 +20,7 @@ from typing import Callable
 import gguf
 
 from pjinfer.config import ConfigError
+from pjinfer.load.gguf_file import GGUFFile
 
 NATIVE_PEERS = ("llama-bench", "powerinfer")
 
@@ -76,9 +77,17 @@ def parse_llama_bench_csv(text: str) -> dict:
 _TIMING = r"llama_print_timings:\s+{what} time =\s*([\d.]+) ms /\s*(\d+) {unit}"
 
 
+_LOAD_TIME = r"llama_print_timings:\s+load time =\s*([\d.]+) ms"
+# What llama_model_load prints when the file is PowerInfer's (magic PWRI): its sparse operators run.
+POWERINFER_SPARSE_LINE = "PowerInfer model loaded. Sparse inference will be used."
+
+
 def parse_powerinfer_timings(stderr: str) -> dict:
-    """PowerInfer main's timings on stderr -> decode_tok_s and eval_runs (its `eval time = T ms / K runs`), and
-    prompt_tokens, prefill_s (its `prompt eval time = T ms / P tokens`)."""
+    """PowerInfer main's timings on stderr -> decode_tok_s and eval_runs (its `eval time = T ms / K runs`),
+    prompt_tokens, prefill_s (its `prompt eval time = T ms / P tokens`), load_s (its `load time`, which it takes
+    again after the first evaluation so that the mapped file's page faults count; None if absent) and sparse
+    (whether it said it runs the file sparse). It prints no density: which neurons its predictors chose is not
+    in its output."""
     decode = re.search(_TIMING.format(what="eval", unit="runs"), stderr)
     prompt = re.search(_TIMING.format(what="prompt eval", unit="tokens"), stderr)
     if not decode or not prompt:
@@ -86,8 +95,10 @@ def parse_powerinfer_timings(stderr: str) -> dict:
     ms, runs = float(decode.group(1)), int(decode.group(2))
     if runs < 1 or ms <= 0:
         raise ConfigError(f"PowerInfer's main timed {runs} decode runs in {ms} ms")
+    load = re.search(_LOAD_TIME, stderr)
     return {"decode_tok_s": 1000 * runs / ms, "eval_runs": runs,
-            "prompt_tokens": int(prompt.group(2)), "prefill_s": float(prompt.group(1)) / 1000}
+            "prompt_tokens": int(prompt.group(2)), "prefill_s": float(prompt.group(1)) / 1000,
+            "load_s": float(load.group(1)) / 1000 if load else None, "sparse": POWERINFER_SPARSE_LINE in stderr}
 
 
 def _last_line(text: str) -> str:
@@ -102,8 +113,7 @@ def untied_copy(src, folder=None) -> Path:
     is), for PowerInfer, which needs an explicit output head. Written once into folder (default: peers_dir()/untied),
     named by src's size and modification time, so a changed source gets a new copy; src itself if it has the head."""
     src = Path(src)
-    reader = gguf.GGUFReader(str(src))
-    names = {t.name for t in reader.tensors}
+    names = {t.name for t in GGUFFile(src).tensors}   # pjinfer's reader: it reads PowerInfer's magic too
     if "output.weight" in names:
         return src
     if "token_embd.weight" not in names:
@@ -115,7 +125,7 @@ def untied_copy(src, folder=None) -> Path:
         return dst
     folder.mkdir(parents=True, exist_ok=True)
     part = dst.with_suffix(".part")
-    _write_untied(reader, part)
+    _write_untied(gguf.GGUFReader(str(src)), part)
     part.replace(dst)
     return dst
 
@@ -197,6 +207,7 @@ def powerinfer(model_path, *, prompt_text: str, prompt_len: int, new_tokens: int
     def parse(done):
         got = parse_powerinfer_timings(done.stderr)
         peer.info["prompt_tokens"] = got["prompt_tokens"]
+        peer.info["sparse"] = got["sparse"]
         return {"decode_tok_s": got["decode_tok_s"], "prefill_s": got["prefill_s"]}
 
     peer = NativePeer("powerinfer", command, parse,
