@@ -173,10 +173,6 @@ class Plan:
     weights: str
     rule: str | None
 
-    @property
-    def describe(self) -> str:
-        return self.backend.describe(self.weights, self.request.hot_backend, self.request.bundle)
-
     def on_float32(self) -> "Plan":
         """The same request on float32 weights (an "auto" whose host decode cannot run the loaded model)."""
         rule = None if self.backend.neuron_rows else self.rule
@@ -216,7 +212,8 @@ def resolve(request: Request) -> Plan:
     weights = r.weights if r.weights != "auto" else _auto_weights(r, rule, neuron_rows)
     if neuron_rows and r.bundle is None and weights == "gguf" and has_predictors and not r.dense:
         rule = PREDICTORS   # the file's own, as PowerInfer runs it
-    backend = select(weights, rule, r.hot_backend, r.cold_weights, neuron_rows=neuron_rows)
+    # With a bundle, a PowerInfer file runs the bundle's rule on float32 (the loader lays its rows out as any file's).
+    backend = select(weights, rule, r.hot_backend, r.cold_weights, neuron_rows=neuron_rows and r.bundle is None)
     check_platform_runs(backend, weights, r.hot_backend)
     return Plan(r, backend, weights, rule)
 
