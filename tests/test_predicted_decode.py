@@ -130,6 +130,7 @@ def test_a_powerinfer_file_runs_sparse_by_default_and_dense_when_asked(tmp_path,
     assert resolve(Request(path, "float32")).backend.name == "xla"
     engine = Engine.load(path)
     assert engine.path == "weights gguf, sparse (the file's predictors)"
+    assert Engine.load(path, dense=True).backend.name == "powerinfer-dense"
     prompt = engine.tokenizer.encode("hello world")
     _, reference, _, _ = load(path)
     graph, state = gen.Graph(nnx.split(reference)[0]), nnx.split(reference)[1]

@@ -64,11 +64,13 @@ class Engine:
 
     @classmethod
     def load(cls, path=None, *, bundle=None, hot_backend: str = "xla", cold_weights: str = "float32",
-             weights: str = "auto", sparse_rule: str = "auto", progress=None, compile_cache: bool = True) -> "Engine":
+             weights: str = "auto", sparse_rule: str = "auto", dense: bool = False, progress=None,
+             compile_cache: bool = True) -> "Engine":
         """The model at `path` (default: the embedded SmolLM2-135M), ready to generate: the plan
-        pjinfer.runtime.backends.resolve makes of these settings (from_plan)."""
+        pjinfer.runtime.backends.resolve makes of these settings (from_plan). dense: a PowerInfer file computes
+        every neuron (by default its own predictors pick them)."""
         request = backends.Request(path, weights=weights, bundle=bundle, sparse_rule=sparse_rule,
-                                   hot_backend=hot_backend, cold_weights=cold_weights)
+                                   hot_backend=hot_backend, cold_weights=cold_weights, dense=dense)
         return cls.from_plan(backends.resolve(request), progress=progress, compile_cache=compile_cache)
 
     @classmethod
