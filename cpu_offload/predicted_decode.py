@@ -38,11 +38,11 @@ MAGIC = 0x706A70726564_0001  # "pjpred" + 1
 # [layers] (their sizes); float32 partial sums [team size, d]; float32 z [largest rank].
 H_FFN, H_THRESH, H_IDS, H_MASKS, H_COUNTS, H_PARTS, H_Z = range(hd.H_WIDTH, hd.H_WIDTH + 7)
 HEADER_WIDTH = hd.H_WIDTH + 8
-# FFN table slots: (address, row type, row bytes) of gate, up and down_t; fc1's and fc2's addresses (0: dense);
-# the predictor's rank.
-(F_GATE, F_GATE_KIND, F_GATE_BYTES, F_UP, F_UP_KIND, F_UP_BYTES, F_DOWN, F_DOWN_KIND, F_DOWN_BYTES, F_FC1, F_FC2,
- F_RANK) = range(12)
-F_WIDTH = 12
+# FFN table slots: (address, row type, row bytes) of gate, up, down_t, and of the predictor's fc1 and fc2 (fc1's
+# address 0: dense); the predictor's rank as its rows are padded (predicted_ffn.predictor_rows).
+(F_GATE, F_GATE_KIND, F_GATE_BYTES, F_UP, F_UP_KIND, F_UP_BYTES, F_DOWN, F_DOWN_KIND, F_DOWN_BYTES, F_FC1, F_FC1_KIND,
+ F_FC1_BYTES, F_FC2, F_FC2_KIND, F_FC2_BYTES, F_RANK) = range(16)
+F_WIDTH = 16
 K_COUNT, K_X = 6, 7    # task slots: the active neurons' count; the address of x (the residual stream)
 ST_HIDDEN, ST_SCORE, ST_FFN = 6, 7, 8
 ATTENTION = {m: slot for m, slot in hd.MATRICES.items() if m in ("wq", "wk", "wv", "wo")}
@@ -55,9 +55,9 @@ def _ffn_entry(header, layer):
 
 
 @njit(**NOJIT)
-def _rows(entry, slot, ff):
-    """The uint8 [d_ff, row bytes] rows whose (address, type, row bytes) start at the entry's slot."""
-    return carray(ptr_u8(load_i64(entry + 8 * slot)), (ff, load_i64(entry + 8 * (slot + 2))))
+def _rows(entry, slot, rows):
+    """The uint8 [rows, row bytes] matrix whose (address, type, row bytes) start at the entry's slot."""
+    return carray(ptr_u8(load_i64(entry + 8 * slot)), (rows, load_i64(entry + 8 * (slot + 2))))
 
 
 @njit(**NOJIT)
@@ -91,13 +91,13 @@ def _stage_py(header, tid, n):
         z = hd.f32_view(load_i64(header + 8 * H_Z), rank)
         if stage == ST_HIDDEN:
             lo, hi = pf.share(rank, tid, n)
-            pf.hidden(hd.f32_view_2d(load_i64(entry + 8 * F_FC1), rank, d), hd.f32_view(load_i64(task + 8 * K_X), d),
-                      z, lo, hi)
+            pf.hidden(load_i64(entry + 8 * F_FC1_KIND), _rows(entry, F_FC1, rank),
+                      hd.f32_view(load_i64(task + 8 * K_X), d), z, lo, hi)
         elif stage == ST_SCORE:
             lo, hi = pf.share(ff, tid, n)
             threshold = hd.f32_view(load_i64(header + 8 * H_THRESH), layer + 1)[layer]
-            pf.predict(hd.f32_view_2d(load_i64(entry + 8 * F_FC2), ff, rank), z, threshold, _mask(header, layer, ff),
-                       lo, hi)
+            pf.predict(load_i64(entry + 8 * F_FC2_KIND), _rows(entry, F_FC2, ff), z, threshold,
+                       _mask(header, layer, ff), lo, hi)
         elif stage == ST_FFN:
             lo, hi = pf.share(load_i64(task + 8 * K_COUNT), tid, n)
             pf.neurons(load_i64(entry + 8 * F_GATE_KIND), _rows(entry, F_GATE, ff),
@@ -189,10 +189,11 @@ class PredictedHostDecoder(decoder.HostDecoder):
 
     config: pjinfer.runtime.model's ModelConfig (a gated FFN). weights: canonical weights whose w_gate, w_up and
     w_down_t are the file's rows ([d_ff, d] each, w_down_t PowerInfer's ffn_down_t), each a qtensor QTensor of a
-    GGUF block type, or a float16 / float32 array (F16 / F32 rows: predicted_ffn.stored_rows); q, k, v, o and the head as
-    HostDecoder's "gguf" format takes them. fc1 [rank_l, d] and fc2 [d_ff, rank_l] per layer, float32 (or anything
-    that converts), and threshold: PowerInfer's predictors (pjinfer.load.powerinfer.Predictors' fields); fc1 None:
-    every neuron computed (dense)."""
+    GGUF block type, or a float16 / float32 array (F16 / F32 rows: predicted_ffn.stored_rows); q, k, v, o and the
+    head as HostDecoder's "gguf" format takes them. fc1 [rank_l, d] and fc2 [d_ff, rank_l] per layer, float16 or
+    float32 as the file stores them (read in place where the rank is a multiple of 32: predicted_ffn.predictor_rows),
+    and threshold: PowerInfer's predictors (pjinfer.load.powerinfer.Predictors' fields); fc1 None: every neuron
+    computed (dense)."""
 
     target = TARGET_NAME
     matrices, header_width, magic, stage, handler = ATTENTION, HEADER_WIDTH, MAGIC, _stage, _handler
@@ -205,20 +206,18 @@ class PredictedHostDecoder(decoder.HostDecoder):
             raise ConfigError(f"predictors need fc1 and fc2 for each of the {c.n_layers} layers")
         super().__init__(config, weights, "gguf")
         self.ffn_rows = {}   # (layer, name) -> (uint8 rows, row type), as stored
-        self.predictors = None if fc1 is None else (
-            [np.ascontiguousarray(a, np.float32) for a in fc1], [np.ascontiguousarray(b, np.float32) for b in fc2])
+        self.predictors = None if fc1 is None else [self._predictor(l, a, b) for l, (a, b) in enumerate(zip(fc1, fc2))]
         table = np.zeros((c.n_layers, F_WIDTH), np.int64)
         for l in range(c.n_layers):
             for name, slot in zip(FFN, (F_GATE, F_UP, F_DOWN)):
                 data, kind = self._ffn_matrix(weights, l, name)
                 table[l, slot:slot + 3] = self._hold(data), kind, data.shape[1]
             if self.predictors is not None:
-                a, b = self.predictors[0][l], self.predictors[1][l]
-                if a.ndim != 2 or a.shape[1] != c.d_model or b.shape != (c.d_ff, a.shape[0]):
-                    raise ConfigError(f"layer {l}'s predictor is fc1 {list(a.shape)}, fc2 {list(b.shape)}; the model "
-                                      f"needs fc1 [rank, {c.d_model}] and fc2 [{c.d_ff}, rank]")
-                table[l, [F_FC1, F_FC2, F_RANK]] = self._hold(a), self._hold(b), a.shape[0]
-        rank = 1 if self.predictors is None else max(a.shape[0] for a in self.predictors[0])
+                (a, a_kind), (b, b_kind), rank = self.predictors[l]
+                table[l, F_FC1:F_FC1 + 3] = self._hold(a), a_kind, a.shape[1]
+                table[l, F_FC2:F_FC2 + 3] = self._hold(b), b_kind, b.shape[1]
+                table[l, F_RANK] = rank
+        rank = max([1] + [rank for _, _, rank in self.predictors or []])
         self.threshold = np.float32(threshold)
         self.masks = np.zeros((c.n_layers, c.d_ff), np.uint8)    # the last token's predicted sets, as run
         self.counts = np.zeros(c.n_layers, np.int32)
@@ -242,6 +241,15 @@ class PredictedHostDecoder(decoder.HostDecoder):
         self.ffn_rows[(layer, name)] = (data, kind)
         return data, kind
 
+    def _predictor(self, layer: int, fc1, fc2):
+        """Layer's predictor as the kernels read it (predicted_ffn.predictor_rows), its shapes checked."""
+        c = self.config
+        a, b = np.asarray(fc1), np.asarray(fc2)
+        if a.ndim != 2 or a.shape[1] != c.d_model or b.shape != (c.d_ff, a.shape[0]):
+            raise ConfigError(f"layer {layer}'s predictor is fc1 {list(a.shape)}, fc2 {list(b.shape)}; the model "
+                              f"needs fc1 [rank, {c.d_model}] and fc2 [{c.d_ff}, rank]")
+        return pf.predictor_rows(a, b)
+
     @property
     def dense(self) -> bool:
         return self.predictors is None
@@ -250,7 +258,7 @@ class PredictedHostDecoder(decoder.HostDecoder):
     def nbytes(self) -> int:
         """Bytes of every stored matrix (a dense step reads them all; a sparse one its predicted rows of the FFN)
         and of the predictors."""
-        predictors = 0 if self.dense else sum(a.nbytes + b.nbytes for a, b in zip(*self.predictors))
+        predictors = 0 if self.dense else sum(a.nbytes + b.nbytes for (a, _), (b, _), _ in self.predictors)
         return super().nbytes + sum(data.nbytes for data, _ in self.ffn_rows.values()) + predictors
 
     def dequantized(self, weights: dict) -> dict:

@@ -12,7 +12,8 @@ PowerInfer's predictors read), in stages that a thread team splits (``predicted_
     part[tid] = sum over its ids of a_i down_t_i   [d]          each thread its own partial
     y = part[0] + part[1] + ...                    [d]          caller, in thread order        (reduce)
 
-The predictor (fc1 [rank, d], fc2 [d_ff, rank], threshold t) is float32, as PowerInfer's rule `score >= t` reads
+The predictor (fc1 [rank, d], fc2 [d_ff, rank], threshold t) is read as the file stores it, float16 (PowerInfer's)
+or float32 rows (predictor_rows), each row's dot accumulated in float32, as PowerInfer's rule `score >= t` reads
 (pjinfer.load.powerinfer). For the ReLU family with a gate (ReGLU, dReLU) a neuron whose gate is <= 0 has
 activation 0: its up row and its down row are not read. A neuron whose activation is 0 adds nothing and its down
 row is skipped too.
@@ -181,25 +182,21 @@ def share(count, tid, n):
 
 
 @njit(**_JIT)
-def _dot(w, x):
-    s = _F0
-    for j in range(x.shape[0]):
-        s += w[j] * x[j]
-    return s
-
-
-@njit(**_JIT)
-def hidden(fc1, r, z, lo, hi):
-    """z[k] = relu(fc1[k] . r) for k in [lo, hi): the predictor's hidden layer (fc1 float32 [rank, d])."""
+def hidden(fc1_kind, fc1, r, z, lo, hi):
+    """z[k] = relu(fc1[k] . r) for k in [lo, hi): the predictor's hidden layer (fc1: uint8 rows of len(r) weights of
+    row type fc1_kind, predictor_rows')."""
+    nb, xa = r.shape[0] // KINDS_BLOCK[fc1_kind], r.ctypes.data
     for k in range(lo, hi):
-        z[k] = max(_dot(fc1[k], r), _F0)
+        z[k] = max(row_dot(fc1_kind, fc1.ctypes.data + k * fc1.strides[0], nb, xa), _F0)
 
 
 @njit(**_JIT)
-def predict(fc2, z, threshold, mask, lo, hi):
-    """mask[i] = 1 where fc2[i] . z >= threshold, else 0, for neurons i in [lo, hi) (fc2 float32 [d_ff, rank])."""
+def predict(fc2_kind, fc2, z, threshold, mask, lo, hi):
+    """mask[i] = 1 where fc2[i] . z >= threshold, else 0, for neurons i in [lo, hi) (fc2: uint8 rows of len(z)
+    weights of row type fc2_kind, predictor_rows')."""
+    nb, za = z.shape[0] // KINDS_BLOCK[fc2_kind], z.ctypes.data
     for i in range(lo, hi):
-        mask[i] = 1 if _dot(fc2[i], z) >= threshold else 0
+        mask[i] = 1 if row_dot(fc2_kind, fc2.ctypes.data + i * fc2.strides[0], nb, za) >= threshold else 0
 
 
 @njit(**_JIT)
@@ -269,21 +266,38 @@ def stored_rows(w) -> tuple[np.ndarray, int]:
     return w.view(np.uint8), kind
 
 
+def predictor_rows(fc1, fc2):
+    """A PowerInfer predictor (fc1 [rank, d], fc2 [d_ff, rank], float16 or float32 arrays as the file stores them) as
+    hidden() and predict() read it: ((fc1 rows, type), (fc2 rows, type), padded rank). Rows of floats come in blocks
+    of 32 weights: where the rank is not a multiple of 32, fc1 gets zero rows and fc2 zero columns up to the padded
+    rank (a copy; the scores are unchanged, relu(0) = 0); otherwise no copy where the arrays are C-contiguous."""
+    fc1, fc2 = np.asarray(fc1), np.asarray(fc2)
+    rank, d = fc1.shape
+    if d % KINDS[F32][1]:
+        raise ConfigError(f"a predictor reads rows of a multiple of {KINDS[F32][1]} weights, not {d}")
+    padded = -(-rank // KINDS[F32][1]) * KINDS[F32][1]
+    if padded != rank:
+        fc1 = np.concatenate([fc1, np.zeros((padded - rank, d), fc1.dtype)])
+        fc2 = np.pad(fc2, ((0, 0), (0, padded - rank)))
+    return stored_rows(fc1), stored_rows(fc2), padded
+
+
 def ffn(h, r, fc1, fc2, threshold, gate, up, down, code: int, n_threads: int = 1):
-    """The stages run from Python, thread by thread in turn: (y float32 [d], mask uint8 [d_ff]). gate, up, down:
-    (uint8 rows, type number) pairs (stored_rows); down [d_ff, d]. The tests' entry to the kernels."""
+    """The stages run from Python, thread by thread in turn: (y float32 [d], mask uint8 [d_ff]). fc1, fc2: the
+    predictor (predictor_rows' arrays); gate, up, down: (uint8 rows, type number) pairs (stored_rows); down [d_ff,
+    d]. The tests' entry to the kernels."""
     h, r = np.ascontiguousarray(h, np.float32), np.ascontiguousarray(r, np.float32)
-    fc1, fc2 = np.ascontiguousarray(fc1, np.float32), np.ascontiguousarray(fc2, np.float32)
-    d, d_ff = h.shape[0], fc2.shape[0]
-    z = np.full(fc1.shape[0], np.nan, np.float32)
+    fc1, fc2, rank = predictor_rows(fc1, fc2)
+    d, d_ff = h.shape[0], fc2[0].shape[0]
+    z = np.full(rank, np.nan, np.float32)
     mask = np.full(d_ff, 7, np.uint8)
     ids = np.full(d_ff, -1, np.int32)
     parts = np.full((n_threads, d), np.nan, np.float32)
     y = np.full(d, np.nan, np.float32)
     for tid in range(n_threads):
-        hidden(fc1, r, z, *share(fc1.shape[0], tid, n_threads))
+        hidden(fc1[1], fc1[0], r, z, *share(rank, tid, n_threads))
     for tid in range(n_threads):
-        predict(fc2, z, np.float32(threshold), mask, *share(d_ff, tid, n_threads))
+        predict(fc2[1], fc2[0], z, np.float32(threshold), mask, *share(d_ff, tid, n_threads))
     count = compact(mask, ids)
     for tid in range(n_threads):
         lo, hi = share(count, tid, n_threads)

@@ -54,6 +54,37 @@ def test_xla_dequantizing_equals_the_numpy_reference(rows, cols):
     np.testing.assert_array_equal(QTensor(Q4_1, (blocks,), cols).float32(), q4_1_values(blocks, cols))
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("slices", [1, 2, 5, 37])
+def test_a_product_reads_the_matrix_a_slice_of_rows_at_a_time(monkeypatch, transposed, slices):
+    """QMatrix.product in slices of stored rows (joined outputs, or partial sums where the stored rows are summed
+    over) against float64 numpy, inside a layer's ordering and outside it; one slice is the einsum itself."""
+    rng = np.random.default_rng()
+    rows, cols = 37, 96
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    monkeypatch.setattr(model, "DEQUANTIZED_BYTES", -(-rows * cols * 4 // slices))
+    for t in (QTensor(Q4_1, (_q4_blocks(rng, rows, cols),), cols), QTensor(INT8, int8.quantize(w), cols),
+              QTensor.quantize(Q8_0, w)):
+        m = model.QMatrix(t, transposed=transposed)
+        full = t.float32().astype(np.float64)
+        full = full.T if transposed else full                     # what m[...] stands for
+        for contract in (0, 1):
+            x = rng.standard_normal((2, 3, full.shape[contract])).astype(np.float32)
+            want = x @ (full if contract == 0 else full.T)
+
+            def product(m, x):
+                with model._dequantized_after(x):
+                    return m.product(x, contract)
+            x = jnp.asarray(x)
+            for got in (np.asarray(nnx.jit(product)(m, x)), np.asarray(m.product(x, contract))):
+                assert got.shape == want.shape
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+            if slices == 1:
+                spec = "...f,fd->...d" if contract == 0 else "...i,oi->...o"
+                np.testing.assert_array_equal(np.asarray(m.product(x, contract)),
+                                              np.asarray(jnp.einsum(spec, x, m[...])))
+
+
 @pytest.mark.parametrize("rows,cols", [(1, 64), (37, 192), (300, 576), (5, 100), (3, 17), (0, 64), (4, 0)])
 def test_int8_quantizer_gives_numpys_bytes(rows, cols):
     rng = np.random.default_rng(rows)

@@ -72,26 +72,31 @@ def reference_ffn(h, r, fc1, fc2, t, wg, wu, wd, activation):
     return a @ wd, mask, score, bound
 
 
-CASES = [  # (gate/up kind, down kind, d, d_ff, rank, threshold: "empty", "full" or a number, activation, threads)
-    (blocks.Q4_0, blocks.Q4_0, 64, 37, 16, 0.0, "reglu", 2),
-    (blocks.Q4_0, blocks.Q4_0, 96, 1, 5, 0.0, "drelu", 1),
-    (blocks.Q8_0, blocks.Q8_0, 32, 53, 7, 0.02, "reglu", 3),
-    (pf.F16, pf.F16, 64, 41, 16, 0.0, "drelu", 2),
-    (blocks.Q4_1, blocks.Q4_1, 160, 29, 16, -0.01, "swiglu", 2),
-    (pf.F32, pf.F32, 32, 17, 3, 0.0, "reglu", 5),
-    (blocks.Q4_K, blocks.Q6_K, 256, 23, 16, 0.0, "reglu", 2),
-    (blocks.Q5_K, blocks.Q5_0, 256, 19, 16, 0.0, "drelu", 3),
-    (blocks.Q5_1, blocks.Q8_0, 64, 31, 9, 0.0, "reglu", 2),
-    (blocks.Q4_0, blocks.Q4_0, 64, 37, 16, "empty", "reglu", 2),
-    (blocks.Q4_0, pf.F16, 64, 37, 16, "full", "drelu", 3),
-    (blocks.Q4_0, blocks.Q4_0, 64, 40, 16, "full", "swiglu", 64),   # more threads than neurons
+CASES = [  # (gate/up kind, down kind, d, d_ff, rank, threshold: "empty", "full" or a number, activation, threads,
+           #  the predictor's dtype: PowerInfer's files store float16; a rank off 32 is padded)
+    (blocks.Q4_0, blocks.Q4_0, 64, 37, 16, 0.0, "reglu", 2, np.float32),
+    (blocks.Q4_0, blocks.Q4_0, 96, 1, 5, 0.0, "drelu", 1, np.float32),
+    (blocks.Q8_0, blocks.Q8_0, 32, 53, 7, 0.02, "reglu", 3, np.float32),
+    (pf.F16, pf.F16, 64, 41, 16, 0.0, "drelu", 2, np.float32),
+    (blocks.Q4_1, blocks.Q4_1, 160, 29, 16, -0.01, "swiglu", 2, np.float32),
+    (pf.F32, pf.F32, 32, 17, 3, 0.0, "reglu", 5, np.float32),
+    (blocks.Q4_K, blocks.Q6_K, 256, 23, 16, 0.0, "reglu", 2, np.float32),
+    (blocks.Q5_K, blocks.Q5_0, 256, 19, 16, 0.0, "drelu", 3, np.float32),
+    (blocks.Q5_1, blocks.Q8_0, 64, 31, 9, 0.0, "reglu", 2, np.float32),
+    (blocks.Q4_0, blocks.Q4_0, 64, 37, 16, "empty", "reglu", 2, np.float32),
+    (blocks.Q4_0, pf.F16, 64, 37, 16, "full", "drelu", 3, np.float32),
+    (blocks.Q4_0, blocks.Q4_0, 64, 40, 16, "full", "swiglu", 64, np.float32),   # more threads than neurons
+    (blocks.Q4_0, blocks.Q4_0, 64, 37, 16, 0.0, "reglu", 2, np.float16),
+    (blocks.Q8_0, blocks.Q4_0, 96, 45, 32, 0.0, "drelu", 3, np.float16),
+    (pf.F16, pf.F16, 32, 53, 7, 0.02, "reglu", 2, np.float16),
 ]
 
 
 @pytest.mark.parametrize("case", CASES,
-                         ids=lambda c: f"{pf.KINDS[c[0]][0]}-{pf.KINDS[c[1]][0]}-{c[3]}-{c[5]}-{c[6]}-{c[7]}")
+                         ids=lambda c: f"{pf.KINDS[c[0]][0]}-{pf.KINDS[c[1]][0]}-{c[3]}-{c[5]}-{c[6]}-{c[7]}-"
+                                       f"{np.dtype(c[8]).name}")
 def test_ffn_matches_float64(case):
-    gu_kind, down_kind, d, d_ff, rank, t, activation, threads = case
+    gu_kind, down_kind, d, d_ff, rank, t, activation, threads, dtype = case
     rng = np.random.default_rng()   # fresh inputs each run; drawn again while a decision is within rounding
     threshold = {"empty": np.float32(np.inf), "full": np.float32(-np.inf)}.get(t, t)
     for _ in range(50):
@@ -99,8 +104,8 @@ def test_ffn_matches_float64(case):
                                             random_rows(rng, down_kind, d_ff, d))
         h = rng.standard_normal(d).astype(np.float32)
         r = (rng.standard_normal(d) * 2).astype(np.float32)
-        fc1 = (rng.standard_normal((rank, d)) / 4).astype(np.float32)
-        fc2 = (rng.standard_normal((d_ff, rank)) / 4 - 0.05).astype(np.float32)
+        fc1 = (rng.standard_normal((rank, d)) / 4).astype(dtype)
+        fc2 = (rng.standard_normal((d_ff, rank)) / 4 - 0.05).astype(dtype)
         want, want_mask, score, bound = reference_ffn(h, r, fc1, fc2, float(threshold), wg, wu, wd, activation)
         if t in ("empty", "full") or (np.abs(score - threshold).min() > 1e-4
                                         and (0 < want_mask.sum() < d_ff or d_ff == 1)):
@@ -166,3 +171,19 @@ def test_row_bytes_and_refusals():
         pf.row_bytes(pf.F16, 48)
     with pytest.raises(ValueError, match="no row kernel"):
         pf.stored_rows(np.zeros((2, 32), np.int8))
+
+
+def test_predictor_rows_read_the_file_in_place_and_pad_an_odd_rank_with_zeros():
+    rng = np.random.default_rng()
+    fc1, fc2 = rng.standard_normal((64, 96)).astype(np.float16), rng.standard_normal((40, 64)).astype(np.float16)
+    (a, a_kind), (b, b_kind), rank = pf.predictor_rows(fc1, fc2)
+    assert (a_kind, b_kind, rank) == (pf.F16, pf.F16, 64)
+    assert np.shares_memory(a, fc1) and np.shares_memory(b, fc2)     # no copy of the file's predictor
+    (a, _), (b, _), rank = pf.predictor_rows(fc1[:7], fc2[:, :7])
+    assert rank == 32 and a.shape == (32, pf.row_bytes(pf.F16, 96)) and b.shape == (40, pf.row_bytes(pf.F16, 32))
+    np.testing.assert_array_equal(pf.float32_rows(a, pf.F16, 96), np.pad(fc1[:7], ((0, 25), (0, 0))))
+    np.testing.assert_array_equal(pf.float32_rows(b, pf.F16, 32), np.pad(fc2[:, :7], ((0, 0), (0, 25))))
+    with pytest.raises(ValueError, match="multiple of 32 weights, not 48"):
+        pf.predictor_rows(fc1[:, :48], fc2)
+    with pytest.raises(ValueError, match="no row kernel"):
+        pf.predictor_rows(fc1.astype(np.int8), fc2)

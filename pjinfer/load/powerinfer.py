@@ -24,6 +24,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from cpu_offload.qtensor import aligned
 from pjinfer.config import ConfigError, ModelConfig
 from pjinfer.load.gguf_checks import float_field
 from pjinfer.load.loader import PLACEMENT_TENSORS, PREDICTOR_TENSORS, default_model_path, open_gguf
@@ -35,8 +36,9 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 
 @dataclasses.dataclass(frozen=True)
 class Predictors:
-    """PowerInfer's predictors as stored, in float32: fc1[l] [rank_l, d_model], fc2[l] [d_ff, rank_l]; a neuron is
-    active when its score is >= threshold."""
+    """PowerInfer's predictors as stored: fc1[l] [rank_l, d_model], fc2[l] [d_ff, rank_l], float16 or float32 arrays
+    (the file's own, other types decoded to float32); a neuron is active when its score is >= threshold (a float32;
+    a subnormal one reads as 0, as XLA on the CPU flushes it)."""
     fc1: list
     fc2: list
     threshold: float
@@ -56,11 +58,19 @@ def _by_layer(reader, names: tuple) -> dict:
     return out
 
 
-def _float32(t, path: Path) -> np.ndarray:
-    try:
-        return np.asarray(gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.type)), np.float32)
-    except Exception as e:
-        raise ConfigError(f"cannot decode tensor {t.name} in {path.name}: {e}") from None
+def _stored(reader, t, path: Path) -> np.ndarray:
+    """Tensor t's values: an F16 or F32 one as stored, in place where XLA takes it without a copy (else an aligned
+    copy, and the file's pages of it released); another type decoded to float32."""
+    if t.type in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32):
+        a = aligned(t.data)
+    else:
+        try:
+            a = np.asarray(gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.type)), np.float32)
+        except Exception as e:
+            raise ConfigError(f"cannot decode tensor {t.name} in {path.name}: {e}") from None
+    if not np.may_share_memory(a, t.data):
+        reader.release(t)
+    return a
 
 
 def _layers(found: dict, what: str, config: ModelConfig, path: Path) -> None:
@@ -102,10 +112,12 @@ def read_predictors(reader, config: ModelConfig, path: Path) -> Predictors:
                 or b.shape[1] != a.shape[0]:
             raise ConfigError(f"{path.name}: layer {l}'s predictor is fc1 {list(a.shape)}, fc2 {list(b.shape)}; "
                               f"the model needs fc1 [rank, {config.d_model}] and fc2 [{config.d_ff}, rank]")
-        fc1.append(_float32(a, path))
-        fc2.append(_float32(b, path))
-    threshold = float_field(reader, SPARSE_THRESHOLD, path, 0.0)
-    return Predictors(fc1, fc2, threshold)
+        fc1.append(_stored(reader, a, path))
+        fc2.append(_stored(reader, b, path))
+    threshold = np.float32(float_field(reader, SPARSE_THRESHOLD, path, 0.0))
+    if abs(threshold) < np.finfo(np.float32).tiny:
+        threshold = np.float32(0.0)
+    return Predictors(fc1, fc2, float(threshold))
 
 
 def read_placement(reader, config: ModelConfig, path: Path) -> np.ndarray | None:

@@ -53,7 +53,7 @@ def _prefill(model, tokens, length, cache_len, rows):
         return host.prefill(model, rows, tokens, length, cache)
     hidden, cache = model(tokens, 0, cache)
     last = jax.lax.dynamic_index_in_dim(hidden[0], length - 1, keepdims=False)
-    return model.logits(last), cache
+    return model.head.decode(last), cache   # one token's logits: on the host decoder where there is one
 
 
 @partial(jax.jit, static_argnames=("graph", "cache_len", "greedy", "rows"))

@@ -71,11 +71,15 @@ def float32_weights(weights: dict) -> dict:
     return {name: float32_weight(name, w) for name, w in weights.items()}
 
 
+DEQUANTIZED_BYTES = 1 << 24   # the most float32 bytes of a QMatrix that a matrix product dequantizes at once
+
+
 class QMatrix(nnx.Module):
     """A quantized [out, in] matrix inside the model: a QTensor's arrays as jax arrays (``data``, and int8's
     ``scales``), dequantized where used by its block type (cpu_offload.blocks). ``[...]`` gives the float32 matrix
     (transposed back when `transposed`: a w_down_t held as [d, F]); ``rows(ids)`` dequantizes only the gathered
-    rows (embedding)."""
+    rows (embedding); ``product`` multiplies by it a slice of stored rows at a time (matrix products: prefill,
+    scoring)."""
 
     def __init__(self, w, *, transposed: bool = False):
         if not is_quantized(w):
@@ -98,11 +102,30 @@ class QMatrix(nnx.Module):
     def __getitem__(self, key):
         if key is not Ellipsis:
             raise IndexError("a QMatrix is read whole ([...]) or by rows (rows(ids))")
-        data, zero = self.data[...], getattr(_ORDER, "zero", None)
-        if zero is not None:
-            data = data | zero.astype(data.dtype)
-        w = self._values(data, None if self.scales is None else self.scales[...])
+        w = self._values(ordered(self.data[...]), None if self.scales is None else self.scales[...])
         return w.T if self.transposed else w
+
+    def product(self, x, contract: int):
+        """x times the matrix, over its axis `contract` of [...]'s two: x [..., out] @ [...] (0) or x [..., in] @
+        [...].T (1). A matrix of more than DEQUANTIZED_BYTES of float32 is dequantized a slice of stored rows at a
+        time, each slice after the previous one's product (the XLA temporaries of a large model's prefill hold one
+        slice, not the matrix); the slices' outputs are joined, or, where the stored rows are the axis summed over,
+        their partial sums added in order."""
+        spec = "...f,fd->...d" if contract == 0 else "...i,oi->...o"
+        rows, cols = self.stored_shape
+        slices = -(-rows * cols * 4 // DEQUANTIZED_BYTES)
+        if slices <= 1:
+            return jnp.einsum(spec, x, self[...])
+        summed = (contract == 0) != self.transposed     # the stored rows are the axis summed over
+        step = -(-rows // slices)
+        out = []
+        for lo in range(0, rows, step):
+            hi = min(rows, lo + step)
+            w = self._values(ordered(self.data[...][lo:hi]), None if self.scales is None else self.scales[...][lo:hi])
+            y = jnp.einsum("...r,rc->...c", x[..., lo:hi], w) if summed else jnp.einsum("...c,rc->...r", x, w)
+            out.append(y if not summed or not out else out[-1] + y)
+            _order_after(y)
+        return out[-1] if summed else jnp.concatenate(out, axis=-1)
 
     def rows(self, ids):
         """float32 rows ids [...] -> [..., cols] of the (untransposed) matrix."""
@@ -129,6 +152,18 @@ def _dequantized_after(x):
         _ORDER.zero = previous
 
 
+def ordered(a):
+    """A stored array, read inside _dequantized_after: its bits OR-ed with the layer's ordering term, so that XLA
+    reads (dequantizes, converts) it only when the layer, or its previous matrix product, has run."""
+    zero = getattr(_ORDER, "zero", None)
+    if zero is None:
+        return a
+    if jnp.issubdtype(a.dtype, jnp.integer):
+        return a | zero.astype(a.dtype)
+    bits = jnp.dtype(f"uint{8 * a.dtype.itemsize}")
+    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(a, bits) | zero.astype(bits), a.dtype)
+
+
 def _order_after(y):
     """Inside _dequantized_after: the next QMatrix read also waits for y (a matrix product's output), so that
     within a layer one matrix at a time is dequantized, not all of them (0.5B model, 512-token prefill: the
@@ -147,6 +182,11 @@ def _optional(weights: dict, name: str) -> nnx.Param | None:
     return _param(weights, name) if name in weights else None
 
 
+def down(act, w):
+    """act [..., d_ff] @ w [d_ff, d] (an array, or a QMatrix): an FFN's down projection."""
+    return w.product(act, 0) if isinstance(w, QMatrix) else jnp.einsum("...f,fd->...d", act, w)
+
+
 def value(p):
     """An optional parameter's array, or None."""
     return None if p is None else p[...]
@@ -158,9 +198,15 @@ def neurons(activation: str, x, w_gate, w_up, b_up=None):
     return activate(activation, None if w_gate is None else linear(x, w_gate), up)
 
 
+def matrix(p):
+    """A weight as linear() and down() take it: a QMatrix itself (read a slice at a time), else its array."""
+    return p if isinstance(p, QMatrix) else p[...]
+
+
 def linear(x, w, b=None):
-    # w is [out, in]: a row per output feature, so a GEMV streams contiguous rows.
-    y = jnp.einsum("...i,oi->...o", x, w)
+    """x [..., in] @ w.T (+ b). w is [out, in] (an array, or a QMatrix): a row per output feature, so a GEMV streams
+    contiguous rows."""
+    y = w.product(x, 1) if isinstance(w, QMatrix) else jnp.einsum("...i,oi->...o", x, w)
     y = y if b is None else y + b
     _order_after(y)
     return y
@@ -256,12 +302,12 @@ class Attention(nnx.Module):
         """x [B, T, d] -> q [B, T, H*hd], k and v [B, T, KV*hd]: the projections of the thresholded input (a
         swapped module, pjinfer.runtime.gathered, computes the same sums from another layout)."""
         x = sparsify_input(x, self.t_in)
-        return (linear(x, self.wq[...], value(self.bq)), linear(x, self.wk[...], value(self.bk)),
-                linear(x, self.wv[...], value(self.bv)))
+        return (linear(x, matrix(self.wq), value(self.bq)), linear(x, matrix(self.wk), value(self.bk)),
+                linear(x, matrix(self.wv), value(self.bv)))
 
     def o(self, heads):
         """The heads' output [B, T, H*hd] -> the attention's output [B, T, d], o's input thresholded."""
-        return linear(sparsify_input(heads, self.t_o), self.wo[...], value(self.bo))
+        return linear(sparsify_input(heads, self.t_o), matrix(self.wo), value(self.bo))
 
     def heads(self, x, start, k_cache, v_cache):
         """The attention heads' output [B, T, H*hd] (o's input) and the updated cache arrays."""
@@ -313,13 +359,14 @@ class FFN(nnx.Module):
 
     def neurons(self, x):
         """Per-neuron activations [..., d_ff]."""
-        return neurons(self.activation, x, value(self.w_gate), self.w_up[...], value(self.b_up))
+        return neurons(self.activation, x, None if self.w_gate is None else matrix(self.w_gate), matrix(self.w_up),
+                       value(self.b_up))
 
     def __call__(self, x, residual=None):
         """x [..., d]: the FFN's input. residual (the stream before the FFN's norm) is for a sparse FFN's
         predictor (pjinfer.runtime.sparse); every neuron here is computed, so it is not read."""
         act = sparsify_input(self.neurons(sparsify_input(x, self.t_in)), self.t_down)
-        out = jnp.einsum("...f,fd->...d", act, self.w_down_t[...])
+        out = down(act, matrix(self.w_down_t))
         return out if self.b_down is None else out + self.b_down[...]
 
 
@@ -359,7 +406,7 @@ class Head(nnx.Module):
 
     def __call__(self, hidden):
         """hidden [..., d] -> logits [..., vocab]."""
-        return linear(hidden, self.w[...])
+        return linear(hidden, matrix(self.w))
 
     def decode(self, hidden):
         """One token's hidden [d] -> logits [vocab]."""

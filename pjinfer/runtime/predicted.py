@@ -17,51 +17,42 @@ Without predictors (``dense=True``) every neuron is computed: the same file dens
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
+from cpu_offload.qtensor import aligned
 from pjinfer.config import ConfigError
-from pjinfer.load.powerinfer import predictor_state
 from pjinfer.runtime import host
-from pjinfer.runtime.model import FFN, QMatrix, Transformer
-
-
-def powerinfer_predictor(fc1: np.ndarray, fc2: np.ndarray, threshold: float):
-    """One layer's PowerInfer predictor (fc1 [rank, d], fc2 [d_ff, rank]) as a train.predictor.Predictor reading the
-    residual stream: its ``active(r)`` is fc2 relu(fc1 r) >= threshold (load.powerinfer.predictor_state)."""
-    from train.predictor import Predictor
-
-    predictor = Predictor(fc1.shape[1], fc2.shape[0], fc1.shape[0], rngs=nnx.Rngs(0), reads="residual")
-    state = nnx.state(predictor)
-    nnx.replace_by_pure_dict(state, predictor_state(np.asarray(fc1, np.float32), np.asarray(fc2, np.float32),
-                                                    threshold))
-    nnx.update(predictor, state)
-    return predictor
+from pjinfer.runtime.model import FFN, QMatrix, Transformer, down, linear, matrix, ordered
 
 
 class PredictedFFN(FFN):
     """A layer's FFN whose neurons outside the predictor's set are zeroed (XLA: prefill, scoring; the host decoder
-    computes the same set's rows only). predictor: powerinfer_predictor's, or None (every neuron)."""
+    computes the same set's rows only). fc1 [rank, d], fc2 [d_ff, rank]: the predictor as stored (float16 or
+    float32 jax arrays, converted to float32 where used), or None (every neuron)."""
 
-    def __init__(self, ffn: FFN, predictor):
+    def __init__(self, ffn: FFN, fc1=None, fc2=None, threshold: float = 0.0):
         self.activation = ffn.activation
         self.w_gate, self.w_up, self.w_down_t, self.b_up, self.b_down = (ffn.w_gate, ffn.w_up, ffn.w_down_t,
                                                                          ffn.b_up, ffn.b_down)
         self.t_in = self.t_down = None
-        self.predictor = predictor
+        self.fc1 = None if fc1 is None else nnx.Param(fc1)
+        self.fc2 = None if fc2 is None else nnx.Param(fc2)
+        self.threshold = float(threshold)
 
     def active(self, residual):
-        """residual [..., d] -> the predicted set [..., d_ff] (bool)."""
-        if self.predictor is None:
+        """residual [..., d] -> the predicted set [..., d_ff] (bool): fc2 relu(fc1 residual) >= threshold."""
+        if self.fc1 is None:
             return jnp.ones((*residual.shape[:-1], self.w_up.shape[0]), bool)
-        return self.predictor.active(residual)
+        z = jax.nn.relu(linear(residual, ordered(self.fc1[...]).astype(jnp.float32)))
+        return linear(z, ordered(self.fc2[...]).astype(jnp.float32)) >= self.threshold
 
     def __call__(self, x, residual=None):
         if residual is None:
             raise ConfigError("a PowerInfer FFN's predictor reads the residual stream, which was not given")
         act = jnp.where(self.active(residual), self.neurons(x), 0.0)
-        out = jnp.einsum("...f,fd->...d", act, self.w_down_t[...])
+        out = down(act, matrix(self.w_down_t))
         return out if self.b_down is None else out + self.b_down[...]
 
 
@@ -77,13 +68,15 @@ def attach_powerinfer(model: Transformer, config, tensors: dict, predictors=None
         raise ConfigError("a PowerInfer file runs sparse with its predictors; without them ask for dense")
     if dense:
         predictors = None
-    fc = (None, None, 0.0) if predictors is None else (predictors.fc1, predictors.fc2, predictors.threshold)
-    decoder = PredictedHostDecoder(config, tensors, *fc)
+    fc1 = fc2 = [None] * config.n_layers
+    if predictors is not None:   # one copy of each, which XLA and the host decoder both read
+        fc1, fc2 = ([jax.device_put(aligned(a)) for a in arrays] for arrays in (predictors.fc1, predictors.fc2))
+    threshold = 0.0 if predictors is None else predictors.threshold
+    decoder = PredictedHostDecoder(config, tensors, *((None, None) if predictors is None else (fc1, fc2)), threshold)
     for l, block in enumerate(model.layers):
         if isinstance(block.ffn.w_down_t, QMatrix):   # ffn_down_t's blocks: rows are neurons, canonical [d_ff, d]
             block.ffn.w_down_t.transposed = False
-        predictor = None if predictors is None else powerinfer_predictor(fc[0][l], fc[1][l], fc[2])
-        block.ffn = PredictedFFN(block.ffn, predictor)
+        block.ffn = PredictedFFN(block.ffn, fc1[l], fc2[l], threshold)
     host.attach(model, decoder)
     return decoder
 
