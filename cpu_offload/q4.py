@@ -15,7 +15,7 @@ preparation pass. With one input this takes about the operations of the former f
 16 x_lo), then d and a scalar m . sum(x) chain per block) and runs as fast; with 8 inputs (q4_gemm) it is 1.6x
 faster, and every weight is its dequantized value, so the dot does not cancel large terms (about 8x closer to
 float64 than that form on random rows).
-``_row_dot`` is written as LLVM vector IR because Numba's autovectorizer turned the same loop into byte-by-byte
+The row dot is written as LLVM vector IR because Numba's autovectorizer turned the same loop into byte-by-byte
 inserts (2.4 G weights/s on one thread here); the IR form streams about 16 G weights/s on one thread
 (`/tmp` microbenchmark over 40 x [1536, 576]).
 """
@@ -36,6 +36,10 @@ from .kernels import prefetch  # noqa: E402
 ffi.purge_stale_cache("q4", kernels, vector_ir, blocks)  # prefetch is compiled into this module's cached functions
 
 BLOCK, BLOCK_BYTES = blocks.TYPES[blocks.Q4_1].block, blocks.TYPES[blocks.Q4_1].nbytes
+# The two 4-bit block types this GEMV reads: where their 16 nibble bytes start. Q4_1 stores its m after d; Q4_0's
+# elements are d (q - 8), so its m is -8 d.
+NIBBLES_AT = {blocks.Q4_0: 2, blocks.Q4_1: 4}
+Q4_0_BYTES = blocks.TYPES[blocks.Q4_0].nbytes
 PREFETCH_ROWS = 8   # rows ahead to prefetch (8 beat 16 and 32 on one thread: docs/performance.md)
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
@@ -62,9 +66,9 @@ def emit_nibbles(builder, addr, permute=PERMUTE):
     return builder.sitofp(builder.and_(z, ir.Constant(V16I32, [15] * 16)), V16F), hi
 
 
-def emit_rows_dot(builder, row, nb, xs):
-    """LLVM IR for the dots of one Q4_1 row (nb blocks at address row) with len(xs) float32 inputs (their
-    addresses); returns the float32 results. The single-token GEMV (``_row_dot``) and the batched one
+def emit_rows_dot(builder, row, nb, xs, kind=blocks.Q4_1):
+    """LLVM IR for the dots of one Q4_1 row (or Q4_0: kind) of nb blocks at address row with len(xs) float32 inputs
+    (their addresses); returns the float32 results. The single-token GEMV (``gemv``) and the batched one
     (``q4_gemm``) both emit this, so a token's result is the same in both: per input, the same operations in the
     same order whatever the other inputs are (``vector_ir.strict``)."""
     fma = vector_intrinsic(builder, "llvm.fma", 3)
@@ -72,10 +76,12 @@ def emit_rows_dot(builder, row, nb, xs):
     acc_hi = [cgutils.alloca_once_value(builder, ZERO16) for _ in xs]   # elements 16..31
     with cgutils.for_range(builder, nb) as loop:
         b = loop.index
-        p = builder.add(row, builder.mul(b, I64(BLOCK_BYTES)))
-        d = splat(builder, builder.fpext(load(builder, p, ir.HalfType(), 1), F32))
-        m = splat(builder, builder.fpext(load(builder, builder.add(p, I64(2)), ir.HalfType(), 1), F32))
-        q_lo, q_hi = emit_nibbles(builder, builder.add(p, I64(4)))
+        p = builder.add(row, builder.mul(b, I64(blocks.TYPES[kind].nbytes)))
+        d = builder.fpext(load(builder, p, ir.HalfType(), 1), F32)
+        m = builder.fpext(load(builder, builder.add(p, I64(2)), ir.HalfType(), 1), F32) if kind == blocks.Q4_1 \
+            else builder.fmul(d, ir.Constant(F32, -8.0))
+        d, m = splat(builder, d), splat(builder, m)
+        q_lo, q_hi = emit_nibbles(builder, builder.add(p, I64(NIBBLES_AT[kind])))
         w_lo = builder.call(fma, [d, q_lo, m])
         w_hi = builder.call(fma, [d, q_hi, m])
         off = builder.mul(b, I64(4 * BLOCK))   # bytes of the block's 32 input floats
@@ -88,28 +94,36 @@ def emit_rows_dot(builder, row, nb, xs):
             for t in range(len(xs))]
 
 
-@intrinsic
-def _row_dot(typingctx, row, nb, x):
-    """float32 dot of one Q4_1 row (nb blocks at address row) with the float32 input at address x. Integer
-    addresses, no bounds checks: the caller owns the shapes."""
-    if not all(isinstance(a, types.Integer) for a in (row, nb, x)):
-        return None
+def _row_dot_intrinsic(kind):
+    """An intrinsic (row, nb, x) -> float32: the dot of one row of kind (nb blocks at address row) with the float32
+    input at address x. Integer addresses, no bounds checks: the caller owns the shapes."""
+    @intrinsic
+    def row_dot(typingctx, row, nb, x):
+        if not all(isinstance(a, types.Integer) for a in (row, nb, x)):
+            return None
 
-    def codegen(context, builder, sig, args):
-        row, nb, x = args
-        return emit_rows_dot(builder, row, nb, [x])[0]
-    return types.float32(types.int64, types.int64, types.int64), codegen
+        def codegen(context, builder, sig, args):
+            row, nb, x = args
+            return emit_rows_dot(builder, row, nb, [x], kind)[0]
+        return types.float32(types.int64, types.int64, types.int64), codegen
+    return row_dot
+
+
+row_dot_q4_1, row_dot_q4_0 = _row_dot_intrinsic(blocks.Q4_1), _row_dot_intrinsic(blocks.Q4_0)
 
 
 @njit(**_JIT)
-def gemv(q, x, y, lo, hi):
-    """y[r] = row r of the Q4_1 matrix q [rows, row_bytes(cols)] dotted with x (float32 [cols], contiguous), for r
-    in [lo, hi). Each row's bytes must be contiguous (quantize's are). Rows PREFETCH_ROWS ahead are prefetched
-    line by line."""
-    nb = q.shape[1] // BLOCK_BYTES
+def gemv(q, x, y, lo, hi, kind=blocks.Q4_1):
+    """y[r] = row r of the Q4_1 (or Q4_0: kind) matrix q [rows, row bytes] dotted with x (float32 [cols],
+    contiguous), for r in [lo, hi). Each row's bytes must be contiguous (quantize's are). Rows PREFETCH_ROWS ahead
+    are prefetched line by line."""
+    nb = q.shape[1] // (Q4_0_BYTES if kind == blocks.Q4_0 else BLOCK_BYTES)
     rows = q.ctypes.data
     for r in range(lo, hi):
         if r + PREFETCH_ROWS < hi:
             for j in range(0, q.shape[1], 64):
                 prefetch(q, r + PREFETCH_ROWS, j)
-        y[r] = _row_dot(rows + r * q.strides[0], nb, x.ctypes.data)
+        if kind == blocks.Q4_0:
+            y[r] = row_dot_q4_0(rows + r * q.strides[0], nb, x.ctypes.data)
+        else:
+            y[r] = row_dot_q4_1(rows + r * q.strides[0], nb, x.ctypes.data)

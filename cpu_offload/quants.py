@@ -2,9 +2,10 @@
 
 ``gemv(kind, q, x, y, lo, hi)``: y[r] = row r of the matrix q (uint8 [rows, row bytes], rows of ``kind``'s blocks,
 ``blocks.py`` has the layouts) dotted with x (float32 [cols]), for r in [lo, hi). Only y[lo:hi] is written. No
-bounds checks beyond the shapes: the caller owns them. Q4_1 rows go to ``q4.gemv`` (the batched decode's kernel
-too, so a Q4_1 matrix has one GEMV); every other type is walked here. ``row_dot`` and ``emit_block`` read Q4_1
-too (predicted_ffn's rows).
+bounds checks beyond the shapes: the caller owns them. Q4_0 and Q4_1 rows go to ``q4.gemv`` (the batched decode's
+kernel too, so a Q4_1 matrix has one GEMV; its nibbles through vpermps are faster than the general form below:
+docs/performance.md), and so do ``row_dot``'s; every other type is walked here. ``emit_block`` reads
+Q4_0 and Q4_1 too (predicted_ffn's AXPY rows).
 
 How: a row is walked 16 weights at a time. ``_axpy16`` (LLVM vector IR: Numba's autovectorizer turns byte
 unpacking into byte-by-byte inserts, see q4.py) loads 16 bytes, extracts each weight's integer code as
@@ -208,7 +209,7 @@ def _row_intrinsic(kind):
 
 
 _ROW = {kind: _row_intrinsic(kind) for kind in GGUF_TYPES}
-_row_q4_0, _row_q4_1, _row_q5_0, _row_q5_1, _row_q8_0 = (_ROW[k] for k in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0))
+_row_q5_0, _row_q5_1, _row_q8_0 = (_ROW[k] for k in (Q5_0, Q5_1, Q8_0))
 _row_q4_k, _row_q5_k, _row_q6_k = (_ROW[k] for k in (Q4_K, Q5_K, Q6_K))
 
 
@@ -226,17 +227,17 @@ def row_dot(kind, p, nb, xa):
     if kind == Q5_K:
         return _row_q5_k(p, nb, xa)
     if kind == Q4_0:
-        return _row_q4_0(p, nb, xa)
+        return q4.row_dot_q4_0(p, nb, xa)
     if kind == Q5_1:
         return _row_q5_1(p, nb, xa)
-    return _row_q4_1(p, nb, xa)
+    return q4.row_dot_q4_1(p, nb, xa)
 
 
 @njit(**_JIT)
 def gemv(kind, q, x, y, lo, hi):
     """y[r] = row r of q (uint8 [rows, row bytes], blocks of ggml type kind) dotted with x, for r in [lo, hi)."""
-    if kind == Q4_1:
-        q4.gemv(q, x, y, lo, hi)
+    if kind == Q4_1 or kind == Q4_0:
+        q4.gemv(q, x, y, lo, hi, kind)
         return
     nb = q.shape[1] // _BLOCK_BYTES[kind]
     base = q.ctypes.data
