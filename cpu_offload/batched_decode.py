@@ -344,10 +344,7 @@ def _execute(frame, api):
 
 
 def _handler_py(frame):
-    done, result = ffi.prelude(frame)
-    if done:
-        return result
-    return _execute(frame, load_i64(frame + ffi.CF_API))
+    return ffi.serve(frame, _execute)
 
 
 _handler = cfunc(types.intp(types.intp), nopython=True, cache=True)(_handler_py)
