@@ -2,7 +2,7 @@
 columns whose input clears a fixed, calibrated threshold. One XLA FFI call per layer and one for the head.
 
 decoder.HostDecoder reads every weight (GEMV over rows). Here every matrix keeps the GGUF's own Q4_1 numbers
-laid out by input column (``q4_sparse.relayout``: the same model as --weights q4_1, the same bytes) and is
+laid out by input column (``q4_sparse.relayout``: the same model as HostDecoder's Q4_1 layers, the same bytes) and is
 computed from the active inputs' columns only (``q4_sparse.matvec``), with four thresholds per layer, fixed at
 load time (no per-token sort):
 

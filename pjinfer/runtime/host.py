@@ -1,4 +1,4 @@
-"""The host decode as a module swap: an engine with quantized weights (--weights int8 / q4_1) replaces each
+"""The host decode as a module swap: an engine on a host row of pjinfer.runtime.backends.BACKENDS replaces each
 Block with a HostBlock and the Head with a HostHead, the way pjinfer.runtime.sparse swaps FFNs.
 
 A swapped module keeps the original's children, so scoring and long prompts (`__call__`) still run through XLA
