@@ -60,8 +60,6 @@ L_WIDTH = 14
 K_COUNT, K_THREADS = 6, 7  # task slots: how many blocks with an active input the current stage reads; team size
 ST_ACT = 6  # stage: the activation, neurons split
 
-_JIT = dict(fastmath=True, cache=True, nogil=True)
-
 
 @njit(**NOJIT)
 def _matvec(header, layer, slot, cols, x, nseg, y, tid, n):

@@ -56,11 +56,6 @@ def detach(model: Transformer) -> None:
     model.head = Head(model.head.w)
 
 
-def decoder_of(model: Transformer):
-    """The host decoder a model's head runs on, or None for an XLA model."""
-    return model.head.decoder if isinstance(model.head, HostHead) else None
-
-
 def prefill(model: Transformer, rows, tokens, length, cache: KVCache):
     """The prompt tokens [1, T] (the first `length` real, T <= rows.max_batch) from position 0 through `rows` (a
     cpu_offload.batched_decode.BatchDecoder of the model's host decoder) -> (logits of the last real token
