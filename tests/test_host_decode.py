@@ -271,7 +271,7 @@ def test_calls_name_the_table_by_index_so_executables_can_be_cached_across_proce
 
 def test_a_new_process_loads_every_handler_from_numbas_cache():
     """Start-up: every FFI handler and team stage (cfuncs) comes from Numba's on-disk cache in the next process,
-    none compiled again (a first compile takes about a minute). A handler that held a jitted function's object
+    none compiled again: compiling them is most of a cold start. A handler that held a jitted function's object
     address (one passed as a value to a compiled call; ffi.serve and host_decode.serve are inlined for this)
     cannot be cached. This process imported them first, so the cache is written."""
     import subprocess
