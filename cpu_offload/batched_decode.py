@@ -3,7 +3,8 @@ cache rows, every weight matrix read once per step for all of them (``q4_gemm``)
 
 Usage::
 
-    host = HostDecoder(config, stored, fmt)             # the single-token decoder (host_decode.py), fmt q4_1 or int8
+    host = HostDecoder(config, stored, fmt)             # the single-token decoder (host_decode.py), its layers of
+                                                        # types with a batched GEMM (blocks.TYPES' gemm)
     batch = BatchDecoder(host, max_batch=8)             # reads host's weights, team and lock; its own scratch
     x, k, v = batch.layer(l, x, pos, k, v)              # inside jit: x [B, ..., d], pos int32 [B] (-1: empty slot),
                                                         # caches f16 [B, S, KV, hd] aliased to the results
@@ -344,10 +345,7 @@ def _execute(frame, api):
 
 
 def _handler_py(frame):
-    done, result = ffi.prelude(frame)
-    if done:
-        return result
-    return _execute(frame, load_i64(frame + ffi.CF_API))
+    return ffi.serve(frame, _execute)
 
 
 _handler = cfunc(types.intp(types.intp), nopython=True, cache=True)(_handler_py)

@@ -61,16 +61,13 @@ def main(argv=None) -> None:
 
 def call_overhead(setup, reps: int) -> None:
     """(a) What one bridge call costs inside jit, against pure_callback, and whether dispatch stays async."""
-    d, c, active, n_layers, ws, x0, ids, cold, nbytes = (setup.d, setup.c, setup.active, setup.n_layers, setup.ws,
-                                                         setup.x0, setup.ids, setup.cold, setup.nbytes)
+    d, ws, x0, ids, cold = setup.d, setup.ws, setup.x0, setup.ids, setup.cold
     # (a) overhead per call, count 0: a fori_loop of N dependent calls, minus the same loop without the call.
     n_calls = 2000
     ids0 = jnp.asarray(ids[0])
 
     def loop(body):
         return jax.jit(lambda x: jax.lax.fori_loop(0, n_calls, body, x))
-
-    zero_w = np.zeros(d, np.float32)
 
     def host_zero(x, ids_, count):  # what pure_callback would do: run the kernel on closed-over host weights
         out = np.empty(d, np.float32)
@@ -116,8 +113,8 @@ def call_overhead(setup, reps: int) -> None:
 
 def kernel_bandwidth(setup, reps: int) -> None:
     """(b) The cold-neuron kernel called directly: GB/s cache-hot and from DRAM."""
-    d, c, active, n_layers, ws, x0, ids, cold, nbytes = (setup.d, setup.c, setup.active, setup.n_layers, setup.ws,
-                                                         setup.x0, setup.ids, setup.cold, setup.nbytes)
+    d, c, active, n_layers, ws, x0, ids, nbytes = (setup.d, setup.c, setup.active, setup.n_layers, setup.ws, setup.x0,
+                                                   setup.ids, setup.nbytes)
     # (b) kernel bandwidth, direct calls
     out = np.empty(d, np.float32)
     empty_b, no_s = kernels.empty_bias(), kernels.no_scales()
@@ -135,8 +132,8 @@ def kernel_bandwidth(setup, reps: int) -> None:
 
 def bridge_token(setup, reps: int) -> None:
     """(c) A 30-layer token through the bridge in one jitted function, against callbacks and direct calls."""
-    d, c, active, n_layers, ws, x0, ids, cold, nbytes = (setup.d, setup.c, setup.active, setup.n_layers, setup.ws,
-                                                         setup.x0, setup.ids, setup.cold, setup.nbytes)
+    d, active, n_layers, ws, x0, ids, cold, nbytes = (setup.d, setup.active, setup.n_layers, setup.ws, setup.x0,
+                                                      setup.ids, setup.cold, setup.nbytes)
     x_dev = jnp.asarray(x0)
     out = np.empty(d, np.float32)
     empty_b, no_s = kernels.empty_bias(), kernels.no_scales()

@@ -234,10 +234,7 @@ _RUNTIME[R_BATCH_THREADS] = (_default_threads() if os.environ.get("PJINFER_COLD_
 
 
 def _handler_py(frame):
-    done, result = ffi.prelude(frame)
-    if done:
-        return result
-    return _execute(frame, load_i64(frame + ffi.CF_API))
+    return ffi.serve(frame, _execute)
 
 
 ffi.purge_stale_cache("cold_handler", activation, kernels, ffi, tables, vector_ir)

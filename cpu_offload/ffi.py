@@ -416,6 +416,17 @@ def prelude(frame):
     return False, 0
 
 
+@njit(nogil=True, inline="always")
+def serve(frame, execute):
+    """A handler cfunc's body: prelude's checks, then at the execute stage execute(frame, api), a jitted function
+    (the module's own checks and work). Inlined into each handler (Numba IR): a jitted function passed to a
+    compiled call carries its object's address, and a handler holding one cannot be cached."""
+    done, result = prelude(frame)
+    if done:
+        return result
+    return execute(frame, load_i64(frame + CF_API))
+
+
 # The runtime block: process-wide, never freed (compiled executables hold its address through the handlers'
 # headers). The lock word serialises every handler's Numba work: Numba's workqueue layer forbids concurrent
 # parallel launches, the host-decode team has one set of workers, and XLA may run independent custom calls on

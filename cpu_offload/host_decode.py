@@ -414,42 +414,46 @@ def layer_operands(api, args, rets, header):
     return 0, layer, pos, load_i64(r_x + BUF_DATA), k_ptr, v_ptr
 
 
-@njit(**NOJIT)
-def _execute(frame, api):
+@njit(nogil=True, inline="always")
+def serve(frame, magic, layer_step, not_mine, bad_form):
+    """The handler cfunc body of a single-token decoder (this module's, sparse_decode's, predicted_decode's):
+    ffi.prelude, the header checked by its magic, then one of the two call forms above, under the ffi lock in the
+    team's floating-point environment (FTZ/DAZ, as XLA computes): the head (run_head) or one layer,
+    layer_step(header, layer, pos, x, k_ptr, v_ptr) (a jitted function: run_layer here). not_mine and bad_form:
+    the decoder's messages (cstr) for a table that is not its header and for a wrong operand count. Inlined, as
+    ffi.serve."""
+    done, result = ffi.prelude(frame)
+    if done:
+        return result
+    api = load_i64(frame + ffi.CF_API)
     header = tables.find_table(frame)
-    if header == 0 or load_i64(header + 8 * H_MAGIC) != MAGIC:
-        return make_error(api, ERRC_INVALID_ARGUMENT, cstr("pjinfer_host_decode: 'table' is not a HostDecoder"))
+    if header == 0 or load_i64(header + 8 * H_MAGIC) != magic:
+        return make_error(api, ERRC_INVALID_ARGUMENT, not_mine)
     nargs, nrets = load_i64(frame + CF_NARGS), load_i64(frame + CF_NRETS)
     args, rets = load_i64(frame + CF_ARGS), load_i64(frame + CF_RETS)
     if nargs == 1 and nrets == 1:
         err, x_ptr, out_ptr = head_operands(api, args, rets, header)
-        if err != 0:
-            return err
-        lock(load_i64(header + 8 * H_RUNTIME))
-        env = team.enter()
-        run_head(header, f32_view(x_ptr, load_i64(header + 8 * H_D)), out_ptr)
-        team.leave(env)
-        unlock(load_i64(header + 8 * H_RUNTIME))
-        return 0
-    if nargs != 5 or nrets != 3:
-        return make_error(api, ERRC_INVALID_ARGUMENT,
-                          cstr("pjinfer_host_decode: expected 5 operands and 3 results, or 1 and 1"))
-    err, layer, pos, x_ptr, k_ptr, v_ptr = layer_operands(api, args, rets, header)
+    elif nargs == 5 and nrets == 3:
+        err, layer, pos, x_ptr, k_ptr, v_ptr = layer_operands(api, args, rets, header)
+    else:
+        return make_error(api, ERRC_INVALID_ARGUMENT, bad_form)
     if err != 0:
         return err
     lock(load_i64(header + 8 * H_RUNTIME))
     env = team.enter()
-    run_layer(header, layer, pos, f32_view(x_ptr, load_i64(header + 8 * H_D)), k_ptr, v_ptr)
+    x = f32_view(x_ptr, load_i64(header + 8 * H_D))
+    if nargs == 1:
+        run_head(header, x, out_ptr)
+    else:
+        layer_step(header, layer, pos, x, k_ptr, v_ptr)
     team.leave(env)
     unlock(load_i64(header + 8 * H_RUNTIME))
     return 0
 
 
 def _handler_py(frame):
-    done, result = ffi.prelude(frame)
-    if done:
-        return result
-    return _execute(frame, load_i64(frame + ffi.CF_API))
+    return serve(frame, MAGIC, run_layer, cstr("pjinfer_host_decode: 'table' is not a HostDecoder"),
+                 cstr("pjinfer_host_decode: expected 5 operands and 3 results, or 1 and 1"))
 
 
 handler_cfunc = cfunc(types.intp(types.intp), nopython=True, cache=True)(_handler_py)

@@ -138,44 +138,9 @@ def _layer(header, layer, pos, x, k_ptr, v_ptr):
         x[j] += down[j]
 
 
-@njit(**NOJIT)
-def _execute(frame, api):
-    """host_decode's two call forms (layer and head) and checks, for a PredictedHostDecoder header."""
-    header = tables.find_table(frame)
-    if header == 0 or load_i64(header + 8 * H_MAGIC) != MAGIC:
-        return make_error(api, ERRC_INVALID_ARGUMENT,
-                          cstr("pjinfer_predicted_decode: 'table' is not a PredictedHostDecoder"))
-    nargs, nrets = load_i64(frame + CF_NARGS), load_i64(frame + CF_NRETS)
-    args, rets = load_i64(frame + CF_ARGS), load_i64(frame + CF_RETS)
-    if nargs == 1 and nrets == 1:
-        err, x_ptr, out_ptr = hd.head_operands(api, args, rets, header)
-        if err != 0:
-            return err
-        lock(load_i64(header + 8 * H_RUNTIME))
-        env = team.enter()
-        hd.run_head(header, hd.f32_view(x_ptr, load_i64(header + 8 * H_D)), out_ptr)
-        team.leave(env)
-        unlock(load_i64(header + 8 * H_RUNTIME))
-        return 0
-    if nargs != 5 or nrets != 3:
-        return make_error(api, ERRC_INVALID_ARGUMENT,
-                          cstr("pjinfer_predicted_decode: expected 5 operands and 3 results, or 1 and 1"))
-    err, layer, pos, x_ptr, k_ptr, v_ptr = hd.layer_operands(api, args, rets, header)
-    if err != 0:
-        return err
-    lock(load_i64(header + 8 * H_RUNTIME))
-    env = team.enter()
-    _layer(header, layer, pos, hd.f32_view(x_ptr, load_i64(header + 8 * H_D)), k_ptr, v_ptr)
-    team.leave(env)
-    unlock(load_i64(header + 8 * H_RUNTIME))
-    return 0
-
-
 def _handler_py(frame):
-    done, result = ffi.prelude(frame)
-    if done:
-        return result
-    return _execute(frame, load_i64(frame + ffi.CF_API))
+    return hd.serve(frame, MAGIC, _layer, cstr("pjinfer_predicted_decode: 'table' is not a PredictedHostDecoder"),
+                    cstr("pjinfer_predicted_decode: expected 5 operands and 3 results, or 1 and 1"))
 
 
 _handler = cfunc(types.intp(types.intp), nopython=True, cache=True)(_handler_py)

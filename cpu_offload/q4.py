@@ -1,4 +1,4 @@
-"""The GEMV over the GGUF's own Q4_1 blocks (``host_decode``'s layers with ``--weights q4_1``).
+"""The GEMV over the GGUF's own Q4_1 blocks (``host_decode``'s Q4_1 layers).
 
 A row of ``cols`` weights (a multiple of 32) is cols/32 blocks of 20 bytes, exactly as llama.cpp stores Q4_1
 (``blocks.py`` has the layout, the dequantizer and the quantizer): float16 d, float16 m, then 16 bytes whose low

@@ -2,7 +2,7 @@
 columns whose input clears a fixed, calibrated threshold. One XLA FFI call per layer and one for the head.
 
 decoder.HostDecoder reads every weight (GEMV over rows). Here every matrix keeps the GGUF's own Q4_1 numbers
-laid out by input column (``q4_sparse.relayout``: the same model as --weights q4_1, the same bytes) and is
+laid out by input column (``q4_sparse.relayout``: the same model as HostDecoder's Q4_1 layers, the same bytes) and is
 computed from the active inputs' columns only (``q4_sparse.matvec``), with four thresholds per layer, fixed at
 load time (no per-token sort):
 
@@ -35,8 +35,7 @@ import numpy as np
 
 from . import (activation, attention, decoder, ffi, host_decode as hd, int8, kernels, q4, q4_sparse, tables, team,
                vector_ir)
-from .ffi import (CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, ERRC_INVALID_ARGUMENT, NOJIT, RUNTIME_ADDR, cstr, load_i64,
-                  lock, make_error, ptr_f32, ptr_f64, ptr_i32, ptr_u8, ptr_u16, store_i64, unlock)
+from .ffi import NOJIT, RUNTIME_ADDR, cstr, load_i64, ptr_f32, ptr_f64, ptr_i32, ptr_u8, ptr_u16, store_i64
 from .host_decode import (H_EPS, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS, H_RUNTIME, H_TABLE, H_TASK, H_VOCAB,
                           K_LAYER, K_STAGE, ST_ATTN, ST_DOWN, ST_GATE_UP, ST_HEAD, ST_O, ST_QKV)
 from .activation import act_span
@@ -60,8 +59,6 @@ L_ATTN_NORM, L_FFN_NORM = 12, 13
 L_WIDTH = 14
 K_COUNT, K_THREADS = 6, 7  # task slots: how many blocks with an active input the current stage reads; team size
 ST_ACT = 6  # stage: the activation, neurons split
-
-_JIT = dict(fastmath=True, cache=True, nogil=True)
 
 
 @njit(**NOJIT)
@@ -167,43 +164,9 @@ def _layer(header, layer, pos, x, k_ptr, v_ptr):
     _add(x, down)
 
 
-@njit(**NOJIT)
-def _execute(frame, api):
-    """host_decode's two call forms (layer and head) and checks, for a SparseHostDecoder header."""
-    header = tables.find_table(frame)
-    if header == 0 or load_i64(header + 8 * H_MAGIC) != MAGIC:
-        return make_error(api, ERRC_INVALID_ARGUMENT, cstr("pjinfer_sparse_decode: 'table' is not a SparseHostDecoder"))
-    nargs, nrets = load_i64(frame + CF_NARGS), load_i64(frame + CF_NRETS)
-    args, rets = load_i64(frame + CF_ARGS), load_i64(frame + CF_RETS)
-    if nargs == 1 and nrets == 1:
-        err, x_ptr, out_ptr = hd.head_operands(api, args, rets, header)
-        if err != 0:
-            return err
-        lock(load_i64(header + 8 * H_RUNTIME))
-        env = team.enter()
-        hd.run_head(header, hd.f32_view(x_ptr, load_i64(header + 8 * hd.H_D)), out_ptr)
-        team.leave(env)
-        unlock(load_i64(header + 8 * H_RUNTIME))
-        return 0
-    if nargs != 5 or nrets != 3:
-        return make_error(api, ERRC_INVALID_ARGUMENT,
-                          cstr("pjinfer_sparse_decode: expected 5 operands and 3 results, or 1 and 1"))
-    err, layer, pos, x_ptr, k_ptr, v_ptr = hd.layer_operands(api, args, rets, header)
-    if err != 0:
-        return err
-    lock(load_i64(header + 8 * H_RUNTIME))
-    env = team.enter()      # the dense decoder's floating-point environment (FTZ/DAZ, as XLA computes)
-    _layer(header, layer, pos, hd.f32_view(x_ptr, load_i64(header + 8 * hd.H_D)), k_ptr, v_ptr)
-    team.leave(env)
-    unlock(load_i64(header + 8 * H_RUNTIME))
-    return 0
-
-
 def _handler_py(frame):
-    done, result = ffi.prelude(frame)
-    if done:
-        return result
-    return _execute(frame, load_i64(frame + ffi.CF_API))
+    return hd.serve(frame, MAGIC, _layer, cstr("pjinfer_sparse_decode: 'table' is not a SparseHostDecoder"),
+                    cstr("pjinfer_sparse_decode: expected 5 operands and 3 results, or 1 and 1"))
 
 
 _handler = cfunc(types.intp(types.intp), nopython=True, cache=True)(_handler_py)

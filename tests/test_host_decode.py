@@ -267,3 +267,46 @@ def test_calls_name_the_table_by_index_so_executables_can_be_cached_across_proce
     assert texts[0].replace(f"table = {a.table} ", f"table = {b.table} ") == texts[1]
     np.testing.assert_allclose(np.asarray(a.head(jnp.ones(64, jnp.float32))),
                                a._head.float32() @ np.ones(64, np.float32), rtol=1e-4, atol=1e-4)
+
+
+def test_a_new_process_loads_every_handler_from_numbas_cache():
+    """Start-up: every FFI handler and team stage (cfuncs) comes from Numba's on-disk cache in the next process,
+    none compiled again: compiling them is most of a cold start. A handler that held a jitted function's object
+    address (one passed as a value to a compiled call; ffi.serve and host_decode.serve are inlined for this)
+    cannot be cached. This process imported them first, so the cache is written."""
+    import subprocess
+    import sys
+
+    from cpu_offload import batched_decode, cold_handler, predicted_decode, sparse_decode  # noqa: F401
+
+    code = """
+from cpu_offload import batched_decode, cold_handler, host_decode, predicted_decode, sparse_decode
+funcs = {"host_decode.handler_cfunc": host_decode.handler_cfunc, "host_decode.stage_cfunc": host_decode.stage_cfunc}
+for m in (sparse_decode, batched_decode, predicted_decode, cold_handler):
+    funcs.update({f"{m.__name__}.{n}": getattr(m, n) for n in ("_handler", "_stage") if hasattr(m, n)})
+print(sorted(name for name, f in funcs.items() if f.cache_hits != 1), len(funcs))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split("\n")[-2] == "[] 9", result.stdout
+
+
+def test_each_decoders_handler_refuses_another_decoders_table_and_a_wrong_call_naming_itself():
+    """The single-token decoders share one handler body (host_decode.serve); each still names its own target and
+    class, and a header check still stands between a call and another decoder's memory."""
+    from cpu_offload.sparse_decode import SparseHostDecoder
+
+    config = tiny_config(d_model=64, n_heads=2, n_kv_heads=1, head_dim=32, d_ff=128)
+    weights = random_weights(config)
+    dense = decoder.HostDecoder(config, weights, "q4_1")
+    sparse = SparseHostDecoder(config, weights, np.zeros((config.n_layers, 4), np.float32))
+    x = jnp.ones(64, jnp.float32)
+    for target, table, operands, message in (
+            ("pjinfer_sparse_decode", dense.table, (x,), "pjinfer_sparse_decode: 'table' is not a SparseHostDecoder"),
+            ("pjinfer_host_decode", sparse.table, (x,), "pjinfer_host_decode: 'table' is not a HostDecoder"),
+            ("pjinfer_host_decode", dense.table, (x, x), "pjinfer_host_decode: expected 5 operands and 3 results"),
+            ("pjinfer_sparse_decode", sparse.table, (x, x), "pjinfer_sparse_decode: expected 5 operands and 3 results")):
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((config.vocab_size,), jnp.float32))
+        with pytest.raises(Exception, match=message):
+            np.asarray(call(*operands, table=np.int64(table)))
+    np.testing.assert_array_equal(np.asarray(dense.head(x)), np.asarray(sparse.head(x)))   # both int8 heads of one model

@@ -191,7 +191,7 @@ def state_bytes(engine: Engine) -> int:
 def engine_bytes_per_token(engine: Engine, cache_len: int, mean_position: int, density: float | None = None) -> float:
     """Bytes one decode step reads: every weight once (a tied embedding once, as the head), the whole
     KV cache (XLA's attention reads every slot and masks), and for a sparse engine only the predicted-active
-    share of the FFN rows, the share measured on the bench prompt. A host decode (int8, q4_1) reads
+    share of the FFN rows, the share measured on the bench prompt. A host decode reads
     its stored weights and scales, and the cache up to the run's mean position; with input thresholds, less the
     columns of the inputs at or below them (their share measured on the bench prompt, teal.skipped_shares); a
     PowerInfer file's host decode, its FFN rows times density (predicted_density) when that is given."""

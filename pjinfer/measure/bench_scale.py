@@ -24,6 +24,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from cpu_offload.blocks import Q4_1, Q8_0, TYPES
 from cpu_offload.team import usable_cores
 from pjinfer.config import ModelConfig
 from pjinfer.load.gguf_file import GGUFFile
@@ -36,7 +37,6 @@ SIZES = {
     "3b": (3072, 28, 48, 8, 8192),
     "7b": (4096, 32, 32, 8, 11008),
 }
-Q4_1, Q8_0 = 3, 8
 
 
 def size_config(size: str, vocab: int = 49152) -> ModelConfig:
@@ -46,23 +46,21 @@ def size_config(size: str, vocab: int = 49152) -> ModelConfig:
                        head_dim=d // heads, d_ff=ff, activation="swiglu", max_seq_len=4096)
 
 
-def _q4_1_blocks(rng, rows: int, cols: int) -> np.ndarray:
-    """Random Q4_1 rows: nibbles uniform, d about 0.02/sqrt(cols/1024), m = -8 d (values centred on 0)."""
-    nb = cols // 32
-    out = np.empty((rows, nb, 20), np.uint8)
-    d = (rng.uniform(0.5, 1.5, (rows, nb)) * 0.02 * np.sqrt(1024 / cols)).astype(np.float16)
-    out[..., 0:2] = d.view(np.uint8).reshape(rows, nb, 2)
-    out[..., 2:4] = (-8 * d.astype(np.float32)).astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
-    out[..., 4:] = rng.integers(0, 256, (rows, nb, 16), dtype=np.uint8)
-    return out.reshape(rows, nb * 20)
+def _q4_1_scales(rng, rows: int, cols: int) -> np.ndarray:
+    """Random Q4_1 blocks' (d, m), float16 [rows, blocks, 2]: d about 0.02/sqrt(cols/1024), m = -8 d (with uniform
+    nibbles, values centred on 0)."""
+    d = (rng.uniform(0.5, 1.5, (rows, cols // TYPES[Q4_1].block)) * 0.02 * np.sqrt(1024 / cols)).astype(np.float16)
+    return np.stack([d, (-8 * d.astype(np.float32)).astype(np.float16)], axis=-1)
 
 
-def _q8_0_blocks(rng, rows: int, cols: int) -> np.ndarray:
-    nb = cols // 32
-    out = np.empty((rows, nb, 34), np.uint8)
-    out[..., 0:2] = np.full((rows, nb), 0.0005, np.float16).view(np.uint8).reshape(rows, nb, 2)
-    out[..., 2:] = rng.integers(0, 256, (rows, nb, 32), dtype=np.uint8)
-    return out.reshape(rows, nb * 34)
+def _random_rows(rng, code: int, scales: np.ndarray) -> np.ndarray:
+    """Rows of blocks of GGUF type `code` (cpu_offload.blocks' table): each block's float16 numbers first (scales
+    [rows, blocks, k]: d, or d and m), then uniformly random bytes (its quants)."""
+    rows, blocks, k = scales.shape
+    out = np.empty((rows, blocks, TYPES[code].nbytes), np.uint8)
+    out[..., :2 * k] = scales.astype(np.float16).view(np.uint8).reshape(rows, blocks, 2 * k)
+    out[..., 2 * k:] = rng.integers(0, 256, (rows, blocks, out.shape[-1] - 2 * k), dtype=np.uint8)
+    return out.reshape(rows, -1)
 
 
 def write_model(path: Path, size: str, seed: int = 0) -> None:
@@ -95,10 +93,11 @@ def write_model(path: Path, size: str, seed: int = 0) -> None:
     w.add_add_bos_token(False)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
 
-    def add(name, data, kind):
-        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType(kind))
+    def add(name, code, scales):
+        data = _random_rows(rng, code, scales)
+        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType(code))
 
-    add("token_embd.weight", _q8_0_blocks(rng, len(tokens), d), Q8_0)
+    add("token_embd.weight", Q8_0, np.full((len(tokens), d // TYPES[Q8_0].block, 1), 0.0005, np.float16))
     w.add_tensor("output_norm.weight", np.ones(d, np.float32))
     for i in range(layers):
         p = f"blk.{i}."
@@ -107,7 +106,7 @@ def write_model(path: Path, size: str, seed: int = 0) -> None:
         for name, rows, cols in (("attn_q", heads * hd, d), ("attn_k", kv * hd, d), ("attn_v", kv * hd, d),
                                  ("attn_output", d, heads * hd), ("ffn_gate", ff, d), ("ffn_up", ff, d),
                                  ("ffn_down", d, ff)):
-            add(p + name + ".weight", _q4_1_blocks(rng, rows, cols), Q4_1)
+            add(p + name + ".weight", Q4_1, _q4_1_scales(rng, rows, cols))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -110,13 +110,14 @@ def select(weights: str, rule: str | None = None, hot_backend: str = "xla", cold
     for backend in BACKENDS:
         if backend.runs(weights, rule, hot_backend, neuron_rows):
             return backend
-    if neuron_rows and weights in ("q4_1", "int8"):
+    rows = [b for b in BACKENDS if weights in b.weights]
+    if neuron_rows and all(b.neuron_rows is False for b in rows):
         raise ConfigError(f"--weights {weights} reads llama.cpp's layout, not a PowerInfer file's neuron rows "
                           "(ffn_down_t); --weights gguf (auto) or float32 run it")
     if rule is None:
         raise ConfigError(f"hot backend {hot_backend} runs a bundle's input thresholds or predictors, not dense "
                           f"{weights} weights")
-    if weights in ("int8", "gguf"):
+    if not any(b.rule and b.neuron_rows is not True for b in rows):   # no bundle's rule runs these weights
         raise ConfigError(f"--weights {weights} is the dense host decode; a sparse bundle takes --cold-weights int8 "
                           "(predictors) or --weights q4_1 (thresholds)")
     if rule == PREDICTORS:

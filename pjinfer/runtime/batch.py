@@ -40,6 +40,7 @@ import numpy as np
 
 from cpu_offload.batched_decode import BatchDecoder
 from pjinfer.runtime import generate as gen
+from pjinfer.runtime.backends import BACKENDS
 from pjinfer.runtime.model import KVCache, embedding_rows
 from pjinfer.runtime.sampling import Sampling, recent_ids, sample
 
@@ -48,7 +49,8 @@ def unsupported(engine) -> str | None:
     """Why `engine` cannot decode in batches (None when it can): its backend's row in
     pjinfer.runtime.backends.BACKENDS says whether it batches."""
     if not engine.backend.batched:
-        return (f"batched decode runs the dense host decode (--weights q4_1 or int8, no bundle); this engine runs "
+        weights = " or ".join(w for b in BACKENDS if b.batched for w in b.weights)
+        return (f"batched decode runs the dense host decode (--weights {weights}, no bundle); this engine runs "
                 f"{engine.path}")
     return None
 

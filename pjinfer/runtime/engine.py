@@ -100,15 +100,14 @@ class Engine:
                       file=sys.stderr)
                 plan = plan.on_float32()
         source = str(model_path)
-        thresholds = None
-        if plan.rule == THRESHOLDS:
-            thresholds = Bundle.open(r.bundle, source=source).thresholds(config)
-        engine = cls(config, tensors, tokenizer, source=source, weights_format=plan.weights, thresholds=thresholds,
-                     hot_backend=r.hot_backend if thresholds is not None else "xla", predictors=predictors,
+        bundle = Bundle.open(r.bundle, source=source) if plan.rule == THRESHOLDS else None
+        engine = cls(config, tensors, tokenizer, source=source, weights_format=plan.weights,
+                     thresholds=None if bundle is None else bundle.thresholds(config),
+                     hot_backend=r.hot_backend if bundle is not None else "xla", predictors=predictors,
                      neuron_rows=bool(plan.backend.neuron_rows))
         del tensors
-        if thresholds is not None:
-            engine.bundle = Bundle.open(r.bundle)
+        if bundle is not None:
+            engine.bundle = bundle
         elif plan.rule == backends.PREDICTORS and r.bundle is not None:
             engine.use_bundle(r.bundle, hot_backend=r.hot_backend, cold_weights=r.cold_weights)
         engine.load_seconds = time.perf_counter() - start

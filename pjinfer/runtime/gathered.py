@@ -14,7 +14,7 @@ as one [d, 2F] (up alone, [d, F], without a gate), down as the model's own w_dow
 So the rule is the one every path applies (|x| <= t counts as zero) and perplexity measures what decode computes.
 
 Every neuron and every weight stays on the accelerator: a bundle's placement (hot/cold split), if it has one, is
-not read on this path. Thresholds on the host are the q4_1 host decode (cpu_offload.sparse_decode), unchanged. The
+not read on this path. Thresholds on the host are the host-thresholds row (cpu_offload.sparse_decode), unchanged. The
 output head has no threshold and stays a dense XLA product.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The host decode as a module swap: an engine with quantized weights (--weights int8 / q4_1) replaces each
+"""The host decode as a module swap: an engine on a host row of pjinfer.runtime.backends.BACKENDS replaces each
 Block with a HostBlock and the Head with a HostHead, the way pjinfer.runtime.sparse swaps FFNs.
 
 A swapped module keeps the original's children, so scoring and long prompts (`__call__`) still run through XLA
@@ -54,11 +54,6 @@ def detach(model: Transformer) -> None:
     """Undo attach: every step through XLA again, on the same weights (a reference for tests)."""
     model.layers = nnx.List([Block(*b.parts()) for b in model.layers])
     model.head = Head(model.head.w)
-
-
-def decoder_of(model: Transformer):
-    """The host decoder a model's head runs on, or None for an XLA model."""
-    return model.head.decoder if isinstance(model.head, HostHead) else None
 
 
 def prefill(model: Transformer, rows, tokens, length, cache: KVCache):

@@ -207,7 +207,7 @@ class Server:
                            type="not_found_error", param="model", code="model_not_found")
         return body
 
-    def _sampling(self, body: _Common) -> Sampling:
+    def _sampling(self, body: CompletionRequest | ChatRequest) -> Sampling:
         """The request's sampling: its fields over DEFAULT_SAMPLING; its seed, or a random one (none, or -1, as
         llama-server) when it samples (runtime.sampling.choose_seed, as the CLI's)."""
         given = {name: getattr(body, name) for name in DEFAULT_SAMPLING if getattr(body, name) is not None}
@@ -218,7 +218,8 @@ class Server:
         except ConfigError as e:
             raise ApiError(400, str(e), param="seed" if "seed" in str(e) else None) from None
 
-    async def _run(self, request: Request, body: _Common, ids: list[int], max_tokens: int, *, chat: bool):
+    async def _run(self, request: Request, body: CompletionRequest | ChatRequest, ids: list[int], max_tokens: int,
+                   *, chat: bool):
         sampling = self._sampling(body)
         try:
             self.engine.plan(len(ids), max_tokens)
