@@ -23,10 +23,9 @@ import numpy as np
 
 from . import (activation, attention, blocks, decoder, ffi, host_decode as hd, int8, kernels, predicted_ffn as pf, q4,
                quants, tables, team, vector_ir)
-from .ffi import (CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, ERRC_INVALID_ARGUMENT, NOJIT, cstr, load_i64, lock,
-                  make_error, ptr_f32, ptr_i32, ptr_u8, store_i64, unlock)
+from .ffi import NOJIT, cstr, load_i64, ptr_f32, ptr_i32, ptr_u8, store_i64
 from .qtensor import aligned_zeros
-from .host_decode import H_D, H_FF, H_MAGIC, H_RUNTIME, H_TASK, H_TEAM, K_LAYER, K_STAGE, ST_ATTN, ST_HEAD, ST_O, ST_QKV
+from .host_decode import H_D, H_FF, H_TASK, H_TEAM, K_LAYER, K_STAGE, ST_ATTN, ST_HEAD, ST_O, ST_QKV
 from .contract import ConfigError
 
 from numba import carray, cfunc, njit, types  # noqa: E402

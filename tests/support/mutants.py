@@ -57,7 +57,7 @@ FAULTS = [
           "pjinfer/runtime/sparse.py", "            return self.predictor.active(residual)\n",
           "            return self.predictor.active(x)\n", ("tests/test_powerinfer.py",)),
     Fault("an imported PowerInfer predictor keeps score > t where PowerInfer keeps score >= t",
-          "pjinfer/offline/powerinfer.py", "    cutoff = np.nextafter(np.float32(threshold), np.float32(-np.inf))\n",
+          "pjinfer/load/powerinfer.py", "    cutoff = np.nextafter(np.float32(threshold), np.float32(-np.inf))\n",
           "    cutoff = np.float32(threshold)\n", ("tests/test_powerinfer.py",)),
     Fault("the sampler ignores top-p", "pjinfer/runtime/sampling.py",
           "cutoff = jnp.maximum(cutoff, ordered[last_kept])", "cutoff = cutoff",
