@@ -34,8 +34,9 @@ TARGET_NAME = "pjinfer_predicted_decode"
 MAGIC = 0x706A70726564_0001  # "pjpred" + 1
 # Header slots after host_decode's: the FFN table (int64 [layers, F_WIDTH]); float32 thresholds [layers]; int32
 # ids [d_ff]; uint8 masks [layers, d_ff] (each layer's predicted set for the last token it ran); int32 counts
-# [layers] (their sizes); float32 partial sums [team size, d]; float32 z [largest rank].
-H_FFN, H_THRESH, H_IDS, H_MASKS, H_COUNTS, H_PARTS, H_Z = range(hd.H_WIDTH, hd.H_WIDTH + 7)
+# [layers] (their sizes); float32 partial sums [team size, d]; float32 z [largest rank]; float32 scratch [d_ff]
+# (each active neuron's gate, then activation: predicted_ffn.neurons).
+H_FFN, H_THRESH, H_IDS, H_MASKS, H_COUNTS, H_PARTS, H_Z, H_VALS = range(hd.H_WIDTH, hd.H_WIDTH + 8)
 HEADER_WIDTH = hd.H_WIDTH + 8
 # FFN table slots: (address, row type, row bytes) of gate, up, down_t, and of the predictor's fc1 and fc2 (fc1's
 # address 0: dense); the predictor's rank as its rows are padded (predicted_ffn.predictor_rows).
@@ -103,7 +104,7 @@ def _stage_py(header, tid, n):
                        load_i64(entry + 8 * F_UP_KIND), _rows(entry, F_UP, ff),
                        load_i64(entry + 8 * F_DOWN_KIND), _rows(entry, F_DOWN, ff), h,
                        carray(ptr_i32(load_i64(header + 8 * H_IDS)), (ff,)), lo, hi, load_i64(header + 8 * hd.H_ACT),
-                       _parts(header, n)[tid])
+                       _parts(header, n)[tid], hd.f32_view(load_i64(header + 8 * H_VALS), ff))
 
 
 ffi.purge_stale_cache("predicted_decode", activation, attention, blocks, ffi, hd, int8, kernels, pf, q4, quants, tables,
@@ -186,11 +187,11 @@ class PredictedHostDecoder(decoder.HostDecoder):
         self.masks = np.zeros((c.n_layers, c.d_ff), np.uint8)    # the last token's predicted sets, as run
         self.counts = np.zeros(c.n_layers, np.int32)
         h = self.header
-        h[[H_FFN, H_THRESH, H_IDS, H_MASKS, H_COUNTS, H_PARTS, H_Z]] = [
+        h[[H_FFN, H_THRESH, H_IDS, H_MASKS, H_COUNTS, H_PARTS, H_Z, H_VALS]] = [
             self._hold(table), self._hold(np.full(c.n_layers, self.threshold, np.float32)),
             self._hold(np.zeros(c.d_ff, np.int32)), self._hold(self.masks), self._hold(self.counts),
             self._hold(aligned_zeros((self.team.size, c.d_model), np.float32)),
-            self._hold(np.zeros(rank, np.float32))]
+            self._hold(np.zeros(rank, np.float32)), self._hold(np.zeros(c.d_ff, np.float32))]
 
     def _ffn_matrix(self, weights: dict, layer: int, name: str) -> tuple[np.ndarray, int]:
         c = self.config

@@ -51,6 +51,7 @@ KINDS = {F32: ("F32", 32, 128), F16: ("F16", 32, 64)} | {k: (t.name, t.block, t.
                                                            blocks.GGUF_TYPES.items()}
 RELU_GATED = (2, 3)   # activation codes (cpu_offload.activation) whose activation is 0 wherever the gate is <= 0
 _F0 = np.float32(0.0)
+PREFETCH_AHEAD = 4   # neurons() prefetches the rows this many places ahead in its share, in each pass
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 KINDS_BLOCK = np.zeros(16, np.int64)   # weights per block by type number, as a table Numba code can index
 for _k, (_, _b, _) in KINDS.items():
@@ -135,17 +136,17 @@ _AXPY = {kind: _axpy_intrinsic(kind) for kind in KINDS}
                                    blocks.Q4_K, blocks.Q5_K, blocks.Q6_K))
 
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)
 def row_dot(kind, p, nb, xa):
     """float32 dot of one row (nb blocks of type kind at address p) with the float32 input at address xa."""
+    if kind > F16:   # a block type
+        return quants.row_dot(kind, p, nb, xa)
     if kind == F16:
         return _dot_f16(p, nb, xa)
-    if kind == F32:
-        return _dot_f32(p, nb, xa)
-    return quants.row_dot(kind, p, nb, xa)
+    return _dot_f32(p, nb, xa)
 
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)
 def row_axpy(kind, p, nb, ya, a):
     """y += a * one row (nb blocks of type kind at address p), y float32 at address ya."""
     if kind == blocks.Q4_0:
@@ -211,9 +212,21 @@ def compact(mask, ids):
 
 
 @njit(**_JIT)
-def neurons(gate_kind, gate, up_kind, up, down_kind, down, h, ids, lo, hi, code, part):
+def _prefetch_row(rows, i):
+    for j in range(0, rows.shape[1], 64):
+        prefetch(rows, i, j)
+
+
+@njit(**_JIT)
+def neurons(gate_kind, gate, up_kind, up, down_kind, down, h, ids, lo, hi, code, part, vals):
     """part = sum over ids[lo:hi] of act(gate_i . h, up_i . h) * down_i (part float32 [d], overwritten). gate and
-    up: uint8 [d_ff, row bytes] rows of d = len(h) weights; down: uint8 [d_ff, row bytes] rows of len(part)."""
+    up: uint8 [d_ff, row bytes] rows of d = len(h) weights; down: uint8 [d_ff, row bytes] rows of len(part).
+    vals: float32 scratch of at least hi entries (vals[lo:hi] is overwritten).
+
+    Three passes over the share, each over rows it knows in advance, so that the row PREFETCH_AHEAD places ahead is
+    prefetched whole where that pass reads it (the active rows come in no order the hardware prefetcher follows):
+    every gate dot; the up dots of the neurons the gate leaves (a gate <= 0 silences a ReLU-gated neuron: its up and
+    down rows are not read); then the down AXPY of every neuron whose activation is not 0, in the order of ids."""
     for j in range(part.shape[0]):
         part[j] = _F0
     nb_in = h.shape[0] // KINDS_BLOCK[gate_kind]
@@ -222,20 +235,24 @@ def neurons(gate_kind, gate, up_kind, up, down_kind, down, h, ids, lo, hi, code,
     xa, ya = h.ctypes.data, part.ctypes.data
     relu_gated = code == RELU_GATED[0] or code == RELU_GATED[1]
     for k in range(lo, hi):
-        if k + 1 < hi:   # the active rows come in no order the hardware prefetcher follows
-            nxt = ids[k + 1]
-            for j in range(0, min(gate.shape[1], 256), 64):
-                prefetch(gate, nxt, j)
-            for j in range(0, min(down.shape[1], 256), 64):
-                prefetch(down, nxt, j)
-        i = ids[k]
-        g = row_dot(gate_kind, gate.ctypes.data + i * gate.strides[0], nb_in, xa)
+        if k + PREFETCH_AHEAD < hi:
+            _prefetch_row(gate, ids[k + PREFETCH_AHEAD])
+        vals[k] = row_dot(gate_kind, gate.ctypes.data + ids[k] * gate.strides[0], nb_in, xa)
+    for k in range(lo, hi):
+        n = k + PREFETCH_AHEAD
+        if n < hi and (not relu_gated or vals[n] > _F0):
+            _prefetch_row(up, ids[n])
+        g = vals[k]
         if relu_gated and not g > _F0:
+            vals[k] = _F0
             continue
-        u = row_dot(up_kind, up.ctypes.data + i * up.strides[0], nb_up, xa)
-        a = act(g, u, code)
-        if a != _F0:
-            row_axpy(down_kind, down.ctypes.data + i * down.strides[0], nb_out, ya, a)
+        vals[k] = act(g, row_dot(up_kind, up.ctypes.data + ids[k] * up.strides[0], nb_up, xa), code)
+    for k in range(lo, hi):
+        n = k + PREFETCH_AHEAD
+        if n < hi and vals[n] != _F0:
+            _prefetch_row(down, ids[n])
+        if vals[k] != _F0:
+            row_axpy(down_kind, down.ctypes.data + ids[k] * down.strides[0], nb_out, ya, vals[k])
 
 
 @njit(**_JIT)
@@ -293,6 +310,7 @@ def ffn(h, r, fc1, fc2, threshold, gate, up, down, code: int, n_threads: int = 1
     mask = np.full(d_ff, 7, np.uint8)
     ids = np.full(d_ff, -1, np.int32)
     parts = np.full((n_threads, d), np.nan, np.float32)
+    vals = np.full(d_ff, np.nan, np.float32)
     y = np.full(d, np.nan, np.float32)
     for tid in range(n_threads):
         hidden(fc1[1], fc1[0], r, z, *share(rank, tid, n_threads))
@@ -301,7 +319,7 @@ def ffn(h, r, fc1, fc2, threshold, gate, up, down, code: int, n_threads: int = 1
     count = compact(mask, ids)
     for tid in range(n_threads):
         lo, hi = share(count, tid, n_threads)
-        neurons(gate[1], gate[0], up[1], up[0], down[1], down[0], h, ids, lo, hi, code, parts[tid])
+        neurons(gate[1], gate[0], up[1], up[0], down[1], down[0], h, ids, lo, hi, code, parts[tid], vals)
     reduce(parts, n_threads, y)
     return y, mask
 

@@ -213,7 +213,7 @@ _row_q5_0, _row_q5_1, _row_q8_0 = (_ROW[k] for k in (Q5_0, Q5_1, Q8_0))
 _row_q4_k, _row_q5_k, _row_q6_k = (_ROW[k] for k in (Q4_K, Q5_K, Q6_K))
 
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)
 def row_dot(kind, p, nb, xa):
     """float32 dot of one row (nb blocks of ggml type kind at address p) with the float32 input at address xa."""
     if kind == Q4_K:
