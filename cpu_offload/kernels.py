@@ -77,6 +77,13 @@ def prefetch(typingctx, arr, i, j):
     return types.void(arr, i, j), codegen
 
 
+@njit(inline="always", **_JIT)
+def prefetch_lines(rows, i):
+    """Prefetch every 64-byte line of row i of a byte matrix (uint8 or int8 [rows, row bytes])."""
+    for j in range(0, rows.shape[1], 64):
+        prefetch(rows, i, j)
+
+
 PREFETCH_LINES = 4  # the first cache lines of a row; the hardware streamer takes over after that
 
 

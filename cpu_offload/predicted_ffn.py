@@ -41,7 +41,7 @@ from numba.extending import intrinsic  # noqa: E402
 from . import activation, blocks, ffi, kernels, quants  # noqa: E402
 from .contract import ConfigError  # noqa: E402
 from .activation import act  # noqa: E402
-from .kernels import prefetch  # noqa: E402
+from .kernels import prefetch_lines  # noqa: E402
 
 ffi.purge_stale_cache("predicted_ffn", activation, blocks, kernels, quants)
 
@@ -212,12 +212,6 @@ def compact(mask, ids):
 
 
 @njit(**_JIT)
-def _prefetch_row(rows, i):
-    for j in range(0, rows.shape[1], 64):
-        prefetch(rows, i, j)
-
-
-@njit(**_JIT)
 def neurons(gate_kind, gate, up_kind, up, down_kind, down, h, ids, lo, hi, code, part, vals):
     """part = sum over ids[lo:hi] of act(gate_i . h, up_i . h) * down_i (part float32 [d], overwritten). gate and
     up: uint8 [d_ff, row bytes] rows of d = len(h) weights; down: uint8 [d_ff, row bytes] rows of len(part).
@@ -236,12 +230,12 @@ def neurons(gate_kind, gate, up_kind, up, down_kind, down, h, ids, lo, hi, code,
     relu_gated = code == RELU_GATED[0] or code == RELU_GATED[1]
     for k in range(lo, hi):
         if k + PREFETCH_AHEAD < hi:
-            _prefetch_row(gate, ids[k + PREFETCH_AHEAD])
+            prefetch_lines(gate, ids[k + PREFETCH_AHEAD])
         vals[k] = row_dot(gate_kind, gate.ctypes.data + ids[k] * gate.strides[0], nb_in, xa)
     for k in range(lo, hi):
         n = k + PREFETCH_AHEAD
         if n < hi and (not relu_gated or vals[n] > _F0):
-            _prefetch_row(up, ids[n])
+            prefetch_lines(up, ids[n])
         g = vals[k]
         if relu_gated and not g > _F0:
             vals[k] = _F0
@@ -250,7 +244,7 @@ def neurons(gate_kind, gate, up_kind, up, down_kind, down, h, ids, lo, hi, code,
     for k in range(lo, hi):
         n = k + PREFETCH_AHEAD
         if n < hi and vals[n] != _F0:
-            _prefetch_row(down, ids[n])
+            prefetch_lines(down, ids[n])
         if vals[k] != _F0:
             row_axpy(down_kind, down.ctypes.data + ids[k] * down.strides[0], nb_out, ya, vals[k])
 

@@ -31,7 +31,7 @@ from numba.extending import intrinsic  # noqa: E402
 
 from . import blocks, ffi, kernels, vector_ir  # noqa: E402
 from .vector_ir import F32, I64, V16F, V16I8, V16I32, ZERO16, hsum, load, splat, strict, vector_intrinsic  # noqa: E402
-from .kernels import prefetch  # noqa: E402
+from .kernels import prefetch_lines  # noqa: E402
 
 ffi.purge_stale_cache("q4", kernels, vector_ir, blocks)  # prefetch is compiled into this module's cached functions
 
@@ -121,8 +121,7 @@ def gemv(q, x, y, lo, hi, kind=blocks.Q4_1):
     rows = q.ctypes.data
     for r in range(lo, hi):
         if r + PREFETCH_ROWS < hi:
-            for j in range(0, q.shape[1], 64):
-                prefetch(q, r + PREFETCH_ROWS, j)
+            prefetch_lines(q, r + PREFETCH_ROWS)
         if kind == blocks.Q4_0:
             y[r] = row_dot_q4_0(rows + r * q.strides[0], nb, x.ctypes.data)
         else:

@@ -19,7 +19,7 @@ from numba import njit, types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import ffi, int8, kernels, q4, vector_ir  # noqa: E402
-from .kernels import prefetch  # noqa: E402
+from .kernels import prefetch_lines  # noqa: E402
 from .q4 import BLOCK_BYTES, PREFETCH_ROWS  # noqa: E402
 
 ffi.purge_stale_cache("q4_gemm", kernels, int8, q4, ffi, vector_ir)
@@ -76,8 +76,7 @@ def gemm(q, x, y, nt, lo, hi):
     xs, ys = x.strides[0], y.strides[0]
     for r in range(lo, hi):
         if r + PREFETCH_ROWS < hi:
-            for j in range(0, q.shape[1], 64):
-                prefetch(q, r + PREFETCH_ROWS, j)
+            prefetch_lines(q, r + PREFETCH_ROWS)
         for g in range(0, nt, GROUP):
             _rows_dot(min(GROUP, nt - g), rows + r * q.strides[0], nb, x.ctypes.data + g * xs, xs,
                       y.ctypes.data + g * ys + 4 * r, ys)
@@ -114,8 +113,7 @@ def gemm_int8(w, s, x, y, y_rows, nt, lo, hi):
     xs, ys = x.strides[0], y.strides[0]
     for r in range(lo, hi):
         if r + int8.PREFETCH_ROWS < hi:
-            for j in range(0, w.shape[1], 64):
-                prefetch(w, r + int8.PREFETCH_ROWS, j)
+            prefetch_lines(w, r + int8.PREFETCH_ROWS)
         for g in range(0, nt, GROUP):
             _int8_dot(min(GROUP, nt - g), w.ctypes.data + r * w.strides[0], s.ctypes.data + r * s.strides[0], nb,
                       x.ctypes.data + g * xs, xs, y.ctypes.data + 4 * r, ys, y_rows.ctypes.data + 8 * g)

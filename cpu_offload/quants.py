@@ -30,7 +30,7 @@ from numba.extending import intrinsic  # noqa: E402
 from . import ffi, kernels, q4, vector_ir  # noqa: E402
 from . import blocks  # noqa: E402
 from .blocks import GGUF_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0  # noqa: E402
-from .kernels import prefetch  # noqa: E402
+from .kernels import prefetch_lines  # noqa: E402
 
 ffi.purge_stale_cache("quants", kernels, blocks, q4, vector_ir)
 
@@ -244,8 +244,7 @@ def gemv(kind, q, x, y, lo, hi):
     xa = x.ctypes.data
     for r in range(lo, hi):
         if r + PREFETCH_ROWS < hi:
-            for j in range(0, q.shape[1], 64):
-                prefetch(q, r + PREFETCH_ROWS, j)
+            prefetch_lines(q, r + PREFETCH_ROWS)
         y[r] = row_dot(kind, base + r * q.strides[0], nb, xa)
 
 
