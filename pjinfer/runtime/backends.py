@@ -36,7 +36,7 @@ import jax
 from cpu_offload.blocks import BY_NAME
 from cpu_offload.decoder import HostDecoder, quantize_weights
 from cpu_offload.ffi import check_platform
-from cpu_offload.qtensor import aligned, is_quantized
+from cpu_offload.qtensor import is_quantized
 from cpu_offload.sparse_decode import SparseHostDecoder
 from pjinfer.config import (COLD_WEIGHTS, HOT_BACKENDS, SPARSE_RULES, WEIGHT_CHOICES, WEIGHT_FORMATS,
                             ConfigError)
@@ -45,7 +45,7 @@ from pjinfer.load.powerinfer import file_layout
 from pjinfer.load.bundle import THRESHOLDS, Bundle
 from pjinfer.runtime import gathered, host
 from pjinfer.runtime.gathered import PALLAS_BACKENDS, pallas_interpret
-from pjinfer.runtime.model import Float32View, Transformer, float32_weights, set_thresholds
+from pjinfer.runtime.model import Float32View, Transformer, float32_weights, set_thresholds, to_xla
 from pjinfer.runtime.predicted import attach_powerinfer
 
 PREDICTORS = "predictors"
@@ -248,7 +248,7 @@ def build(backend: Backend, config, weights: dict, fmt: str, *, thresholds=None,
     for the powerinfer row. The hybrid row builds its dense float32 model here; the engine then swaps its FFNs
     (Engine.use_bundle)."""
     if backend.neuron_rows:
-        stored = {k: v.map(_to_xla) if is_quantized(v) else v for k, v in weights.items()}
+        stored = {k: v.map(to_xla) if is_quantized(v) else v for k, v in weights.items()}
         model = Transformer(config, stored)
         return model, attach_powerinfer(model, config, stored, predictors, dense=predictors is None)
     if not backend.host:
@@ -264,15 +264,10 @@ def build(backend: Backend, config, weights: dict, fmt: str, *, thresholds=None,
     if thresholds is not None:   # checks the model and lays the layers out by input column
         sparse = SparseHostDecoder(config, Float32View(weights), thresholds)
     stored = quantize_weights(config, weights, fmt, check=thresholds is None)
-    stored = {k: v.map(_to_xla) if is_quantized(v) else v for k, v in stored.items()}
+    stored = {k: v.map(to_xla) if is_quantized(v) else v for k, v in stored.items()}
     decoder = sparse or HostDecoder(config, stored, fmt)
     model = Transformer(config, stored)
     host.attach(model, decoder)
     if thresholds is not None:
         set_thresholds(model, thresholds)
     return model, decoder
-
-
-def _to_xla(a) -> jax.Array:
-    """a in XLA's memory without a copy: on the CPU jax.device_put aliases an XLA-aligned numpy array."""
-    return jax.device_put(aligned(a))

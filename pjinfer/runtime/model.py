@@ -29,7 +29,7 @@ from flax import nnx
 
 from cpu_offload import blocks
 from cpu_offload.activation import activate
-from cpu_offload.qtensor import is_quantized
+from cpu_offload.qtensor import aligned, is_quantized
 from pjinfer.config import ConfigError, ModelConfig
 
 
@@ -64,6 +64,11 @@ class Float32View(Mapping):
 
     def __len__(self):
         return len(self.weights)
+
+
+def to_xla(a) -> jax.Array:
+    """a in XLA's memory without a copy: on the CPU jax.device_put aliases an XLA-aligned numpy array."""
+    return jax.device_put(aligned(a))
 
 
 def float32_weights(weights: dict) -> dict:

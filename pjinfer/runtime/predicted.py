@@ -21,10 +21,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from cpu_offload.qtensor import aligned
 from pjinfer.config import ConfigError
 from pjinfer.runtime import host
-from pjinfer.runtime.model import FFN, QMatrix, Transformer, down, linear, matrix, ordered
+from pjinfer.runtime.model import FFN, QMatrix, Transformer, down, linear, matrix, ordered, to_xla
 
 
 class PredictedFFN(FFN):
@@ -70,7 +69,7 @@ def attach_powerinfer(model: Transformer, config, tensors: dict, predictors=None
         predictors = None
     fc1 = fc2 = [None] * config.n_layers
     if predictors is not None:   # one copy of each, which XLA and the host decoder both read
-        fc1, fc2 = ([jax.device_put(aligned(a)) for a in arrays] for arrays in (predictors.fc1, predictors.fc2))
+        fc1, fc2 = ([to_xla(a) for a in arrays] for arrays in (predictors.fc1, predictors.fc2))
     threshold = 0.0 if predictors is None else predictors.threshold
     decoder = PredictedHostDecoder(config, tensors, *((None, None) if predictors is None else (fc1, fc2)), threshold)
     for l, block in enumerate(model.layers):
