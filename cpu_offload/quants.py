@@ -208,7 +208,7 @@ def _row_intrinsic(kind):
     return row_dot
 
 
-_ROW = {kind: _row_intrinsic(kind) for kind in GGUF_TYPES}
+_ROW = {kind: _row_intrinsic(kind) for kind in GGUF_TYPES if kind not in q4.NIBBLES_AT}   # Q4_0, Q4_1: q4's
 _row_q5_0, _row_q5_1, _row_q8_0 = (_ROW[k] for k in (Q5_0, Q5_1, Q8_0))
 _row_q4_k, _row_q5_k, _row_q6_k = (_ROW[k] for k in (Q4_K, Q5_K, Q6_K))
 
