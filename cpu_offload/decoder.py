@@ -108,7 +108,6 @@ class HostDecoder:
         c = config
         weights = quantize_weights(config, weights, fmt, matrices=self.matrices)
         self.config = c
-        self.format = fmt
         self.team = team.shared()
         self._keep = []  # every array the header points at
         table = np.zeros((c.n_layers, L_WIDTH), np.int64)

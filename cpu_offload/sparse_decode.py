@@ -206,7 +206,6 @@ class SparseHostDecoder(decoder.HostDecoder):
             if n % BLOCK:
                 raise ConfigError(f"sparse host decode needs {name} to be a multiple of {BLOCK}, got {n}")
         self.config = c
-        self.format = "q4_1"
         self.thresholds = thresholds
         self.team = team.shared()
         self._keep = []

@@ -191,7 +191,7 @@ def load_or_refuse(path) -> str:
         loader.stored_format(path)       # what --weights auto reads first: None for a file the loader refuses
         loader.open_gguf(path)           # the reader
         for blocks in (False, True):
-            config, weights, tokenizer = loader.load(path, keep_blocks=blocks)
+            config, weights, tokenizer = loader.load(path, keep="gguf" if blocks else None)
             check_consistent(config, weights, tokenizer)
     except ConfigError as e:
         message = str(e)

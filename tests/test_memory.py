@@ -116,7 +116,7 @@ def test_q4_1_layers_stay_the_files_blocks(tmp_path):
     path = tmp_path / "q.gguf"
     write_tiny_gguf(path, config, random_weights(config, seed=4), layer_type=gguf.GGMLQuantizationType.Q4_1)
     _, dense, _ = loader.load(path)
-    _, kept, _ = loader.load(path, keep_q4_1=True)
+    _, kept, _ = loader.load(path, keep="q4_1")
     assert set(kept) == set(dense)
     for name, w in kept.items():
         if name.startswith("layers.") and dense[name].ndim == 2:
@@ -180,7 +180,7 @@ def test_a_q4_1_engine_holds_each_matrix_once_even_from_a_file_aligned_to_32(tmp
             break
         path.unlink()
     assert path.exists(), "no padding put the file's tensors off a 64-byte boundary"
-    config, kept, tokenizer = loader.load(path, keep_q4_1=True)
+    config, kept, tokenizer = loader.load(path, keep="q4_1")
     arrays = [a for w in kept.values() if is_quantized(w) for a in w.arrays]
     assert len(arrays) > 3 * config.n_layers
     assert all(is_aligned(a) for a in arrays)

@@ -42,7 +42,7 @@ def test_file_loads_as_the_dense_relu_model(tmp_path, tiny):
     assert loader.load(tmp_path / "b.gguf")[0].activation == "drelu"   # Bamboo: relu(gate) * relu(up)
     assert loader.stored_format(tmp_path / "m.powerinfer.gguf") is None
     with pytest.raises(ConfigError, match="transposed ffn_down_t"):
-        loader.load(tmp_path / "m.powerinfer.gguf", keep_q4_1=True)
+        loader.load(tmp_path / "m.powerinfer.gguf", keep="q4_1")
 
 
 def test_file_computes_what_transformers_relu_llama_computes(tmp_path):

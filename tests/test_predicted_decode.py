@@ -38,7 +38,7 @@ def write_file(path, ffn_type, *, arch="llama", threshold=None):
 
 def load(path, *, dense=False):
     """(host-decoding model, the same model with every step through XLA, decoder, tokenizer)."""
-    config, tensors, tokenizer = loader.load_gguf(path, keep_q4_1=True, keep_blocks=True, neuron_rows=True)
+    config, tensors, tokenizer = loader.load_gguf(path, keep="gguf", neuron_rows=True)
     predictors = powerinfer.read_predictors(loader.open_gguf(path), config, path)
     model = Transformer(config, tensors)
     decoder = attach_powerinfer(model, config, tensors, predictors, dense=dense)
@@ -176,7 +176,7 @@ def test_dense_computes_every_neuron_and_the_predictor_changes_the_result(tmp_pa
 
 def test_refusals_are_one_line(tmp_path):
     path = write_file(tmp_path / "m.gguf", T.Q4_0)
-    config, tensors, _ = loader.load_gguf(path, keep_q4_1=True, keep_blocks=True, neuron_rows=True)
+    config, tensors, _ = loader.load_gguf(path, keep="gguf", neuron_rows=True)
     model = Transformer(config, tensors)
     with pytest.raises(ConfigError, match="without them ask for dense"):
         attach_powerinfer(model, config, tensors, None)
@@ -186,7 +186,7 @@ def test_refusals_are_one_line(tmp_path):
         attach_powerinfer(model, config, bad, dense=True)
     plain = tmp_path / "plain.gguf"      # llama.cpp's layout: ffn_down [d, d_ff], not neuron rows
     write_tiny_gguf(plain, config, random_weights(config), quantize=True)
-    config, tensors, _ = loader.load_gguf(plain, keep_q4_1=True, keep_blocks=True, neuron_rows=True)
+    config, tensors, _ = loader.load_gguf(plain, keep="gguf", neuron_rows=True)
     with pytest.raises(ConfigError, match=r"layers.0.w_down_t must be \[192, 64\] Q8_0 rows, got 64 rows of 204 bytes"):
         attach_powerinfer(Transformer(config, tensors), config, tensors, dense=True)
 

@@ -165,7 +165,7 @@ def test_decode_step_in_the_files_own_blocks_equals_float32_on_gguf_values(tmp_p
                 weights[f"layers.{l}.{b}"] = rng.standard_normal(n * config.head_dim).astype(np.float32)
     arch = "qwen2" if kinds == "qwen2" else "llama"
     config, _ = write_tiny_gguf(path, config, weights, layer_type=pick, arch=arch)
-    _, stored, _ = loader.load(path, keep_blocks=True)
+    _, stored, _ = loader.load(path, keep="gguf")
     _, values, _ = loader.load(path)            # float32: gguf's dequantizer
     assert ("layers.1.bv" in values) == (kinds == "qwen2")
     for name in ("layers.0.wq", "layers.1.w_down_t", "lm_head", "embed"):

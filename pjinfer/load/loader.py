@@ -2,7 +2,7 @@
 
 Two formats: a GGUF file (the default model) and a Hugging Face directory (config.json +
 *.safetensors + tokenizer.json). Both end in the canonical weight names of pjinfer/runtime/model.py: float32
-arrays, or for a GGUF read with keep_q4_1 or keep_blocks matrices as the file's blocks (see load).
+arrays, or for a GGUF read with `keep` a host decode format, matrices as the file's blocks (see load).
 """
 from __future__ import annotations
 
@@ -92,21 +92,21 @@ def stored_format(path: str | os.PathLike | None = None) -> str | None:
     return next((fmt for fmt, f in FORMATS.items() if kinds <= {TYPES[code].name for code in f.layers}), None)
 
 
-def load(path: str | os.PathLike | None = None, *, progress=None, keep_q4_1: bool = False,
-         keep_blocks: bool = False):
+def load(path: str | os.PathLike | None = None, *, progress=None, keep: str | None = None):
     """Load a GGUF file or HF directory. Returns (config, weights, tokenizer).
 
-    Weights are float32 numpy arrays, except with keep_q4_1 (GGUF only): every Q4_1 matrix then stays the file's
+    Weights are float32 numpy arrays, except with `keep`, a host decode format (a key of
+    cpu_offload.blocks.FORMATS; GGUF only): every matrix in one of its layer block types then stays the file's
     blocks as a cpu_offload.qtensor.QTensor, a view of the file's memory map (wq / wk re-laid once by rows,
-    w_down_t held untransposed: see pjinfer/runtime/model.py). The loader never makes a float32 copy of those. keep_blocks
-    does the same for every matrix in a block type with a host kernel (cpu_offload.blocks.GGUF_TYPES), the
-    embedding and output head included."""
+    w_down_t held untransposed: see pjinfer/runtime/model.py), the embedding and output head included, and the
+    loader never makes a float32 copy of those. A layer matrix of another type is dequantized, with one line
+    saying so."""
     path = default_model_path() if path is None else Path(path)
     if not path.exists():
         raise ConfigError(f"model not found: {path}")
     if path.is_dir():
         return load_hf(path, progress=progress)
-    return load_gguf(path, progress=progress, keep_q4_1=keep_q4_1, keep_blocks=keep_blocks)
+    return load_gguf(path, progress=progress, keep=keep)
 
 
 # ---------------------------------------------------------------- GGUF
@@ -238,8 +238,9 @@ def gguf_header(path: Path):
     return reader, _gguf_config(reader, path)
 
 
-def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks: bool = False, neuron_rows=False):
-    kept = FORMATS["gguf"].layers if keep_blocks else FORMATS["q4_1"].layers if keep_q4_1 else frozenset()  # as stored
+def load_gguf(path: Path, *, progress=None, keep: str | None = None, neuron_rows=False):
+    """load for a GGUF file; neuron_rows: a PowerInfer file, whose F16/F32 FFN matrices stay as stored too."""
+    kept = FORMATS[keep].layers & GGUF_TYPES.keys() if keep else frozenset()  # kept as stored (int8 keeps none)
     reader, config = gguf_header(path)
     arch = reader.fields.get("general.architecture")
     check_tensors(reader, config, arch, path, beside=PREDICTOR_TENSORS + PLACEMENT_TENSORS)
@@ -281,8 +282,8 @@ def load_gguf(path: Path, *, progress=None, keep_q4_1: bool = False, keep_blocks
             progress(n + 1, len(reader.tensors))
     if dequantized:
         print(f"pjinfer: layer matrices of type {', '.join(sorted(dequantized))} are dequantized at load and "
-              + ("stored as Q8_0 (no host kernel reads that type)" if keep_blocks else
-                 "re-quantized to Q4_1 (--weights q4_1 reads Q4_1 blocks only)"), file=sys.stderr)
+              f"stored as {TYPES[FORMATS[keep].made].name} (the --weights {keep} host decode reads no such blocks)",
+              file=sys.stderr)
     return config, weights, tokenizer
 
 

@@ -85,13 +85,13 @@ class Engine:
         model_path = Path(r.model) if r.model else loader.default_model_path()
         predictors = None
         if plan.backend.neuron_rows:
-            config, tensors, tokenizer = loader.load_gguf(model_path, progress=progress, keep_q4_1=True,
-                                                          keep_blocks=True, neuron_rows=True)
+            config, tensors, tokenizer = loader.load_gguf(model_path, progress=progress, keep=plan.weights,
+                                                          neuron_rows=True)
             if plan.rule == backends.PREDICTORS:
                 predictors = powerinfer.read_predictors(loader.open_gguf(model_path), config, model_path)
         else:
-            config, tensors, tokenizer = loader.load(model_path, progress=progress, keep_q4_1=plan.weights == "q4_1",
-                                                     keep_blocks=plan.weights == "gguf")
+            config, tensors, tokenizer = loader.load(model_path, progress=progress,
+                                                     keep=plan.weights if plan.backend.host else None)
         if r.weights == "auto" and plan.backend.host and not plan.backend.neuron_rows:
             try:
                 check_supported(config, tensors, plan.weights)
