@@ -37,6 +37,43 @@ def test_cached_decode_matches_full_forward(arch, activation):
     np.testing.assert_allclose(np.concatenate(got), expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("arch,activation", [("llama", "swiglu"), ("opt", "relu")])
+def test_a_position_per_row_decodes_each_row_as_alone_and_minus_one_writes_nothing(arch, activation):
+    """The batched XLA step (pjinfer.runtime.batch): rows at their own positions give each row's one-token decode
+    (to rounding: a product over rows rounds differently from one row's), and a row at -1 leaves its cache as it
+    was. OPT's position table is read per row too."""
+    config = tiny_config(arch, activation)
+    model = Transformer(config, random_weights(config, seed=3))
+    rng = np.random.default_rng(4)
+    lengths = [5, 1, 9, 3]                      # each row's prompt; row 1 is not fed (-1)
+    caches = []
+    for n in lengths:
+        cache = KVCache.create(config, 1, 16)
+        _, cache = model(jnp.asarray(rng.integers(0, config.vocab_size, (1, n))), 0, cache)
+        caches.append(cache)
+    pool = KVCache(k=[jnp.concatenate([c.k[l] for c in caches]) for l in range(config.n_layers)],
+                   v=[jnp.concatenate([c.v[l] for c in caches]) for l in range(config.n_layers)])
+    tokens = rng.integers(0, config.vocab_size, len(lengths))
+    pos = np.array([5, -1, 9, 3], np.int32)
+    x = model.inputs(jnp.asarray(tokens)[:, None], jnp.asarray(pos))
+    ks, vs = [], []
+    for layer, k, v in zip(model.layers, pool.k, pool.v):
+        x, k, v = layer.decode(x, jnp.asarray(pos), k, v)
+        ks.append(k)
+        vs.append(v)
+    logits = np.asarray(model.logits(model.final_norm(x)[:, 0]))
+    for b, p in enumerate(pos):
+        if p < 0:
+            for got, before in zip(ks + vs, pool.k + pool.v):
+                np.testing.assert_array_equal(np.asarray(got[b]), np.asarray(before[b]))
+            continue
+        want, cache = model.decode(jnp.int32(tokens[b]), jnp.int32(p), caches[b])
+        np.testing.assert_allclose(logits[b], np.asarray(want), rtol=1e-5, atol=1e-5)
+        for got, alone in zip(ks + vs, cache.k + cache.v):
+            np.testing.assert_allclose(np.asarray(got[b], np.float32), np.asarray(alone[0], np.float32),
+                                       rtol=1e-3, atol=1e-3)
+
+
 def test_untied_head_differs_from_tied():
     config = tiny_config(tie_embeddings=False)
     weights = random_weights(config)

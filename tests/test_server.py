@@ -29,7 +29,17 @@ MAX_QUEUE = 4
 @pytest.fixture(scope="module")
 def served(q4_engine):
     """The session's real model on the Q4_1 host decode (batched) behind a server in a thread of this process."""
-    server = Server(q4_engine, api_key=KEY, max_active=8, max_queue=MAX_QUEUE, max_body_bytes=64 * 1024)
+    yield from _serve(q4_engine)
+
+
+@pytest.fixture(scope="module")
+def served_float32(engine):
+    """The same model's float32 weights (batched in XLA) behind a second server."""
+    yield from _serve(engine)
+
+
+def _serve(engine):
+    server = Server(engine, api_key=KEY, max_active=8, max_queue=MAX_QUEUE, max_body_bytes=64 * 1024)
     port = free_port()
     runner = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=runner.run, daemon=True)
@@ -87,11 +97,15 @@ def test_stop_strings(served, q4_engine):
     assert out.choices[0].text == " Paris." and out.choices[0].finish_reason == "stop"
 
 
-def test_eight_concurrent_streams_each_equal_their_single_output(served, q4_engine):
+@pytest.mark.parametrize("weights", ["q4_1", "float32"])
+def test_eight_concurrent_streams_each_equal_their_single_output(weights, request):
+    """Batched on the host (q4_1) and in XLA (float32): greedy text equals each prompt's own generate."""
+    served = request.getfixturevalue("served" if weights == "q4_1" else "served_float32")
+    engine = request.getfixturevalue("q4_engine" if weights == "q4_1" else "engine")
     _, _, client = served
     prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The best way to learn is",
                "Water boils at", "My favourite animal is", "In 1492,", "The opposite of hot is"]
-    want = [expected(q4_engine, p, 8) for p in prompts]
+    want = [expected(engine, p, 8) for p in prompts]
     got = [None] * len(prompts)
 
     def one(i):

@@ -8,7 +8,7 @@ what this platform cannot. The engine builds the plan's backend; the CLI, the se
 `resolve` and check nothing themselves.
 
     backend            weights      rule        hot backends                  platforms   batched
-    xla                float32      -           xla                           any         no
+    xla                float32      -           xla                           any         yes
     host               q4_1, int8   -           xla                           cpu         yes
     host-blocks        gguf         -           xla                           cpu         no
     host-thresholds    q4_1         thresholds  xla                           cpu         no
@@ -82,7 +82,7 @@ class Backend:
 
 
 BACKENDS = (
-    Backend("xla", ("float32",), None, ("xla",), host=False, batched=False, neuron_rows=None),
+    Backend("xla", ("float32",), None, ("xla",), host=False, batched=True, neuron_rows=None),
     Backend("host", ("q4_1", "int8"), None, ("xla",), host=True, batched=True),
     Backend("host-blocks", ("gguf",), None, ("xla",), host=True, batched=False),
     Backend("host-thresholds", ("q4_1",), THRESHOLDS, ("xla",), host=True, batched=False),

@@ -14,9 +14,10 @@ scheduler all run it; a single request is a batch of one.
 
 How a step runs depends on the engine's backend (pjinfer.runtime.backends: its `batched` column):
 - together, where the backend batches and max_batch > 1: a pool of KV caches ([max_batch, S, KV, hd] per
-  layer) and the ``cpu_offload.batched_decode.BatchDecoder`` of the engine's host decoder, every decode step
-  reading the weights once for all slots, several steps per jitted call. A slot with no state in a step is
-  skipped by the host kernels (position -1), so requests join and leave between calls without recompiling:
+  layer), every decode step reading the weights once for all slots, several steps per jitted call. The layers
+  are the ``cpu_offload.batched_decode.BatchDecoder`` of the engine's host decoder, or, in XLA, the model's own
+  layers with a position per row. A slot with no state in a step is skipped (position -1: the host kernels skip
+  it, XLA writes nothing to its cache), so requests join and leave between calls without recompiling:
   one executable per (pool length, sampling mode, steps). The pool length S is a power of two that grows,
   once, to the longest cache a request has asked for (``Engine.plan``'s bucket). wake() makes the running call
   return after its current step, so a joining request does not wait for the rest of it.
@@ -24,9 +25,12 @@ How a step runs depends on the engine's backend (pjinfer.runtime.backends: its `
   `steps` tokens from one jitted loop of one-token decode steps (``generate.decode_chunk``), one state after
   another; after wake() the states not reached yet wait for the next call, which starts where this one stopped.
 
-Every request's tokens are the same, bit for bit, whatever else runs beside it: the same prefill and key splits,
-the host layers and head give each slot the single-token decoder's numbers (batched_decode), and the XLA parts
-around them (embedding rows, final norm, repetition penalty, argmax or sampling) work on each row on its own.
+On the host, every request's tokens are the same, bit for bit, whatever else runs beside it: the same prefill
+and key splits, the host layers and head give each slot the single-token decoder's numbers (batched_decode), and
+the XLA parts around them (embedding rows, final norm, repetition penalty, argmax or sampling) work on each row on
+its own. In XLA a step's matrix products take every slot's row at once, and a product of several rows rounds
+differently from one row's (in the last bits): a request's logits agree with its single run to rounding, not
+bit for bit.
 """
 from __future__ import annotations
 
@@ -37,11 +41,12 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from cpu_offload.batched_decode import BatchDecoder
 from pjinfer.runtime import generate as gen
 from pjinfer.runtime.backends import BACKENDS
-from pjinfer.runtime.model import KVCache, embedding_rows
+from pjinfer.runtime.model import KVCache
 from pjinfer.runtime.sampling import Sampling, recent_ids, sample
 
 
@@ -50,9 +55,25 @@ def unsupported(engine) -> str | None:
     pjinfer.runtime.backends.BACKENDS says whether it batches."""
     if not engine.backend.batched:
         weights = " or ".join(w for b in BACKENDS if b.batched for w in b.weights)
-        return (f"batched decode runs the dense host decode (--weights {weights}, no bundle); this engine runs "
-                f"{engine.path}")
+        return f"batched decode runs dense weights (--weights {weights}, no bundle); this engine runs {engine.path}"
     return None
+
+
+class _Wake:
+    """The wake flag of a batch whose layers run in XLA (no host decoder to hold it): woken() reads it inside
+    jit, through a host callback once a step."""
+
+    def __init__(self):
+        self._set = threading.Event()
+
+    def woken(self):
+        return io_callback(lambda: np.int32(self._set.is_set()), jax.ShapeDtypeStruct((), jnp.int32))
+
+    def wake(self) -> None:
+        self._set.set()
+
+    def clear_wake(self) -> None:
+        self._set.clear()
 
 
 @dataclasses.dataclass
@@ -92,29 +113,36 @@ def _grow(pool: KVCache, length):
     return KVCache(k=[pad(p) for p in pool.k], v=[pad(p) for p in pool.v])
 
 
-@partial(jax.jit, static_argnames=("graph", "decoder", "mode", "steps"), donate_argnames=("pool",))
-def _steps(graph, state, decoder, tokens, pos, remaining, stops, pool, keys, params, recent, greedy, *, mode, steps):
+@partial(jax.jit, static_argnames=("graph", "decoder", "waker", "mode", "steps"), donate_argnames=("pool",))
+def _steps(graph, state, decoder, waker, tokens, pos, remaining, stops, pool, keys, params, recent, greedy, *, mode,
+           steps):
     """Up to `steps` decode steps of every live slot (pos >= 0, the position its token goes to): each step feeds
-    every live slot's token and samples its next one. A slot leaves the loop after its `remaining` tokens or a
-    stop id (stops [B, MAX_STOP_IDS]); the loop ends when no slot is live, after `steps`, or after the step during
-    which the host called decoder.wake(). keys [B, 2] key data, params: Sampling.params() stacked [B] each, recent
-    [B, window] the ids before each token, greedy [B]. mode "greedy": every live slot is greedy (argmax only);
-    "mixed": sample every slot, greedy ones take the argmax. Returns (out [steps, B], count [B]: the tokens each
-    slot produced, in out[:count[b], b]; pool, keys, recent)."""
+    every live slot's token and samples its next one. decoder: the host's BatchDecoder, or None for the model's own
+    layers and head in XLA. A slot leaves the loop after its `remaining` tokens or a stop id (stops [B,
+    MAX_STOP_IDS]); the loop ends when no slot is live, after `steps`, or after the step during which the host
+    called waker.wake(). keys [B, 2] key data, params: Sampling.params() stacked [B] each, recent [B, window] the
+    ids before each token, greedy [B]. mode "greedy": every live slot is greedy (argmax only); "mixed": sample
+    every slot, greedy ones take the argmax. Returns (out [steps, B], count [B]: the tokens each slot produced, in
+    out[:count[b], b]; pool, keys, recent)."""
     model = graph.merge(state)
+    if decoder is None:
+        layer = lambda l, x, pos, k, v: model.layers[l].decode(x, pos, k, v)   # noqa: E731
+        head = lambda hidden, pos: model.head(hidden)                          # noqa: E731
+    else:
+        layer, head = decoder.layer, decoder.head
 
     def step(carry):
         n, out, count, tokens, pos, remaining, pool, keys, recent, _ = carry
         live = pos >= 0
         recent = jnp.where(live[:, None], jnp.concatenate([recent[:, 1:], tokens[:, None]], axis=1), recent)
-        x = embedding_rows(model.embed, tokens[:, None])                       # [B, 1, d]
+        x = model.inputs(tokens[:, None], pos)                                 # [B, 1, d]
         ks, vs = [], []
         for l, (k, v) in enumerate(zip(pool.k, pool.v)):
-            x, k, v = decoder.layer(l, x, pos, k, v)
+            x, k, v = layer(l, x, pos, k, v)
             ks.append(k)
             vs.append(v)
         hidden = model.final_norm(x)[:, 0]
-        logits = decoder.head(hidden, pos)
+        logits = head(hidden, pos)
         split = jax.vmap(jax.random.split)(jax.random.wrap_key_data(keys))
         next_keys, subs = split[:, 0], split[:, 1]
         argmax = jax.vmap(lambda lg, r, p: sample(lg, None, p, True, r))(logits, recent, params)
@@ -128,7 +156,7 @@ def _steps(graph, state, decoder, tokens, pos, remaining, stops, pool, keys, par
         done = ~live | (remaining <= 0) | jnp.any(new[:, None] == stops, axis=1)
         keys = jnp.where(live[:, None], jax.random.key_data(next_keys), keys)
         return (n + 1, out, count + live, jnp.where(live, new, tokens), jnp.where(done, -1, pos + 1), remaining,
-                KVCache(k=ks, v=vs), keys, recent, decoder.woken() != 0)
+                KVCache(k=ks, v=vs), keys, recent, waker.woken() != 0)
 
     def more(carry):
         n, pos, woken = carry[0], carry[4], carry[9]
@@ -146,7 +174,8 @@ class Batch:
         self.engine, self.max_batch = engine, max_batch
         self.together = engine.backend.batched and max_batch > 1
         if self.together:
-            self.decoder = BatchDecoder(engine.host, max_batch)
+            self.decoder = None if engine.host is None else BatchDecoder(engine.host, max_batch)
+            self.waker = _Wake() if self.decoder is None else self.decoder
             self.pool = KVCache.create(engine.config, max_batch, gen.MIN_CACHE_BUCKET)
         self.caches = {}      # in turns: slot -> its own cache
         self._woken = threading.Event()
@@ -189,14 +218,14 @@ class Batch:
         clear_wake)."""
         self._woken.set()
         if self.together:
-            self.decoder.wake()
+            self.waker.wake()
 
     def clear_wake(self) -> None:
         """Steps run their whole count again. The caller clears before it looks at what may wake it (the
         scheduler: before it reads its queue), so a wake in between is not lost."""
         self._woken.clear()
         if self.together:
-            self.decoder.clear_wake()
+            self.waker.clear_wake()
 
     def step(self, states: list[State], steps: int = 1) -> None:
         """Up to `steps` tokens for each state: each state's new tokens in state.new (fewer when it used up its
@@ -256,7 +285,7 @@ class Batch:
         mode = "greedy" if greedy[pos >= 0].all() else "mixed"
         e = self.engine
         out, count, self.pool, keys, recent = _steps(
-            e.graph, e.state, self.decoder, jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(remaining),
+            e.graph, e.state, self.decoder, self.waker, jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(remaining),
             jnp.asarray(stops), self.pool, jnp.asarray(keys), tuple(jnp.asarray(p) for p in params),
             jnp.asarray(recent), jnp.asarray(greedy), mode=mode, steps=steps)
         out, count, keys, recent = np.asarray(out), np.asarray(count), np.asarray(keys), np.asarray(recent)

@@ -159,9 +159,9 @@ class Engine:
 
     def prompt_rows(self, padded_len: int):
         """Where a prompt padded to padded_len tokens runs: the dense host decoder's prompt decoder (a
-        BatchDecoder of PROMPT_ROWS rows, made on first use) when the engine's backend decodes in batches and the
-        prompt fits it, else None: XLA (pjinfer.runtime.host.prefill says why)."""
-        if padded_len > pjinfer_host.PROMPT_ROWS or not self.backend.batched:
+        BatchDecoder of PROMPT_ROWS rows, made on first use) when the engine's backend decodes in batches on the
+        host and the prompt fits it, else None: XLA (pjinfer.runtime.host.prefill says why)."""
+        if padded_len > pjinfer_host.PROMPT_ROWS or not (self.backend.batched and self.backend.host):
             return None
         rows = getattr(self, "_prompt_rows", None)
         if rows is None or rows.host is not self.host:

@@ -280,12 +280,12 @@ class Norm(nnx.Module):
 
 
 def rope(x, positions, theta: float):
-    """Rotary embedding in the rotate-half layout (HF's); x is [B, T, heads, hd], positions [T]."""
+    """Rotary embedding in the rotate-half layout (HF's); x is [B, T, heads, hd], positions [1, T] or [B, T]."""
     hd = x.shape[-1]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]       # [T, hd/2]
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[None, :, None, :]
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[None, :, None, :]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq               # [1 or B, T, hd/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
     half = hd // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
@@ -324,30 +324,40 @@ class Attention(nnx.Module):
         [B, T, H*hd] and the updated cache arrays. The tokens attend to the cache as stored (k and v rounded to
         float16), the way a later decode step sees them. With no cache (k_cache, v_cache None; start 0) they
         attend to their own float32 k and v: whole-sequence scoring, whose figures (perplexity) the float16 cache
-        leaves as they were."""
+        leaves as they were. start is a scalar, or [B] for one token a row (T 1), each at its own position: a
+        batch of requests, where a row at -1 writes nothing to its cache (its output is not used)."""
         c = self.config
         B, T, _ = q.shape
         q = q.reshape(B, T, c.n_heads, c.head_dim)
         k = k.reshape(B, T, c.n_kv_heads, c.head_dim)
         v = v.reshape(B, T, c.n_kv_heads, c.head_dim)
-        positions = start + jnp.arange(T)
+        positions = jnp.reshape(start, (-1, 1)) + jnp.arange(T)                  # [1 or B, T]
         if c.uses_rope:
             q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
         if k_cache is None:
             keys, values = k, v
         else:
-            k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, start, 0, 0))
-            v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, start, 0, 0))
+            k_cache, v_cache = _write(k_cache, k, start), _write(v_cache, v, start)
             keys, values = k_cache.astype(jnp.float32), v_cache.astype(jnp.float32)
 
         # Grouped-query attention over the whole static cache; the causal mask hides unwritten slots.
         group = c.n_heads // c.n_kv_heads
         q = q.reshape(B, T, c.n_kv_heads, group, c.head_dim) * (c.head_dim ** -0.5)
         scores = jnp.einsum("btkgd,bskd->bkgts", q, keys)
-        visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]      # [T, S]
-        scores = jnp.where(visible, scores, -jnp.inf)
+        visible = jnp.arange(keys.shape[1]) <= jnp.maximum(positions, 0)[..., None]   # [1 or B, T, S]
+        scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1)
         return jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(B, T, c.n_heads * c.head_dim), k_cache, v_cache
+
+
+def _write(cache, rows, start):
+    """cache [B, S, KV, hd] with rows [B, T, KV, hd] written at positions start.. (a scalar), or, for start [B]
+    (T 1), each row at its own position, none where it is -1."""
+    rows = rows.astype(cache.dtype)
+    if jnp.ndim(start) == 0:
+        return jax.lax.dynamic_update_slice(cache, rows, (0, start, 0, 0))
+    at = jnp.where(start >= 0, start, cache.shape[1])          # past the end: dropped
+    return cache.at[jnp.arange(cache.shape[0]), at].set(rows[:, 0], mode="drop")
 
 
 class FFN(nnx.Module):
@@ -398,7 +408,8 @@ class Block(nnx.Module):
         return x + self.ffn(ffn_in, residual=x), (ffn_in, x), k_cache, v_cache
 
     def decode(self, x, pos, k_cache, v_cache):
-        """One token: x [1, 1, d] at position pos -> (output [1, 1, d], updated cache arrays)."""
+        """One token a row: x [B, 1, d] at position pos (a scalar, or [B]: see Attention.attend) -> (output
+        [B, 1, d], updated cache arrays)."""
         x, _, k_cache, v_cache = self(x, pos, k_cache, v_cache)
         return x, k_cache, v_cache
 
@@ -436,9 +447,7 @@ class Transformer(nnx.Module):
         cache None: a whole sequence from position 0 that keeps nothing (returns None for the cache).
 
         With capture=True also returns every layer's FFN inputs (FFN input, residual), each [B, T, d]."""
-        x = embedding_rows(self.embed, tokens)
-        if self.pos_embed is not None:
-            x = x + jax.lax.dynamic_slice_in_dim(self.pos_embed[...], start, tokens.shape[1])[None]
+        x = self.inputs(tokens, start)
         ks, vs, ffn_inputs = [], [], []
         none = [None] * len(self.layers)
         for layer, k, v in zip(self.layers, none if cache is None else cache.k, none if cache is None else cache.v):
@@ -450,12 +459,19 @@ class Transformer(nnx.Module):
         out = self.final_norm(x), None if cache is None else KVCache(k=ks, v=vs)
         return (*out, ffn_inputs) if capture else out
 
+    def inputs(self, tokens, start):
+        """tokens [B, T] at positions start..start+T-1 (start a scalar, or [B] for T 1) -> the first layer's
+        input [B, T, d]: their embedding rows, plus their position's row where the model has a position table."""
+        x = embedding_rows(self.embed, tokens)
+        if self.pos_embed is None:
+            return x
+        positions = jnp.reshape(start, (-1, 1)) + jnp.arange(tokens.shape[1])
+        return x + self.pos_embed[...][jnp.maximum(positions, 0)]
+
     def decode(self, token, pos, cache: KVCache):
         """One token (a scalar id) at position pos -> (logits [vocab], updated cache): each layer's and the
         head's `decode`, which a host-backed engine swaps for its kernels (pjinfer.runtime.host)."""
-        x = embedding_rows(self.embed, token.reshape(1, 1))
-        if self.pos_embed is not None:
-            x = x + jax.lax.dynamic_slice_in_dim(self.pos_embed[...], pos, 1)[None]
+        x = self.inputs(token.reshape(1, 1), pos)
         ks, vs = [], []
         for layer, k, v in zip(self.layers, cache.k, cache.v):
             x, k, v = layer.decode(x, pos, k, v)

@@ -10,7 +10,7 @@ job's tokens are what `Engine.stream` gives for it alone, bit for bit, so a requ
 else runs.
 
 A round is one `pjinfer.runtime.batch.Batch.step`: up to STEPS tokens of every active job. Where the engine's
-backend batches (runtime.backends.BACKENDS says which: the dense host decode) each step reads the weights once for
+backend batches (runtime.backends.BACKENDS says which: dense weights, no bundle) each step reads the weights once for
 all of them; other backends take turns, each job's tokens from its own decode loop (the scheduler says so on
 stderr once), so N jobs share one stream's rate. A submitted or cancelled job wakes the step, which then returns
 after its current decode step, so a new request still joins, and a cancelled one leaves, soon.
