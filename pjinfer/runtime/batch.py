@@ -18,7 +18,7 @@ How a step runs depends on the engine's backend (pjinfer.runtime.backends: its `
   are the ``cpu_offload.batched_decode.BatchDecoder`` of the engine's host decoder, or, in XLA, the model's own
   layers with a position per row. A slot with no state in a step is skipped (position -1: the host kernels skip
   it, XLA writes nothing to its cache), so requests join and leave between calls without recompiling:
-  one executable per (pool length, sampling mode, steps). The pool length S is a power of two that grows,
+  one executable per (pool length, sampling mode, steps), and in XLA per width (Batch._rows). The pool length S is a power of two that grows,
   once, to the longest cache a request has asked for (``Engine.plan``'s bucket). wake() makes the running call
   return after its current step, so a joining request does not wait for the rest of it.
 - in turns otherwise (and for a batch of one): each slot keeps its own cache, and a step gives each state up to
@@ -114,17 +114,21 @@ def _grow(pool: KVCache, length):
 
 
 @partial(jax.jit, static_argnames=("graph", "decoder", "waker", "mode", "steps"), donate_argnames=("pool",))
-def _steps(graph, state, decoder, waker, tokens, pos, remaining, stops, pool, keys, params, recent, greedy, *, mode,
-           steps):
+def _steps(graph, state, decoder, waker, rows, tokens, pos, remaining, stops, pool, keys, params, recent, greedy, *,
+           mode, steps):
     """Up to `steps` decode steps of every live slot (pos >= 0, the position its token goes to): each step feeds
-    every live slot's token and samples its next one. decoder: the host's BatchDecoder, or None for the model's own
-    layers and head in XLA. A slot leaves the loop after its `remaining` tokens or a stop id (stops [B,
-    MAX_STOP_IDS]); the loop ends when no slot is live, after `steps`, or after the step during which the host
+    every live slot's token and samples its next one. decoder: the host's BatchDecoder, or None for the model's
+    own layers and head in XLA. rows: None (the pool's slots in order), or the pool's slots that tokens [B] and the
+    other per-slot arguments stand for. A slot leaves the loop after its `remaining` tokens or a stop id (stops
+    [B, MAX_STOP_IDS]); the loop ends when no slot is live, after `steps`, or after the step during which the host
     called waker.wake(). keys [B, 2] key data, params: Sampling.params() stacked [B] each, recent [B, window] the
     ids before each token, greedy [B]. mode "greedy": every live slot is greedy (argmax only); "mixed": sample
     every slot, greedy ones take the argmax. Returns (out [steps, B], count [B]: the tokens each slot produced, in
     out[:count[b], b]; pool, keys, recent)."""
     model = graph.merge(state)
+    whole = pool
+    if rows is not None:       # the slots this call steps, gathered from the pool and written back at the end
+        pool = KVCache(k=[p[rows] for p in whole.k], v=[p[rows] for p in whole.v])
     if decoder is None:
         layer = lambda l, x, pos, k, v: model.layers[l].decode(x, pos, k, v)   # noqa: E731
         head = lambda hidden, pos: model.head(hidden)                          # noqa: E731
@@ -166,6 +170,9 @@ def _steps(graph, state, decoder, waker, tokens, pos, remaining, stops, pool, ke
     carry = (jnp.int32(0), jnp.full((steps, b), -1, jnp.int32), jnp.zeros(b, jnp.int32), tokens, pos, remaining,
              pool, keys, recent, jnp.bool_(False))
     _, out, count, _, _, _, pool, keys, recent, _ = jax.lax.while_loop(more, step, carry)
+    if rows is not None:
+        pool = KVCache(k=[w.at[rows].set(p) for w, p in zip(whole.k, pool.k)],
+                       v=[w.at[rows].set(p) for w, p in zip(whole.v, pool.v)])
     return out, count, pool, keys, recent
 
 
@@ -268,26 +275,43 @@ class Batch:
             s.remaining = 0 if s.token in s.stops else s.remaining - len(new)
 
     def _step_together(self, states: list[State], steps: int) -> None:
-        b = self.max_batch
+        live = [s for s in states if s.remaining > 0]
+        if not live:
+            return
+        rows = self._rows(live)
+        at = {slot: i for i, slot in enumerate(range(self.max_batch) if rows is None else rows)}
+        b = len(at)
         tokens, pos, remaining = np.zeros(b, np.int32), np.full(b, -1, np.int32), np.zeros(b, np.int32)
         stops = np.full((b, gen.MAX_STOP_IDS), -1, np.int32)
         keys = np.zeros((b, 2), np.uint32)
         recent = np.full((b, len(states[0].recent)), -1, np.int32)
         params = [np.zeros(b, np.asarray(p).dtype) for p in Sampling().params()]
         greedy = np.ones(b, bool)
-        for s in states:
-            tokens[s.slot], keys[s.slot], recent[s.slot], stops[s.slot] = s.token, s.key, s.recent, s.stops
-            if s.remaining > 0:
-                pos[s.slot], remaining[s.slot] = s.position + 1, s.remaining
+        for s in live:
+            i = at[s.slot]
+            tokens[i], keys[i], recent[i], stops[i] = s.token, s.key, s.recent, s.stops
+            pos[i], remaining[i] = s.position + 1, s.remaining
             for arr, value in zip(params, s.sampling.params()):
-                arr[s.slot] = np.asarray(value)
-            greedy[s.slot] = s.sampling.greedy
-        mode = "greedy" if greedy[pos >= 0].all() else "mixed"
+                arr[i] = np.asarray(value)
+            greedy[i] = s.sampling.greedy
+        mode = "greedy" if greedy.all() else "mixed"
         e = self.engine
         out, count, self.pool, keys, recent = _steps(
-            e.graph, e.state, self.decoder, self.waker, jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(remaining),
-            jnp.asarray(stops), self.pool, jnp.asarray(keys), tuple(jnp.asarray(p) for p in params),
-            jnp.asarray(recent), jnp.asarray(greedy), mode=mode, steps=steps)
+            e.graph, e.state, self.decoder, self.waker, None if rows is None else jnp.asarray(rows, jnp.int32),
+            jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(remaining), jnp.asarray(stops), self.pool,
+            jnp.asarray(keys), tuple(jnp.asarray(p) for p in params), jnp.asarray(recent), jnp.asarray(greedy),
+            mode=mode, steps=steps)
         out, count, keys, recent = np.asarray(out), np.asarray(count), np.asarray(keys), np.asarray(recent)
-        for s in states:
-            self._took(s, out[:int(count[s.slot]), s.slot].tolist(), keys[s.slot], recent[s.slot])
+        for s in live:
+            i = at[s.slot]
+            self._took(s, out[:int(count[i]), i].tolist(), keys[i], recent[i])
+
+    def _rows(self, live: list[State]) -> list[int] | None:
+        """The slots a call steps: None for every slot (the host kernels skip a slot at position -1 at no cost);
+        in XLA, which computes every row it is given, the live slots and as many others as make their count a
+        power of two (one executable per width, the others' rows untouched at position -1)."""
+        if self.decoder is not None:
+            return None
+        taken = {s.slot for s in live}
+        width = min(self.max_batch, gen.bucket(len(live), 1))
+        return sorted(taken) + [i for i in range(self.max_batch) if i not in taken][:width - len(live)]
