@@ -44,7 +44,7 @@ test: setup
 
 # The unit tier (tests/conftest.py): no real model, nothing slow; a few minutes on 2 cores.
 test-fast: setup
-	$(PY) -m pytest -q -m unit --durations=10
+	$(PY) -m pytest -q -m unit -n 2 --durations=10
 
 # The hostile-GGUF fuzz test with many more cases than `make test` runs (FUZZ_EXAMPLES), fresh ones each run.
 FUZZ_EXAMPLES ?= 50000

@@ -205,6 +205,7 @@ def test_the_decoders_scratch_starts_on_cache_lines():
 
 
 # ------------------------------------------------------------------------------------------------ real model
+@pytest.mark.real_model   # its fixtures are asked for by name, which the tier's marking does not see
 @pytest.mark.parametrize("weights", ["q4_1", "float32"])
 def test_real_model_batch_equals_engine_stream_for_every_request(weights, request):
     """Full and partly empty batches, greedy and sampled requests: each request's tokens are Engine.stream's. On
@@ -244,6 +245,7 @@ def test_real_model_batch_equals_engine_stream_for_every_request(weights, reques
     assert batch.widest == 8
 
 
+@pytest.mark.real_model
 @pytest.mark.parametrize("fixture", ["q4_engine", "engine"])
 def test_real_model_batch_steps_end_at_a_stop_id_a_budget_and_a_wake(fixture, request):
     """In one call of several steps: a request that samples one of its stop ids stops there (the id is its last
@@ -314,6 +316,7 @@ def test_real_model_host_prompt_matches_xla_prefill(q4_engine):
             assert not a[n:].any()                                   # the rest of the cache is untouched
 
 
+@pytest.mark.real_model
 def test_engines_that_cannot_batch_take_turns_with_each_requests_own_tokens():
     """A backend that does not batch (--weights gguf here: the file's blocks through quants.gemv) runs the same
     loop in turns: every request gets Engine.stream's tokens for it alone, and after a wake a step stops after the

@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from pjinfer.config import ConfigError
 from pjinfer.runtime.compile_cache import CompileStats
@@ -43,34 +44,40 @@ def test_a_position_per_row_decodes_each_row_as_alone_and_minus_one_writes_nothi
     (to rounding: a product over rows rounds differently from one row's), and a row at -1 leaves its cache as it
     was. OPT's position table is read per row too."""
     config = tiny_config(arch, activation)
-    model = Transformer(config, random_weights(config, seed=3))
+    graphdef, state = nnx.split(Transformer(config, random_weights(config, seed=3)))
     rng = np.random.default_rng(4)
-    lengths = [5, 1, 9, 3]                      # each row's prompt; row 1 is not fed (-1)
-    caches = []
-    for n in lengths:
-        cache = KVCache.create(config, 1, 16)
-        _, cache = model(jnp.asarray(rng.integers(0, config.vocab_size, (1, n))), 0, cache)
-        caches.append(cache)
-    pool = KVCache(k=[jnp.concatenate([c.k[l] for c in caches]) for l in range(config.n_layers)],
-                   v=[jnp.concatenate([c.v[l] for c in caches]) for l in range(config.n_layers)])
-    tokens = rng.integers(0, config.vocab_size, len(lengths))
-    pos = np.array([5, -1, 9, 3], np.int32)
-    x = model.inputs(jnp.asarray(tokens)[:, None], jnp.asarray(pos))
-    ks, vs = [], []
-    for layer, k, v in zip(model.layers, pool.k, pool.v):
-        x, k, v = layer.decode(x, jnp.asarray(pos), k, v)
-        ks.append(k)
-        vs.append(v)
-    logits = np.asarray(model.logits(model.final_norm(x)[:, 0]))
+    pos = np.array([5, -1, 9, 3], np.int32)     # each row's next position (its prompt's length); row 1 not fed
+    prompts = jnp.asarray(rng.integers(0, config.vocab_size, (len(pos), 9)))   # past a row's position: masked
+    tokens = jnp.asarray(rng.integers(0, config.vocab_size, len(pos)))
+
+    @jax.jit
+    def batched(state, tokens, pos):
+        model = nnx.merge(graphdef, state)
+        _, pool = model(prompts, 0, KVCache.create(config, len(pos), 16))
+        x = model.inputs(tokens[:, None], pos)
+        ks, vs = [], []
+        for layer, k, v in zip(model.layers, pool.k, pool.v):
+            x, k, v = layer.decode(x, pos, k, v)
+            ks.append(k)
+            vs.append(v)
+        return model.logits(model.final_norm(x)[:, 0]), pool, KVCache(k=ks, v=vs)
+
+    @jax.jit
+    def alone(state, b, token, p):
+        model = nnx.merge(graphdef, state)
+        _, cache = model(jax.lax.dynamic_index_in_dim(prompts, b), 0, KVCache.create(config, 1, 16))
+        return model.decode(token, p, cache)
+
+    logits, before, after = batched(state, tokens, jnp.asarray(pos))
     for b, p in enumerate(pos):
         if p < 0:
-            for got, before in zip(ks + vs, pool.k + pool.v):
-                np.testing.assert_array_equal(np.asarray(got[b]), np.asarray(before[b]))
+            for got, was in zip(after.k + after.v, before.k + before.v):
+                np.testing.assert_array_equal(np.asarray(got[b]), np.asarray(was[b]))
             continue
-        want, cache = model.decode(jnp.int32(tokens[b]), jnp.int32(p), caches[b])
-        np.testing.assert_allclose(logits[b], np.asarray(want), rtol=1e-5, atol=1e-5)
-        for got, alone in zip(ks + vs, cache.k + cache.v):
-            np.testing.assert_allclose(np.asarray(got[b], np.float32), np.asarray(alone[0], np.float32),
+        want, cache = alone(state, b, tokens[b], jnp.int32(p))
+        np.testing.assert_allclose(np.asarray(logits[b]), np.asarray(want), rtol=1e-5, atol=1e-5)
+        for got, one in zip(after.k + after.v, cache.k + cache.v):
+            np.testing.assert_allclose(np.asarray(got[b], np.float32), np.asarray(one[0], np.float32),
                                        rtol=1e-3, atol=1e-3)
 
 

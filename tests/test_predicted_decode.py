@@ -81,9 +81,13 @@ def test_host_decode_is_the_xla_model_masked_by_the_same_predictor(tmp_path, ffn
     assert tokenizer.decode(prompt).strip() == "hello world, the quick brown fox"
     n, cache_len = len(prompt), 64
     fresh = lambda: KVCache.create(model.config, 1, cache_len)
-    _, cache = reference(jnp.asarray([prompt[:-1]]), 0, fresh())      # the prompt but its last token, in XLA
-    hidden, _ = reference(jnp.asarray([prompt]), 0, fresh())
-    prefill_logits = np.asarray(reference.logits(hidden[0, -1]))       # what a prefill of the whole prompt gives
+
+    def prompt_run(m, tokens):   # (the cache of the prompt but its last token, the whole prompt's last logits)
+        hidden, _ = m(tokens, 0, fresh())
+        return m(tokens[:, :-1], 0, fresh())[1], m.logits(hidden[0, -1])
+
+    cache, prefill_logits = jitted(reference, prompt_run)(jnp.asarray([prompt]))
+    prefill_logits = np.asarray(prefill_logits)
     host_cache, token, densities = cache, jnp.int32(prompt[-1]), []
     host_step = jitted(model, lambda m, t, p, c: m.decode(t, p, c))
     ref_step = jitted(reference, xla_step)

@@ -1,5 +1,6 @@
 """The hybrid sparse engine against the dense one: exact when every neuron is computed (or, for the
 ReLU family, when the oracle picks exactly the non-zero ones), for any hot/cold split."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,8 +19,10 @@ FAMILIES = [("llama", "swiglu"), ("llama", "geglu"), ("llama", "reglu"), ("llama
 
 
 def logits(model, ids):
-    """Scoring's path: the whole sequence, no cache."""
-    return np.asarray(model.logits(model.forward_sequence(jnp.asarray(ids)[None])[0]))
+    """Scoring's path: the whole sequence, no cache (jitted: op by op, XLA compiles each operation apart)."""
+    graphdef, state = nnx.split(model)
+    score = jax.jit(lambda s, x: (lambda m: m.logits(m.forward_sequence(x)[0]))(nnx.merge(graphdef, s)))
+    return np.asarray(score(state, jnp.asarray(ids)[None]))
 
 
 def placements(config, seed=0):
@@ -103,8 +106,6 @@ def decode_steps(model, tokens, cache_len=16, reference=None):
     """Logits [T, vocab] of one-token decode steps (the path `generate`'s loop takes) from an empty cache, and
     the jaxpr of one step. With `reference` (a model), every step runs on the cache the reference's steps wrote, so
     two paths are compared on the same inputs at every step (float16 cache rounding cannot make them drift)."""
-    import jax
-
     step = lambda m: jax.jit(lambda s, t, p, c, g=nnx.graphdef(m): nnx.merge(g, s).decode(t, p, c))  # noqa: E731
     mine, theirs = step(model), None if reference is None else step(reference)
     state = nnx.state(model)

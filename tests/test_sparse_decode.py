@@ -36,11 +36,11 @@ def _xla_twin(engine: Engine) -> Engine:
 
 def _step_logits(engine: Engine, prompt, tokens):
     """Logits of each decode step feeding `tokens` after the prompt (prefill by XLA in both)."""
-    model = nnx.merge(engine.graphdef, engine.state)
+    step = jax.jit(lambda state, *args: nnx.merge(engine.graphdef, state).decode(*args))
     _, cache = engine.prefill(prompt, cache_len=engine.plan(len(prompt), len(tokens) + 1)[1])
     out = []
     for i, t in enumerate(tokens):
-        logits, cache = model.decode(jnp.int32(t), len(prompt) + i, cache)
+        logits, cache = step(engine.state, jnp.int32(t), jnp.int32(len(prompt) + i), cache)
         out.append(np.asarray(logits))
     return np.stack(out)
 
@@ -98,7 +98,8 @@ def test_every_input_below_its_threshold_leaves_the_residual_stream_alone():
     from pjinfer.runtime.model import KVCache
 
     cache = KVCache.create(config, 1, config.max_seq_len)
-    hidden, _ = model(jnp.asarray([[7]], jnp.int32), 3, cache)
+    hidden, _ = jax.jit(lambda state, c: nnx.merge(host.graphdef, state)(jnp.asarray([[7]], jnp.int32), 3, c))(
+        host.state, cache)
     np.testing.assert_allclose(np.asarray(hidden[0, 0]), np.asarray(model.final_norm(model.embed[...][7])),
                                rtol=1e-5, atol=1e-6)
 
