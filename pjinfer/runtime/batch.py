@@ -17,10 +17,10 @@ How a step runs depends on the engine's backend (pjinfer.runtime.backends: its `
   layer), every decode step reading the weights once for all slots, several steps per jitted call. The layers
   are the ``cpu_offload.batched_decode.BatchDecoder`` of the engine's host decoder, or, in XLA, the model's own
   layers with a position per row. A slot with no state in a step is skipped (position -1: the host kernels skip
-  it, XLA writes nothing to its cache), so requests join and leave between calls without recompiling:
-  one executable per (pool length, sampling mode, steps), and in XLA per width (Batch._rows). The pool length S is a power of two that grows,
-  once, to the longest cache a request has asked for (``Engine.plan``'s bucket). wake() makes the running call
-  return after its current step, so a joining request does not wait for the rest of it.
+  it, XLA writes nothing to its cache), so requests join and leave between calls without recompiling: one
+  executable per (pool length, sampling mode, steps), and in XLA per width (Batch._rows). The pool length S is a
+  power of two that grows, once, to the longest cache a request has asked for (``Engine.plan``'s bucket). wake()
+  makes the running call return after its current step, so a joining request does not wait for the rest of it.
 - in turns otherwise (and for a batch of one): each slot keeps its own cache, and a step gives each state up to
   `steps` tokens from one jitted loop of one-token decode steps (``generate.decode_chunk``), one state after
   another; after wake() the states not reached yet wait for the next call, which starts where this one stopped.
