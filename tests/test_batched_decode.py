@@ -316,16 +316,59 @@ def test_real_model_host_prompt_matches_xla_prefill(q4_engine):
             assert not a[n:].any()                                   # the rest of the cache is untouched
 
 
+@pytest.fixture(scope="module")
+def gguf_engine():
+    """The default model with --weights gguf: the file's blocks through quants.gemv, a host decoder that does not
+    batch."""
+    from pjinfer.runtime.engine import Engine
+
+    return Engine.load(weights="gguf")
+
+
 @pytest.mark.real_model
-def test_engines_that_cannot_batch_take_turns_with_each_requests_own_tokens():
+def test_real_model_stepped_prompt_matches_xla_prefill(gguf_engine):
+    """On a host decoder that does not batch, prompts of at most STEPPED_PROMPT tokens prefill as one-token decode
+    steps (host.STEPS): the last token's logits and every cache row agree with XLA's prefill to rounding, and pick
+    the same token; the rest of the cache is untouched."""
+    from flax import nnx
+
+    from pjinfer.load import data
+    from pjinfer.runtime import host
+    from pjinfer.runtime.model import KVCache
+
+    e = gguf_engine
+    assert e.prompt_rows(host.STEPPED_PROMPT) == host.STEPS and e.prompt_rows(2 * host.STEPPED_PROMPT) is None
+    ids = e.tokenizer.encode(data.wiki_eval_text(), add_special=False)
+
+    @jax.jit
+    def both(state, tokens, n):
+        model = nnx.merge(e.graphdef, state)
+        got = host.prefill(model, host.STEPS, tokens, n, KVCache.create(e.config, 1, 64))
+        hidden, cache = model(tokens, 0, KVCache.create(e.config, 1, 64))
+        return got, (model.logits(jax.lax.dynamic_index_in_dim(hidden[0], n - 1, keepdims=False)), cache)
+
+    tokens = jnp.asarray(np.asarray(ids[:host.STEPPED_PROMPT], np.int32)[None])
+    for n in (1, 5, host.STEPPED_PROMPT):
+        (got, got_cache), (want, want_cache) = both(e.state, tokens, jnp.int32(n))
+        got, want = np.asarray(got), np.asarray(want)
+        # The same bounds as the Q4_1 prompt rows' test above (rounding carried through float16 cache rows).
+        assert np.abs(got - want).max() < 2.0 ** -10 * np.abs(want).max(), n
+        assert int(np.argmax(got)) == int(np.argmax(want)), n
+        for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
+            a, b = np.asarray(a[0], np.float32), np.asarray(b[0], np.float32)
+            assert np.abs(a[:n] - b[:n]).max() <= 2.0 ** -8 * np.abs(b[:n]).max(), n
+            assert not a[n:].any()
+
+
+@pytest.mark.real_model
+def test_engines_that_cannot_batch_take_turns_with_each_requests_own_tokens(gguf_engine):
     """A backend that does not batch (--weights gguf here: the file's blocks through quants.gemv) runs the same
     loop in turns: every request gets Engine.stream's tokens for it alone, and after a wake a step stops after the
     state it is on; the next starts where it stopped."""
     from pjinfer.runtime.batch import Batch
-    from pjinfer.runtime.engine import Engine
     from pjinfer.runtime.sampling import Sampling
 
-    engine = Engine.load(weights="gguf")
+    engine = gguf_engine
     batch = Batch(engine, 3)
     assert not batch.together
     prompts = [engine.tokenizer.encode(t) for t in ("The capital of France is", "Once upon a time", "1, 2, 3,")]
@@ -348,9 +391,11 @@ def test_engines_that_cannot_batch_take_turns_with_each_requests_own_tokens():
 
 def test_gguf_blocks_neither_batch_nor_prefill_on_the_host(tmp_path):
     """--weights gguf (other block types, read by quants.gemv) runs the host decoder too, but the batched kernels
-    read Q4_1 and int8 only: no batching, and its prompts prefill in XLA."""
+    read Q4_1 and int8 only: no batching, and its prompts prefill as decode steps up to STEPPED_PROMPT tokens,
+    in XLA past that."""
     import gguf
 
+    from pjinfer.runtime import host
     from pjinfer.runtime.batch import unsupported
     from pjinfer.runtime.engine import Engine
     from tests.support.gguf_files import write_tiny_gguf
@@ -360,7 +405,7 @@ def test_gguf_blocks_neither_batch_nor_prefill_on_the_host(tmp_path):
     write_tiny_gguf(path, config, random_weights(config), quantize=True)          # Q8_0 layers and head
     e = Engine.load(path, weights="gguf")
     assert e.host is not None and "--weights float32 or q4_1 or int8" in unsupported(e)
-    assert e.prompt_rows(16) is None
+    assert e.prompt_rows(16) == host.STEPS and e.prompt_rows(32) is None
 
 
 def test_decode_handlers_compute_in_one_floating_point_environment():

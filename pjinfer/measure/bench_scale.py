@@ -129,12 +129,13 @@ print(json.dumps({"load_s": load}))
 
 
 def peak_rss(cmd: list[str]) -> tuple[subprocess.CompletedProcess, float]:
-    """(the completed process, its peak RSS in GB) of a command run under /usr/bin/time; a failure raises."""
+    """(the completed process, its peak RSS in GB, 1e9 bytes) of a command run under /usr/bin/time (whose %M is in
+    KiB); a failure raises."""
     result = subprocess.run(["/usr/bin/time", "-f", "PEAK_KB %M", *cmd], capture_output=True, text=True,
                             stdin=subprocess.DEVNULL)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:4])} failed:\n{result.stderr[-3000:]}")
-    return result, int(re.findall(r"PEAK_KB (\d+)", result.stderr)[-1]) / 1e6
+    return result, int(re.findall(r"PEAK_KB (\d+)", result.stderr)[-1]) * 1024 / 1e9
 
 
 def _timed(cmd: list[str]) -> tuple[dict, float]:

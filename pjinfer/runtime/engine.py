@@ -158,10 +158,15 @@ class Engine:
         return jnp.array(ids + [-1] * (gen.MAX_STOP_IDS - len(ids)), jnp.int32)
 
     def prompt_rows(self, padded_len: int):
-        """Where a prompt padded to padded_len tokens runs: the dense host decoder's prompt decoder (a
-        BatchDecoder of PROMPT_ROWS rows, made on first use) when the engine's backend decodes in batches on the
-        host and the prompt fits it, else None: XLA (pjinfer.runtime.host.prefill says why)."""
-        if padded_len > pjinfer_host.PROMPT_ROWS or not (self.backend.batched and self.backend.host):
+        """Where a prompt padded to padded_len tokens runs (pjinfer.runtime.host.prefill says why): the dense host
+        decoder's prompt decoder (a BatchDecoder of PROMPT_ROWS rows, made on first use) when the engine's backend
+        decodes in batches on the host and the prompt fits it; host.STEPS, one-token decode steps, on another host
+        backend for a prompt of at most STEPPED_PROMPT tokens; else None: XLA."""
+        if not self.backend.host:
+            return None
+        if not self.backend.batched:
+            return pjinfer_host.STEPS if padded_len <= pjinfer_host.STEPPED_PROMPT else None
+        if padded_len > pjinfer_host.PROMPT_ROWS:
             return None
         rows = getattr(self, "_prompt_rows", None)
         if rows is None or rows.host is not self.host:

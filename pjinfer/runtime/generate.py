@@ -47,7 +47,7 @@ def bucket(n: int, minimum: int) -> int:
 
 def _prefill(model, tokens, length, cache_len, rows):
     """tokens [1, Tp] (padded), length = real prompt length -> logits of the last real token, cache. rows: None
-    (XLA) or the host's prompt decoder (pjinfer.runtime.host.prefill)."""
+    (XLA) or how the host runs the prompt (Engine.prompt_rows, pjinfer.runtime.host.prefill)."""
     cache = KVCache.create(model.config, 1, cache_len)
     if rows is not None:
         return host.prefill(model, rows, tokens, length, cache)

@@ -8,8 +8,10 @@ computes the whole layer, or the head, in one call on the CPU threads.
 
 `prefill` runs a prompt of at most PROMPT_ROWS tokens on the dense host decoder too, as the rows of one batched
 step per layer (cpu_offload.batched_decode's prompt form): every token gets the numbers the one-token decoder
-would give it. XLA's prefill dequantizes every matrix to float32 first, a cost paid whatever the prompt's length; the host
-reads the 4-bit blocks as they are (docs/performance.md, "Short prompts")."""
+would give it. On a host decoder without that form (other block types, input thresholds, a PowerInfer file's
+predictors) a prompt of at most STEPPED_PROMPT tokens runs as that many one-token decode steps (STEPS). XLA's
+prefill dequantizes every matrix to float32 first, a cost paid whatever the prompt's length, and its executable
+and temporaries stay in memory; the host reads the blocks as they are (docs/performance.md, "Short prompts")."""
 from __future__ import annotations
 
 import jax
@@ -19,6 +21,8 @@ from flax import nnx
 from pjinfer.runtime.model import Block, Head, KVCache, Transformer, embedding_rows
 
 PROMPT_ROWS = 64   # prompts up to this many tokens prefill on the host (XLA is slower below it)
+STEPPED_PROMPT = 16   # on a host decoder that does not batch, prompts up to this many tokens run as decode steps
+STEPS = "steps"   # prefill's `rows` for those: the prompt's tokens one at a time through the model's `decode`
 
 
 class HostBlock(Block):
@@ -58,8 +62,11 @@ def detach(model: Transformer) -> None:
 
 def prefill(model: Transformer, rows, tokens, length, cache: KVCache):
     """The prompt tokens [1, T] (the first `length` real, T <= rows.max_batch) from position 0 through `rows` (a
-    cpu_offload.batched_decode.BatchDecoder of the model's host decoder) -> (logits of the last real token
-    [vocab], the cache with positions 0..length-1 written)."""
+    cpu_offload.batched_decode.BatchDecoder of the model's host decoder, or STEPS: one-token decode steps) ->
+    (logits of the last real token [vocab], the cache with positions 0..length-1 written)."""
+    if rows == STEPS:
+        logits = jnp.zeros(model.config.vocab_size, jnp.float32)
+        return jax.lax.fori_loop(0, length, lambda i, c: model.decode(tokens[0, i], i, c[1]), (logits, cache))
     x = embedding_rows(model.embed, tokens)[0]                                  # [T, d]
     x = jnp.pad(x, ((0, rows.max_batch - x.shape[0]), (0, 0)))
     ks, vs = [], []
