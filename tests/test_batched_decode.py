@@ -283,16 +283,25 @@ def test_real_model_batch_steps_end_at_a_stop_id_a_budget_and_a_wake(fixture, re
 def test_real_model_host_prompt_matches_xla_prefill(q4_engine):
     """Prompts of at most PROMPT_ROWS tokens prefill on the host (Engine.prompt_rows): the last token's logits and
     every cache row agree with XLA's prefill of the same 4-bit values to rounding, and pick the same token."""
-    from flax import nnx
-
     from pjinfer.load import data
     from pjinfer.runtime import host
-    from pjinfer.runtime.model import KVCache
 
     e = q4_engine
     ids = e.tokenizer.encode(data.wiki_eval_text(), add_special=False)
     rows = e.prompt_rows(host.PROMPT_ROWS)
     assert rows is not None and e.prompt_rows(host.PROMPT_ROWS + 1) is None
+
+    _host_prefill_matches_xla(e, rows, ids[:host.PROMPT_ROWS], (1, 5, 37, host.PROMPT_ROWS))
+
+
+def _host_prefill_matches_xla(e, rows, ids, counts):
+    """host.prefill through `rows` against XLA's prefill of the same values, for the first n of `ids` (n in counts):
+    the last token's logits and every cache row agree to rounding and pick the same token; the rest of the cache is
+    untouched."""
+    from flax import nnx
+
+    from pjinfer.runtime import host
+    from pjinfer.runtime.model import KVCache
 
     @jax.jit
     def both(state, tokens, n):
@@ -301,8 +310,8 @@ def test_real_model_host_prompt_matches_xla_prefill(q4_engine):
         hidden, cache = model(tokens, 0, KVCache.create(e.config, 1, 128))
         return got, (model.logits(jax.lax.dynamic_index_in_dim(hidden[0], n - 1, keepdims=False)), cache)
 
-    for n in (1, 5, 37, host.PROMPT_ROWS):
-        tokens = jnp.asarray(np.asarray(ids[:host.PROMPT_ROWS], np.int32)[None])
+    tokens = jnp.asarray(np.asarray(ids, np.int32)[None])
+    for n in counts:
         (got, got_cache), (want, want_cache) = both(e.state, tokens, jnp.int32(n))
         got, want = np.asarray(got), np.asarray(want)
         # Rounding (as test_real_model's host step against XLA's), carried through the layers by float16 cache
@@ -330,34 +339,14 @@ def test_real_model_stepped_prompt_matches_xla_prefill(gguf_engine):
     """On a host decoder that does not batch, prompts of at most STEPPED_PROMPT tokens prefill as one-token decode
     steps (host.STEPS): the last token's logits and every cache row agree with XLA's prefill to rounding, and pick
     the same token; the rest of the cache is untouched."""
-    from flax import nnx
-
     from pjinfer.load import data
     from pjinfer.runtime import host
-    from pjinfer.runtime.model import KVCache
 
     e = gguf_engine
     assert e.prompt_rows(host.STEPPED_PROMPT) == host.STEPS and e.prompt_rows(2 * host.STEPPED_PROMPT) is None
     ids = e.tokenizer.encode(data.wiki_eval_text(), add_special=False)
 
-    @jax.jit
-    def both(state, tokens, n):
-        model = nnx.merge(e.graphdef, state)
-        got = host.prefill(model, host.STEPS, tokens, n, KVCache.create(e.config, 1, 64))
-        hidden, cache = model(tokens, 0, KVCache.create(e.config, 1, 64))
-        return got, (model.logits(jax.lax.dynamic_index_in_dim(hidden[0], n - 1, keepdims=False)), cache)
-
-    tokens = jnp.asarray(np.asarray(ids[:host.STEPPED_PROMPT], np.int32)[None])
-    for n in (1, 5, host.STEPPED_PROMPT):
-        (got, got_cache), (want, want_cache) = both(e.state, tokens, jnp.int32(n))
-        got, want = np.asarray(got), np.asarray(want)
-        # The same bounds as the Q4_1 prompt rows' test above (rounding carried through float16 cache rows).
-        assert np.abs(got - want).max() < 2.0 ** -10 * np.abs(want).max(), n
-        assert int(np.argmax(got)) == int(np.argmax(want)), n
-        for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
-            a, b = np.asarray(a[0], np.float32), np.asarray(b[0], np.float32)
-            assert np.abs(a[:n] - b[:n]).max() <= 2.0 ** -8 * np.abs(b[:n]).max(), n
-            assert not a[n:].any()
+    _host_prefill_matches_xla(e, host.STEPS, ids[:host.STEPPED_PROMPT], (1, 5, host.STEPPED_PROMPT))
 
 
 @pytest.mark.real_model
