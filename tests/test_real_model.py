@@ -89,6 +89,22 @@ def test_native_peer_runs_in_bench_alternated_with_pjinfer(q4_engine, peer):
     assert info.get("untied_copy", False) == (peer == "powerinfer")   # the default model ties its head
 
 
+def test_breakdown_times_the_host_step_stage_by_stage(q4_engine, engine):
+    """bench --breakdown: the dense host decode's stages, with the bytes each reads (the layers' matrices by stage,
+    then the head: together every weight the step reads), and XLA's step by parts; both end on the given step."""
+    from pjinfer.measure import bench
+
+    rows = bench.breakdown(q4_engine, 7.0, position=40, repeats=3)
+    parts = [r["part"] for r in rows]
+    assert parts[0] == "q, k, v" and parts[-1] == "step in the generate loop" and rows[-1]["ms"] == 7.0
+    stages = [r for r in rows if r["part"] in ("q, k, v", "o", "gate, up, activation", "down", "head")]
+    assert len(stages) == 5 and all(r["ms"] > 0 for r in stages)
+    assert sum(r["mb"] for r in stages) == pytest.approx(q4_engine.host.nbytes / 1e6)
+    xla = bench.breakdown(engine, 20.0, position=40, repeats=3)
+    assert [r["part"] for r in xla] == ["attention", "ffn", "head", "rest of the step", "step in the generate loop"]
+    assert all(r["ms"] > 0 for r in xla[:3])
+
+
 @partial(jax.jit, static_argnames=("graphdef", "cache_len"))
 def _prefill_logits(graphdef, state, tokens, cache_len):
     """tokens [T] -> (logits [T, vocab], cache of cache_len slots holding positions 0..T-1), through XLA."""

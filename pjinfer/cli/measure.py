@@ -25,7 +25,7 @@ def add_commands(command) -> None:
     p.add_argument("--runs", type=common.positive_int, default=5, help="timed runs of each engine")
     common.sparse_options(p)
     common.weight_options(p, many=True)
-    p.add_argument("--breakdown", action="store_true", help="also time attention, FFN and head of one decode step")
+    p.add_argument("--breakdown", action="store_true", help="also time one decode step part by part (the host decode stage by stage)")
     p.add_argument("--peer", choices=["llama-bench", "powerinfer", "llama-cpp"],
                    help="also run a peer on the same GGUF, alternating: llama.cpp's llama-bench or PowerInfer's main "
                         "(native, `make peers`), or llama-cpp-python's token loop (`make bench-peer`)")
@@ -99,7 +99,8 @@ def cmd_bench(args):
                        peer=args.peer, progress=Progress("bench runs", args.runs))
     if args.breakdown:
         for name, engine in engines.items():
-            result["engines"][name]["breakdown"] = bench.breakdown(engine)
+            result["engines"][name]["breakdown"] = bench.breakdown(
+                engine, result["engines"][name]["decode_ms_per_token"], position=args.prompt_len + args.new_tokens // 2)
     if sparse:
         result["sparse_over_dense"] = result["engines"]["sparse"]["decode_over"][engine_name(sparse.weights)]
     if args.json:
@@ -120,10 +121,7 @@ def cmd_bench(args):
         print(f"{name:11} {prefill} {r['decode_tok_s']:12.1f} {r['decode_ms_per_token']:8.1f} "
               f"{mb:8.1f} {100 * mb * r['decode_tok_s'] / 1e3 / bandwidth:11.0f}%" + ratio)
         if "breakdown" in r:
-            b = r["breakdown"]
-            print(f"  {name} decode step: " + ", ".join(f"{k[:-3]} {v:.1f} ms ({100 * v / b['step_ms']:.0f}%)"
-                                                        for k, v in b.items() if k != "step_ms")
-                  + f"; step {b['step_ms']:.1f} ms")
+            print_breakdown(name, r["breakdown"])
     densities = [f"{name} {100 * r['density']:.1f}%" for name, r in result["engines"].items() if r.get("density")]
     if densities:
         print("FFN neurons computed per decode step (the file's predictors, every layer): " + ", ".join(densities)
@@ -134,6 +132,16 @@ def cmd_bench(args):
     busy = machine.describe(result["machine"])
     if busy:
         print(busy)
+
+
+def print_breakdown(name: str, rows: list[dict]) -> None:
+    """bench.breakdown's rows as a table: ms a token, share of the step, MB read and its rate."""
+    step = rows[-1]["ms"]
+    print(f"  {name}, one decode step part by part:")
+    print(f"  {'part':64} {'ms':>6} {'of step':>7} {'MB':>6} {'GB/s':>6}")
+    for r in rows:
+        mb = f"{r['mb']:6.1f} {r['mb'] / r['ms']:6.1f}" if r["mb"] else f"{'':6} {'':6}"
+        print(f"  {r['part']:64} {r['ms']:6.2f} {100 * r['ms'] / step:6.0f}% {mb}")
 
 
 def check_peer(peer: str, model) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 from numba import njit, prange
 
+from cpu_offload import host_decode
 from cpu_offload.predicted_decode import PredictedHostDecoder
 from cpu_offload.team import usable_cores
 from pjinfer.config import ConfigError
@@ -19,7 +20,7 @@ from pjinfer.measure import machine, native_peer
 from pjinfer.measure.peer import llama_cpp_runner
 from pjinfer.offline import teal
 from pjinfer.runtime.engine import Engine
-from pjinfer.runtime.model import KVCache
+from pjinfer.runtime.model import KVCache, embedding_rows
 from pjinfer.runtime.sparse import SparseFFN, skipped_share
 
 
@@ -172,8 +173,6 @@ def predicted_density(engine: Engine, prompt: list[int], new_tokens: int) -> flo
     """The share of FFN neurons a PowerInfer file's sparse host decode computes, over every layer and every decode
     step of a greedy run of new_tokens after prompt (its decoder's counts, read after each step: one step per
     jitted call, untimed). 1.0 for the file run dense; None for an engine without that decoder."""
-    from cpu_offload.predicted_decode import PredictedHostDecoder
-
     if not isinstance(engine.host, PredictedHostDecoder) or new_tokens < 2:
         return None
     computed = []
@@ -256,12 +255,93 @@ def _seconds(fn, *args) -> float:
     return time.perf_counter() - t
 
 
-def breakdown(engine: Engine, *, cache_len: int = 256, repeats: int = 20) -> dict:
-    """Where one decode step's time goes: every layer's attention, every layer's FFN and the output
-    head, each timed as its own jitted function on a one-token input (median ms), against the whole step."""
+def breakdown(engine: Engine, step_ms: float, *, position: int = 80, repeats: int = 9) -> list[dict]:
+    """Where one decode step's time goes, as rows {part, ms, mb} (ms per token, median of repeats; mb: the bytes
+    it reads, None where it reads no weights), the last row the whole step: step_ms, a token's time in the
+    generate loop as run() measured it. On the dense host decode (host_stages) every stage of the layers and the
+    head; on XLA, every layer's attention, FFN and the head as jitted functions. position: the token's position
+    (the cache it attends over)."""
+    if engine.backend.host:
+        if getattr(engine, "host", None) is None or engine.host.magic != host_decode.MAGIC:
+            raise ConfigError("--breakdown times the dense host decode and XLA, not this engine's "
+                              f"({engine.path})")
+        return host_stages(engine, step_ms, position=position, repeats=repeats)
+    return xla_stages(engine, step_ms, position=position, repeats=max(repeats, 20))
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1000 * statistics.median(times)
+
+
+def host_stages(engine: Engine, step_ms: float, *, position: int, repeats: int) -> list[dict]:
+    """The dense host decode's step part by part, each part timed over every layer in one call
+    (cpu_offload.host_decode.repeat, on real hidden states of wiki text and caches filled to position): the team's
+    stages, the layer's work on the calling thread (norms, RoPE, residuals: the whole layer less its stages), the
+    hand-offs inside those stages (an empty stage's time, five a layer), the head; then the host's whole step, and
+    what the generate loop's step (step_ms) costs beyond it: XLA's work and dispatch around the FFI calls,
+    sampling, the loop."""
+    host, c = engine.host, engine.config
+    header = host.address
+    cache_len = max(position + 1, 16)
+    k = np.zeros((c.n_layers, cache_len, c.n_kv_heads, c.head_dim), np.float16)
+    v = np.zeros_like(k)
+    prompt = bench_prompt(engine, 32)
+    _, cache = engine.prefill(prompt, cache_len=engine.plan(len(prompt), 1)[1])
+    for l in range(c.n_layers):   # the prompt's keys and values, repeated up to position
+        for at in range(0, position + 1, len(prompt)):
+            n = min(len(prompt), position + 1 - at)
+            k[l, at:at + n] = np.asarray(cache.k[l])[0, :n]
+            v[l, at:at + n] = np.asarray(cache.v[l])[0, :n]
+    k_ptrs = np.array([k[l].ctypes.data for l in range(c.n_layers)], np.int64)
+    v_ptrs = np.array([v[l].ctypes.data for l in range(c.n_layers)], np.int64)
+    x0 = np.asarray(embedding_rows(nnx.merge(engine.graphdef, engine.state).embed, jnp.asarray([prompt[-1]])),
+                    np.float32).reshape(c.d_model)
+    logits = np.zeros(c.vocab_size, np.float32)
+
+    def part(which, reps=1, x=x0):
+        xs = x.copy()
+        return _median_ms(lambda: host_decode.repeat(header, which, reps, position, k_ptrs, v_ptrs, xs, logits),
+                          repeats) / reps
+
+    layer = part(host_decode.PART_LAYER)   # also leaves the scratch holding a real layer's vectors
+    mb = {slot: sum(host._quantized[(l, slot)].nbytes for l in range(c.n_layers)) / 1e6
+          for slot in host_decode.MATRICES.values()}
+    cache_mb = 2 * c.n_layers * (position + 1) * c.n_kv_heads * c.head_dim * 2 / 1e6
+    rows = [
+        {"part": "q, k, v", "ms": part(host_decode.ST_QKV),
+         "mb": mb[host_decode.L_Q] + mb[host_decode.L_K] + mb[host_decode.L_V]},
+        {"part": "attention (cache write, scores, softmax, V)", "ms": part(host_decode.ST_ATTN), "mb": cache_mb},
+        {"part": "o", "ms": part(host_decode.ST_O), "mb": mb[host_decode.L_O]},
+        {"part": "gate, up, activation", "ms": part(host_decode.ST_GATE_UP),
+         "mb": mb[host_decode.L_GATE] + mb[host_decode.L_UP]},
+        {"part": "down", "ms": part(host_decode.ST_DOWN), "mb": mb[host_decode.L_DOWN]},
+    ]
+    rows.append({"part": "calling thread (norms, RoPE, residuals)", "ms": layer - sum(r["ms"] for r in rows),
+                 "mb": None})
+    rows.append({"part": "head", "ms": part(host_decode.ST_HEAD, reps=5), "mb": host._head.nbytes / 1e6})
+    handoff = 5 * part(host_decode.PART_HANDOFF)
+    host_ms = layer + rows[-1]["ms"]
+    rows += [{"part": "hand-offs inside the stages above (an empty stage, 5 a layer)", "ms": handoff, "mb": None},
+             {"part": "host step (the layers and the head)", "ms": host_ms, "mb": None},
+             {"part": "outside the host's calls (XLA, dispatch, sampling, the loop)", "ms": step_ms - host_ms,
+              "mb": None},
+             {"part": "step in the generate loop", "ms": step_ms, "mb": host.nbytes / 1e6 + cache_mb}]
+    return rows
+
+
+def xla_stages(engine: Engine, step_ms: float, *, position: int, repeats: int) -> list[dict]:
+    """XLA's step: every layer's attention, every layer's FFN and the output head, each timed as its own jitted
+    function on a one-token input, against the generate loop's step (step_ms; the rest is embedding, norms,
+    sampling and hand-overs)."""
     graphdef, state = engine.graphdef, engine.state
-    cache = KVCache.create(engine.config, 1, cache_len)
-    pos = jnp.int32(cache_len // 2)
+    cache = KVCache.create(engine.config, 1, max(position + 1, 16))
+    pos = jnp.int32(position)
     # Real inputs: each layer's FFN input for the last of 32 tokens of real text (a sparse FFN's work
     # depends on what its predictor sees).
     text = jnp.asarray(bench_prompt(engine, 32))[None]
@@ -289,20 +369,12 @@ def breakdown(engine: Engine, *, cache_len: int = 256, repeats: int = 20) -> dic
     def head(state, x):
         return nnx.merge(graphdef, state).logits(x)
 
-    @jax.jit
-    def step(state, token, cache):
-        return nnx.merge(graphdef, state).decode(token, pos, cache)
-
     def ms(fn, *args):
-        jax.block_until_ready(fn(*args))
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - t)
-        return 1000 * statistics.median(times)
+        return _median_ms(lambda: jax.block_until_ready(fn(*args)), repeats)
 
-    parts = {"attention_ms": ms(attention, state, x, cache), "ffn_ms": ms(ffn, state, xs, rs),
-             "head_ms": ms(head, state, x), "step_ms": ms(step, state, jnp.int32(7), cache)}
-    parts["other_ms"] = parts["step_ms"] - parts["attention_ms"] - parts["ffn_ms"] - parts["head_ms"]
-    return parts
+    rows = [{"part": "attention", "ms": ms(attention, state, x, cache), "mb": None},
+            {"part": "ffn", "ms": ms(ffn, state, xs, rs), "mb": None},
+            {"part": "head", "ms": ms(head, state, x), "mb": None}]
+    rows += [{"part": "rest of the step", "ms": step_ms - sum(r["ms"] for r in rows), "mb": None},
+             {"part": "step in the generate loop", "ms": step_ms, "mb": None}]
+    return rows
