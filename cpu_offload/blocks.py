@@ -242,9 +242,10 @@ class Format:
     head: frozenset
 
 
+AS_STORED = "gguf"   # the format that keeps every matrix in its file's own block type (PowerInfer files run in it)
 FORMATS = {"int8": Format(frozenset({INT8}), INT8, frozenset({INT8})),
            "q4_1": Format(frozenset({Q4_1}), Q4_1, frozenset({INT8})),
-           "gguf": Format(frozenset(GGUF_TYPES), Q8_0, frozenset({INT8, *GGUF_TYPES}))}
+           AS_STORED: Format(frozenset(GGUF_TYPES), Q8_0, frozenset({INT8, *GGUF_TYPES}))}
 
 
 def block_type(code: int) -> BlockType:

@@ -95,9 +95,8 @@ class HostDecoder:
 
     config: pjinfer.runtime.model's ModelConfig. weights: canonical float32 weights, or what quantize_weights returns
     (the matrices then read in place: numpy arrays, or jax CPU arrays through zero-copy views, kept alive here).
-    fmt: how the weights are stored, a key of blocks.FORMATS: "int8" (a float32 scale per 64), "q4_1" (the GGUF's 4-bit
-    blocks) or "gguf" (each matrix in the file's own block type where a host GEMV reads it). The output head is
-    int8 in the first two (the GGUF keeps it at 8 bits too, Q8_0) and its own block type in "gguf"."""
+    fmt: how the weights are stored, a key of blocks.FORMATS: its row names the block types the layer matrices
+    and the output head are kept in (any other head: int8, as the GGUF keeps it at 8 bits too, Q8_0)."""
 
     target = TARGET_NAME    # the FFI target layer() and head() call (a subclass with its own handler names its own)
     # What a subclass that keeps host_decode's header and layer table (and adds its own slots) changes: the layer

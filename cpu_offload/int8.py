@@ -1,6 +1,6 @@
 """int8 rows with a float32 scale per block of 64 inputs (blocks.py's int8 type): the quantizer, and the GEMV that
-reads them: the output head of every host format but "gguf", every layer matrix with ``--weights int8``, and the
-cold rows of bridge.ColdFFN with int8 weights.
+reads them: an output head that its host format (blocks.FORMATS) does not keep in the file's blocks, every layer
+matrix with ``--weights int8``, and the cold rows of bridge.ColdFFN with int8 weights.
 
 ``quantize(w)``: float32 [rows, cols] -> (int8 [rows, cols], float32 [rows, ceil(cols / 64)]), symmetric, each
 block's largest magnitude mapped to 127 (a last block shorter than 64 where cols is not a multiple). Blocks, not

@@ -13,7 +13,7 @@ The predictor reads x, the residual stream before the FFN's norm, as PowerInfer'
 every neuron is in the set: the same file's dense decode through the same kernels.
 
 The header keeps host_decode's slots (its attention, norms and head read them: the layer table holds q, k, v and o
-as HostDecoder's "gguf" format stores them, the file's blocks or Q8_0) and adds the FFN table, the thresholds and
+as HostDecoder stores them in blocks.AS_STORED, the file's blocks or Q8_0) and adds the FFN table, the thresholds and
 the scratch below. The FFN rows stay in the file's row types (predicted_ffn.KINDS): gate and up [d_ff, d] and
 PowerInfer's ffn_down_t [d_ff, d]. Lifetime: like HostDecoder, the header is never freed.
 """
@@ -155,10 +155,10 @@ class PredictedHostDecoder(decoder.HostDecoder):
     config: pjinfer.runtime.model's ModelConfig (a gated FFN). weights: canonical weights whose w_gate, w_up and
     w_down_t are the file's rows ([d_ff, d] each, w_down_t PowerInfer's ffn_down_t), each a qtensor QTensor of a
     GGUF block type, or a float16 / float32 array (F16 / F32 rows: predicted_ffn.stored_rows); q, k, v, o and the
-    head as HostDecoder's "gguf" format takes them. fc1 [rank_l, d] and fc2 [d_ff, rank_l] per layer, float16 or
-    float32 as the file stores them (read in place where the rank is a multiple of 32: predicted_ffn.predictor_rows),
-    and threshold: PowerInfer's predictors (pjinfer.load.powerinfer.Predictors' fields); fc1 None: every neuron
-    computed (dense)."""
+    head as HostDecoder's format blocks.AS_STORED takes them. fc1 [rank_l, d] and fc2 [d_ff, rank_l] per layer,
+    float16 or float32 as the file stores them (read in place where the rank is a multiple of 32:
+    predicted_ffn.predictor_rows), and threshold: PowerInfer's predictors (pjinfer.load.powerinfer.Predictors'
+    fields); fc1 None: every neuron computed (dense)."""
 
     target = TARGET_NAME
     matrices, header_width, magic, stage, handler = ATTENTION, HEADER_WIDTH, MAGIC, _stage, _handler
@@ -169,7 +169,7 @@ class PredictedHostDecoder(decoder.HostDecoder):
             raise ConfigError(f"the predicted host decode runs gated FFNs, not {c.activation!r}")
         if (fc1 is None) != (fc2 is None) or fc1 is not None and not len(fc1) == len(fc2) == c.n_layers:
             raise ConfigError(f"predictors need fc1 and fc2 for each of the {c.n_layers} layers")
-        super().__init__(config, weights, "gguf")
+        super().__init__(config, weights, blocks.AS_STORED)
         self.ffn_rows = {}   # (layer, name) -> (uint8 rows, row type), as stored
         self.predictors = None if fc1 is None else [self._predictor(l, a, b) for l, (a, b) in enumerate(zip(fc1, fc2))]
         table = np.zeros((c.n_layers, F_WIDTH), np.int64)

@@ -41,6 +41,7 @@ from numba.extending import intrinsic  # noqa: E402
 from . import activation, blocks, ffi, kernels, quants  # noqa: E402
 from .contract import ConfigError  # noqa: E402
 from .activation import act  # noqa: E402
+from .blocks import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0  # noqa: E402
 from .kernels import prefetch_lines  # noqa: E402
 
 ffi.purge_stale_cache("predicted_ffn", activation, blocks, kernels, quants)
@@ -118,22 +119,21 @@ def _float_dot_intrinsic(kind):
     return dot
 
 
-def _axpy_intrinsic(kind):
-    """(p, nb, ya, a): y += a * the row of nb blocks of kind at address p (y float32 at address ya)."""
-    @intrinsic
-    def axpy(typingctx, p, nb, ya, a):
-        def codegen(context, builder, sig, args):
-            _emit_row(_AxpyRow(builder, args[2], args[3]), kind, args[0], args[1])
-            return context.get_dummy_value()
-        return types.void(types.int64, types.int64, types.int64, types.float32), codegen
-    return axpy
+@intrinsic
+def _axpy(typingctx, kind, p, nb, ya, a):
+    """(kind, p, nb, ya, a): y += a * the row of nb blocks of type kind at address p (y float32 at address ya). kind
+    is a type constant of KINDS (a literal where it is called: each call emits that type's code)."""
+    if not isinstance(kind, types.IntegerLiteral):
+        return None
+    code = kind.literal_value
+
+    def codegen(context, builder, sig, args):
+        _emit_row(_AxpyRow(builder, args[3], args[4]), code, args[1], args[2])
+        return context.get_dummy_value()
+    return types.void(kind, types.int64, types.int64, types.int64, types.float32), codegen
 
 
 _dot_f32, _dot_f16 = _float_dot_intrinsic(F32), _float_dot_intrinsic(F16)
-_AXPY = {kind: _axpy_intrinsic(kind) for kind in KINDS}
-(_axpy_f32, _axpy_f16, _axpy_q4_0, _axpy_q4_1, _axpy_q5_0, _axpy_q5_1, _axpy_q8_0, _axpy_q4_k, _axpy_q5_k,
- _axpy_q6_k) = (_AXPY[k] for k in (F32, F16, blocks.Q4_0, blocks.Q4_1, blocks.Q5_0, blocks.Q5_1, blocks.Q8_0,
-                                   blocks.Q4_K, blocks.Q5_K, blocks.Q6_K))
 
 
 @njit(inline="always", **_JIT)
@@ -149,26 +149,26 @@ def row_dot(kind, p, nb, xa):
 @njit(inline="always", **_JIT)
 def row_axpy(kind, p, nb, ya, a):
     """y += a * one row (nb blocks of type kind at address p), y float32 at address ya."""
-    if kind == blocks.Q4_0:
-        _axpy_q4_0(p, nb, ya, a)
+    if kind == Q4_0:
+        _axpy(Q4_0, p, nb, ya, a)
     elif kind == F16:
-        _axpy_f16(p, nb, ya, a)
-    elif kind == blocks.Q8_0:
-        _axpy_q8_0(p, nb, ya, a)
-    elif kind == blocks.Q4_1:
-        _axpy_q4_1(p, nb, ya, a)
+        _axpy(F16, p, nb, ya, a)
+    elif kind == Q8_0:
+        _axpy(Q8_0, p, nb, ya, a)
+    elif kind == Q4_1:
+        _axpy(Q4_1, p, nb, ya, a)
     elif kind == F32:
-        _axpy_f32(p, nb, ya, a)
-    elif kind == blocks.Q4_K:
-        _axpy_q4_k(p, nb, ya, a)
-    elif kind == blocks.Q6_K:
-        _axpy_q6_k(p, nb, ya, a)
-    elif kind == blocks.Q5_K:
-        _axpy_q5_k(p, nb, ya, a)
-    elif kind == blocks.Q5_0:
-        _axpy_q5_0(p, nb, ya, a)
+        _axpy(F32, p, nb, ya, a)
+    elif kind == Q4_K:
+        _axpy(Q4_K, p, nb, ya, a)
+    elif kind == Q6_K:
+        _axpy(Q6_K, p, nb, ya, a)
+    elif kind == Q5_K:
+        _axpy(Q5_K, p, nb, ya, a)
+    elif kind == Q5_0:
+        _axpy(Q5_0, p, nb, ya, a)
     else:
-        _axpy_q5_1(p, nb, ya, a)
+        _axpy(Q5_1, p, nb, ya, a)
 
 
 # ---------------------------------------------------------------------------------------------------------------

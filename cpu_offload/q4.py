@@ -109,7 +109,7 @@ def _row_dot_intrinsic(kind):
     return row_dot
 
 
-row_dot_q4_1, row_dot_q4_0 = _row_dot_intrinsic(blocks.Q4_1), _row_dot_intrinsic(blocks.Q4_0)
+row_dot_with_m, row_dot_minus_8 = _row_dot_intrinsic(blocks.Q4_1), _row_dot_intrinsic(blocks.Q4_0)
 
 
 @njit(**_JIT)
@@ -123,6 +123,6 @@ def gemv(q, x, y, lo, hi, kind=blocks.Q4_1):
         if r + PREFETCH_ROWS < hi:
             prefetch_lines(q, r + PREFETCH_ROWS)
         if kind == blocks.Q4_0:
-            y[r] = row_dot_q4_0(rows + r * q.strides[0], nb, x.ctypes.data)
+            y[r] = row_dot_minus_8(rows + r * q.strides[0], nb, x.ctypes.data)
         else:
-            y[r] = row_dot_q4_1(rows + r * q.strides[0], nb, x.ctypes.data)
+            y[r] = row_dot_with_m(rows + r * q.strides[0], nb, x.ctypes.data)

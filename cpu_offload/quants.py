@@ -190,47 +190,44 @@ def emit_block(row, kind, bp, x0):
         _emit_small(row, kind, bp, x0)
 
 
-def _row_intrinsic(kind):
-    """An intrinsic (p, nb, xa) -> float32: the dot of the row of nb blocks of kind at address p with the float32
-    input at address xa (addresses as integers)."""
-    block, nbytes = GGUF_TYPES[kind].block, GGUF_TYPES[kind].nbytes
+@intrinsic
+def _dot_row(typingctx, kind, p, nb, xa):
+    """An intrinsic (kind, p, nb, xa) -> float32: the dot of the row of nb blocks of ggml type kind at address p with
+    the float32 input at address xa (addresses as integers). kind is a block type constant of blocks.TYPES (a
+    literal where it is called: each call emits that type's code; Q4_0 and Q4_1 are q4's)."""
+    if not isinstance(kind, types.IntegerLiteral):
+        return None
+    code = kind.literal_value
+    block, nbytes = GGUF_TYPES[code].block, GGUF_TYPES[code].nbytes
 
-    @intrinsic
-    def row_dot(typingctx, p, nb, xa):
-        def codegen(context, builder, sig, args):
-            p, nb, xa = args
-            row = _Row(builder, xa)
-            with cgutils.for_range(builder, nb) as loop:
-                bp = builder.add(p, builder.mul(loop.index, _i64(nbytes)))
-                emit_block(row, kind, bp, builder.mul(loop.index, _i64(block)))
-            return row.total()
-        return types.float32(types.int64, types.int64, types.int64), codegen
-    return row_dot
-
-
-_ROW = {kind: _row_intrinsic(kind) for kind in GGUF_TYPES if kind not in q4.NIBBLES_AT}   # Q4_0, Q4_1: q4's
-_row_q5_0, _row_q5_1, _row_q8_0 = (_ROW[k] for k in (Q5_0, Q5_1, Q8_0))
-_row_q4_k, _row_q5_k, _row_q6_k = (_ROW[k] for k in (Q4_K, Q5_K, Q6_K))
+    def codegen(context, builder, sig, args):
+        _, p, nb, xa = args
+        row = _Row(builder, xa)
+        with cgutils.for_range(builder, nb) as loop:
+            bp = builder.add(p, builder.mul(loop.index, _i64(nbytes)))
+            emit_block(row, code, bp, builder.mul(loop.index, _i64(block)))
+        return row.total()
+    return types.float32(kind, types.int64, types.int64, types.int64), codegen
 
 
 @njit(inline="always", **_JIT)
 def row_dot(kind, p, nb, xa):
     """float32 dot of one row (nb blocks of ggml type kind at address p) with the float32 input at address xa."""
     if kind == Q4_K:
-        return _row_q4_k(p, nb, xa)
+        return _dot_row(Q4_K, p, nb, xa)
     if kind == Q6_K:
-        return _row_q6_k(p, nb, xa)
+        return _dot_row(Q6_K, p, nb, xa)
     if kind == Q5_0:
-        return _row_q5_0(p, nb, xa)
+        return _dot_row(Q5_0, p, nb, xa)
     if kind == Q8_0:
-        return _row_q8_0(p, nb, xa)
+        return _dot_row(Q8_0, p, nb, xa)
     if kind == Q5_K:
-        return _row_q5_k(p, nb, xa)
+        return _dot_row(Q5_K, p, nb, xa)
     if kind == Q4_0:
-        return q4.row_dot_q4_0(p, nb, xa)
+        return q4.row_dot_minus_8(p, nb, xa)
     if kind == Q5_1:
-        return _row_q5_1(p, nb, xa)
-    return q4.row_dot_q4_1(p, nb, xa)
+        return _dot_row(Q5_1, p, nb, xa)
+    return q4.row_dot_with_m(p, nb, xa)
 
 
 @njit(**_JIT)

@@ -71,7 +71,7 @@ def test_auto_weights_are_the_files_own_blocks_or_float32(tmp_path, capsys):
     write_tiny_gguf(q8, config, weights, quantize=True)
     assert loader.stored_format(q4) == "q4_1" and resolve_weights("auto", q4) == "q4_1"
     assert loader.stored_format(q8) == "gguf" and resolve_weights("auto", q8) == "gguf"   # blocks with a kernel
-    assert resolve_weights("auto", None) == "q4_1"                         # the embedded model
+    assert resolve_weights("auto", None) == loader.DEFAULT_MODEL_WEIGHTS == "q4_1"  # the embedded model
     assert resolve_weights("auto", tmp_path) == "float32"                  # a directory (HF layout)
     assert resolve_weights("int8", q4) == "int8"
     # A block type without a host kernel: float32, said in one line naming the type.

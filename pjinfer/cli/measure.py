@@ -73,9 +73,6 @@ def cmd_bench(args):
     from pjinfer.load.powerinfer import file_layout
     from pjinfer.runtime import backends
 
-    def engine_name(weights):
-        return "dense" if weights == "float32" else f"dense-{weights}"
-
     # A PowerInfer file runs sparse on its own predictors unless --dense: then that is the sparse engine, measured
     # against the same file dense, as a bundle's is against the dense engine of its weights.
     own_predictors = args.bundle is None and not args.dense and file_layout(args.model) == (True, True)
@@ -92,7 +89,7 @@ def cmd_bench(args):
     sparse = common.plan(args, args.bundle, weights="auto") if args.bundle or own_predictors else None
     if sparse and sparse.weights not in formats:
         dense.append(dense_plan(sparse.weights))   # sparse is measured against the dense engine of its own weights
-    engines = {engine_name(p.weights): common.load(args, plan_made=p) for p in dense}
+    engines = {bench.engine_name(p.weights): common.load(args, plan_made=p) for p in dense}
     if sparse:
         engines["sparse"] = common.load(args, plan_made=sparse)
     result = bench.run(engines, prompt_len=args.prompt_len, new_tokens=args.new_tokens, runs=args.runs,
@@ -102,7 +99,7 @@ def cmd_bench(args):
             result["engines"][name]["breakdown"] = bench.breakdown(
                 engine, result["engines"][name]["decode_ms_per_token"], position=args.prompt_len + args.new_tokens // 2)
     if sparse:
-        result["sparse_over_dense"] = result["engines"]["sparse"]["decode_over"][engine_name(sparse.weights)]
+        result["sparse_over_dense"] = result["engines"]["sparse"]["decode_over"][bench.engine_name(sparse.weights)]
     if args.json:
         print(json.dumps(result))
         return
@@ -127,7 +124,7 @@ def cmd_bench(args):
         print("FFN neurons computed per decode step (the file's predictors, every layer): " + ", ".join(densities)
               + (f"; {result['peer']['name']} prints no density" if args.peer == "powerinfer" else ""))
     if sparse:
-        print(f"sparse decode / {engine_name(sparse.weights)} decode: {result['sparse_over_dense']:.2f}x "
+        print(f"sparse decode / {bench.engine_name(sparse.weights)} decode: {result['sparse_over_dense']:.2f}x "
               "(median of the runs' ratios)")
     busy = machine.describe(result["machine"])
     if busy:

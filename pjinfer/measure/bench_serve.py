@@ -29,6 +29,7 @@ import httpx
 from tqdm import tqdm
 
 from pjinfer.arguments import positive_int
+from pjinfer.load.loader import DEFAULT_MODEL_WEIGHTS
 from pjinfer.runtime.batch import Batch
 from pjinfer.runtime.engine import Engine
 from pjinfer.runtime.sampling import Sampling
@@ -186,7 +187,7 @@ def main(argv=None) -> int:
     p.add_argument("--clients", type=positive_int, default=8)
     p.add_argument("--tokens", type=positive_int, default=64)
     p.add_argument("--pairs", type=positive_int, default=3, help="alternated (one stream, concurrent) pairs")
-    p.add_argument("--weights", default="q4_1")
+    p.add_argument("--weights", default=DEFAULT_MODEL_WEIGHTS)
     p.add_argument("--model")
     p.add_argument("--no-http", action="store_true", help="the engine's part only: batched decode in this process")
     args = p.parse_args(argv)

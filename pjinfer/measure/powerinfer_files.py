@@ -87,7 +87,7 @@ def cached_file(folder, size: str, *, seed: int = 0, density: float = DENSITY, v
 
 # --- the tensors ----------------------------------------------------------------------------------------------------
 
-def _q4_0_rows(rng, rows: int, cols: int) -> np.ndarray:
+def _random_block_rows(rng, rows: int, cols: int) -> np.ndarray:
     """Random Q4_0 rows, uint8 [rows, cols / 32 * 18]: nibbles uniform, scales about 0.2 / sqrt(cols), so a row's
     product with a vector of unit entries is of order one."""
     nb = cols // 32
@@ -151,7 +151,7 @@ def _tensor(g: Geometry, index: int, name: str, shape: tuple, kind: int, seed: i
     if kind == F16:
         fc1, fc2 = predictor(g, int(name.split(".")[1]), seed, density)
         return fc1 if name.endswith("fc1.weight") else fc2
-    return _q4_0_rows(np.random.default_rng([seed, 0, index]), *shape)
+    return _random_block_rows(np.random.default_rng([seed, 0, index]), *shape)
 
 
 def _nbytes(shape: tuple, kind: int) -> tuple[tuple, np.dtype, int]:

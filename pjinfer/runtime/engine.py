@@ -32,19 +32,20 @@ class Engine:
         (cpu_offload.qtensor), built into the backend (pjinfer.runtime.backends) that runs weights_format with
         `thresholds` and `hot_backend`.
         weights_format "float32": every matrix float32 in XLA (quantized ones dequantized here, one at a time).
-        "int8" (every matrix quantized with a scale per block of 64), "q4_1" (the layers in the GGUF's 4-bit
-        blocks, the head int8) or "gguf" (every matrix in the file's own block type): the model holds only the
-        quantized arrays, once. They are handed to XLA with jax.device_put, which on the CPU aliases a
-        64-byte-aligned numpy array (qtensor.aligned) instead of copying it, and the host decode reads the same
-        bytes. One-token decode steps run on the host (cpu_offload.host_decode); prefill and scoring through XLA,
-        which dequantizes each matrix where it is used (a float32 transient), so every path computes one model.
-        thresholds ([n_layers, 4], pjinfer.offline.teal): input sparsity in every path; with "q4_1" decode runs
-        cpu_offload.sparse_decode (the same Q4_1 numbers laid out by input column, only active inputs read; a
-        second copy of the layers); with "float32", hot_backend says where one-token products run: "xla" (dense
-        products of the masked inputs) or "pallas" / "pallas-interpret" (pjinfer.runtime.gathered: the blocks held
-        input-major, only the active inputs' rows read by the Pallas gather kernel). A predictor bundle's
-        hot_backend is use_bundle's. neuron_rows: `weights` are a PowerInfer file's as the loader keeps them with
-        neuron_rows (weights_format "gguf"), run on the host with the file's `predictors`
+        A host decode format (a key of cpu_offload.blocks.FORMATS, whose row says which block types it keeps the
+        layers and the head in): the model holds only the quantized arrays, once. They are handed to XLA with
+        jax.device_put, which on the CPU aliases a 64-byte-aligned numpy array (qtensor.aligned) instead of
+        copying it, and the host decode reads the same bytes. One-token decode steps run on the host
+        (cpu_offload.host_decode); prefill and scoring through XLA, which dequantizes each matrix where it is used
+        (a float32 transient), so every path computes one model.
+        thresholds ([n_layers, 4], pjinfer.offline.teal): input sparsity in every path; on Q4_1 layers (the
+        host-thresholds row of backends.BACKENDS) decode runs cpu_offload.sparse_decode (the same Q4_1 numbers
+        laid out by input column, only active inputs read; a second copy of the layers); with "float32",
+        hot_backend says where one-token products run: "xla" (dense products of the masked inputs) or "pallas" /
+        "pallas-interpret" (pjinfer.runtime.gathered: the blocks held input-major, only the active inputs' rows
+        read by the Pallas gather kernel). A predictor bundle's hot_backend is use_bundle's. neuron_rows:
+        `weights` are a PowerInfer file's as the loader keeps them with neuron_rows (the weights_format of
+        backends.BACKENDS' powerinfer rows), run on the host with the file's `predictors`
         (pjinfer.load.powerinfer.Predictors), or dense without them."""
         rule = THRESHOLDS if thresholds is not None else backends.PREDICTORS if predictors is not None else None
         self.backend = backends.select(weights_format, rule, hot_backend, neuron_rows=neuron_rows)

@@ -9,10 +9,10 @@ FFN's norm; pjinfer.load.powerinfer):
   outside the predicted set zeroed before down. So ``perplexity`` measures what decode computes.
 
 ``attach_powerinfer(model, config, tensors, predictors)`` does both swaps on a Transformer built from the file's
-tensors as stored, ``pjinfer.load.loader.load_gguf(path, keep="gguf", neuron_rows=True)``:
-q, k, v, o, the embedding and head the file's blocks (Q8_0 for float ones, as --weights gguf), the FFN matrices its
-rows in their own types, ffn_down_t too (w_down_t [d_ff, d], which the Transformer must not run before this swap),
-F16 and F32 ones the file's arrays. It returns the host decoder.
+tensors as stored, ``pjinfer.load.loader.load_gguf(path, keep=cpu_offload.blocks.AS_STORED, neuron_rows=True)``:
+q, k, v, o, the embedding and head the file's blocks (Q8_0 for float ones, as that format's row of blocks.FORMATS
+says), the FFN matrices its rows in their own types, ffn_down_t too (w_down_t [d_ff, d], which the Transformer must
+not run before this swap), F16 and F32 ones the file's arrays. It returns the host decoder.
 Without predictors (``dense=True``) every neuron is computed: the same file dense, through the same kernels.
 """
 from __future__ import annotations
