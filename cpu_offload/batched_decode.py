@@ -32,7 +32,7 @@ import ctypes
 import jax
 import jax.numpy as jnp
 import numpy as np
-from numba import carray, cfunc, njit, types
+from numba import carray, njit, types
 
 from .contract import ConfigError
 
@@ -47,6 +47,7 @@ from .host_decode import (F_BLOCKS, H_EPS, H_FORMAT, H_HEAD, H_HEAD_SCALES, H_IN
                           thread_share)
 from .activation import act_span
 from .blocks import INT8, TYPES
+from .cfuncs import HANDLER, STAGE, DeferredCFunc
 from .qtensor import aligned_zeros
 
 
@@ -159,7 +160,7 @@ def _stage_py(header, tid, n):
 ffi.purge_stale_cache("batched_decode", attention, activation, kernels, ffi, int8, q4, q4_gemm, host_decode, tables,
                       team, vector_ir)
 
-_stage = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True, cache=True)(_stage_py)
+_stage = DeferredCFunc(STAGE, _stage_py)
 
 
 @njit(**NOJIT)
@@ -348,7 +349,7 @@ def _handler_py(frame):
     return ffi.serve(frame, _execute)
 
 
-_handler = cfunc(types.intp(types.intp), nopython=True, cache=True)(_handler_py)
+_handler = DeferredCFunc(HANDLER, _handler_py)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -22,7 +22,9 @@ from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_
                   store_i64, unlock)
 
 import numba  # noqa: E402  (kernels set the threading layer first)
-from numba import carray, cfunc, njit, types  # noqa: E402
+from numba import carray, njit  # noqa: E402
+
+from .cfuncs import HANDLER, DeferredCFunc  # noqa: E402
 
 TARGET_NAME = "pjinfer_cold_ffn"
 
@@ -240,7 +242,7 @@ def _handler_py(frame):
 ffi.purge_stale_cache("cold_handler", activation, kernels, ffi, tables, vector_ir)
 
 # XLA_FFI_Error* handler(XLA_FFI_CallFrame*): pointers travel as pointer-sized integers (same registers on LP64).
-_handler = cfunc(types.intp(types.intp), nopython=True, cache=True)(_handler_py)
+_handler = DeferredCFunc(HANDLER, _handler_py)
 
 
 def register() -> None:

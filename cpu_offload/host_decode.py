@@ -45,7 +45,9 @@ from .blocks import INT8
 from .kernels import QBLOCK
 from .qtensor import aligned_zeros
 
-from numba import carray, cfunc, njit, types  # noqa: E402
+from numba import carray, njit  # noqa: E402
+
+from .cfuncs import HANDLER, STAGE, DeferredCFunc  # noqa: E402
 
 TARGET_NAME = "pjinfer_host_decode"
 MAGIC = 0x706A686F7374_0001  # "pjhost" + 1
@@ -282,7 +284,7 @@ ffi.purge_stale_cache("host_decode", attention, activation, blocks, kernels, ffi
                       vector_ir)
 
 # void stage(int64 header, int64 tid, int64 n): what the team runs.
-stage_cfunc = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True, cache=True)(_stage_py)
+stage_cfunc = DeferredCFunc(STAGE, _stage_py)
 
 
 @njit(**NOJIT)
@@ -487,4 +489,4 @@ def _handler_py(frame):
                  cstr("pjinfer_host_decode: expected 5 operands and 3 results, or 1 and 1"))
 
 
-handler_cfunc = cfunc(types.intp(types.intp), nopython=True, cache=True)(_handler_py)
+handler_cfunc = DeferredCFunc(HANDLER, _handler_py)

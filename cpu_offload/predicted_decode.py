@@ -28,7 +28,9 @@ from .qtensor import aligned_zeros
 from .host_decode import H_D, H_FF, H_TASK, H_TEAM, K_LAYER, K_STAGE, ST_ATTN, ST_HEAD, ST_O, ST_QKV
 from .contract import ConfigError
 
-from numba import carray, cfunc, njit, types  # noqa: E402
+from numba import carray, njit  # noqa: E402
+
+from .cfuncs import HANDLER, STAGE, DeferredCFunc  # noqa: E402
 
 TARGET_NAME = "pjinfer_predicted_decode"
 MAGIC = 0x706A70726564_0001  # "pjpred" + 1
@@ -110,7 +112,7 @@ def _stage_py(header, tid, n):
 ffi.purge_stale_cache("predicted_decode", activation, attention, blocks, ffi, hd, int8, kernels, pf, q4, quants, tables,
                       team, vector_ir)
 
-_stage = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True, cache=True)(_stage_py)
+_stage = DeferredCFunc(STAGE, _stage_py)
 
 
 @njit(**NOJIT)
@@ -143,7 +145,7 @@ def _handler_py(frame):
                     cstr("pjinfer_predicted_decode: expected 5 operands and 3 results, or 1 and 1"))
 
 
-_handler = cfunc(types.intp(types.intp), nopython=True, cache=True)(_handler_py)
+_handler = DeferredCFunc(HANDLER, _handler_py)
 
 
 # ---------------------------------------------------------------------------------------------------------------

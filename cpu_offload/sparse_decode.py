@@ -44,7 +44,9 @@ from .q4 import BLOCK
 from .qtensor import QTensor
 from .contract import THRESHOLD_INPUTS, ConfigError
 
-from numba import carray, cfunc, njit, types  # noqa: E402
+from numba import carray, njit  # noqa: E402
+
+from .cfuncs import HANDLER, STAGE, DeferredCFunc  # noqa: E402
 
 TARGET_NAME = "pjinfer_sparse_decode"
 MAGIC = 0x706A7370_0001  # "pjsp" + 1
@@ -127,7 +129,7 @@ def _stage_py(header, tid, n):
 ffi.purge_stale_cache("sparse_decode", attention, activation, kernels, ffi, int8, q4, q4_sparse, tables, team, hd,
                       vector_ir)
 
-_stage = cfunc(types.void(types.int64, types.int64, types.int64), nopython=True, cache=True)(_stage_py)
+_stage = DeferredCFunc(STAGE, _stage_py)
 
 
 @njit(**NOJIT)
@@ -169,7 +171,7 @@ def _handler_py(frame):
                     cstr("pjinfer_sparse_decode: expected 5 operands and 3 results, or 1 and 1"))
 
 
-_handler = cfunc(types.intp(types.intp), nopython=True, cache=True)(_handler_py)
+_handler = DeferredCFunc(HANDLER, _handler_py)
 
 
 # ---------------------------------------------------------------------------------------------------------------

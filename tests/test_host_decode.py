@@ -273,12 +273,18 @@ def test_a_new_process_loads_every_handler_from_numbas_cache():
     """Start-up: every FFI handler and team stage (cfuncs) comes from Numba's on-disk cache in the next process,
     none compiled again: compiling them is most of a cold start. A handler that held a jitted function's object
     address (one passed as a value to a compiled call; ffi.serve and host_decode.serve are inlined for this)
-    cannot be cached. This process imported them first, so the cache is written."""
+    cannot be cached. This process loaded them first (each is loaded on first use: cpu_offload/cfuncs.py), so the
+    cache is written."""
     import subprocess
     import sys
 
-    from cpu_offload import batched_decode, cold_handler, predicted_decode, sparse_decode  # noqa: F401
+    from cpu_offload import batched_decode, cold_handler, host_decode, predicted_decode, sparse_decode
 
+    for m, names in ((host_decode, ("handler_cfunc", "stage_cfunc")), (sparse_decode, ("_handler", "_stage")),
+                     (batched_decode, ("_handler", "_stage")), (predicted_decode, ("_handler", "_stage")),
+                     (cold_handler, ("_handler",))):
+        for name in names:
+            getattr(m, name).made()
     code = """
 from cpu_offload import batched_decode, cold_handler, host_decode, predicted_decode, sparse_decode
 funcs = {"host_decode.handler_cfunc": host_decode.handler_cfunc, "host_decode.stage_cfunc": host_decode.stage_cfunc}

@@ -275,3 +275,33 @@ def test_q4_1_engine_holds_no_float32_copy_of_a_quantized_matrix():
     assert out["scipy_linalg"] is False
     size = loader.default_model_path().stat().st_size
     assert out["owned"] < 1.2 * size, out["owned"]
+
+
+HANDLERS_LOADED = r"""
+import sys
+from cpu_offload import batched_decode, cold_handler, host_decode, predicted_decode, sparse_decode
+from pjinfer.runtime.engine import Engine
+
+funcs = {"host_decode.handler_cfunc": host_decode.handler_cfunc, "host_decode.stage_cfunc": host_decode.stage_cfunc}
+for m in (sparse_decode, batched_decode, predicted_decode, cold_handler):
+    funcs.update({f"{m.__name__}.{n}": getattr(m, n) for n in ("_handler", "_stage") if hasattr(m, n)})
+loaded = lambda: sorted(name for name, f in funcs.items() if f.loaded)
+at_import = loaded()
+engine = Engine.load(sys.argv[1], compile_cache=False)
+engine.generate([1, 2, 3], max_new_tokens=2)
+print(at_import, loaded(), "pallas_kernels" in sys.modules, len(funcs))
+"""
+
+
+def test_a_powerinfer_generate_loads_only_its_own_handlers(tmp_path):
+    """Each decoder's FFI handler and team stage is a DeferredCFunc (cpu_offload/cfuncs.py): the engine imports
+    every decoder's module and none is loaded then; a PowerInfer file's generate loads predicted_decode's two only,
+    and does not import pallas_kernels (docs/performance.md, "Handlers loaded when used")."""
+    from tests.test_predicted_decode import write_file
+
+    path = write_file(tmp_path / "tiny.powerinfer.gguf", gguf.GGMLQuantizationType.Q4_0)
+    result = subprocess.run([sys.executable, "-c", HANDLERS_LOADED, str(path)], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == (
+        "[] ['cpu_offload.predicted_decode._handler', 'cpu_offload.predicted_decode._stage'] False 9"), result.stdout

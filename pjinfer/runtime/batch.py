@@ -202,11 +202,11 @@ class Batch:
         e = self.engine
         _, planned = e.plan(len(prompt_ids), max_new_tokens)
         cache_len = planned if cache_len is None else max(cache_len, planned)
-        key, sub = jax.random.split(jax.random.key(sampling.seed))
-        token, cache = e.prefill(prompt_ids, cache_len=cache_len, sampling=sampling, key=sub)
-        return Prefix(State(-1, int(token), max_new_tokens - 1, len(prompt_ids) - 1,
-                            np.asarray(jax.random.key_data(key)), np.asarray(recent_ids(prompt_ids)),
-                            np.asarray(e.stop_tokens(stop_ids)), sampling), cache)
+        key, sub = sampling.first_keys()
+        token, cache = e.prefill(prompt_ids, cache_len=cache_len, sampling=sampling,
+                                 key=jax.random.wrap_key_data(jax.device_put(sub)))
+        return Prefix(State(-1, int(token), max_new_tokens - 1, len(prompt_ids) - 1, key,
+                            np.asarray(recent_ids(prompt_ids)), e.stop_tokens(stop_ids), sampling), cache)
 
     def insert(self, prefix: Prefix, slot: int) -> State:
         """A prefilled request takes `slot` (free: its previous request released or finished); its state, whose
@@ -217,7 +217,7 @@ class Batch:
         else:
             if cache.length > self.pool.length:
                 self.pool = _grow(self.pool, length=cache.length)
-            self.pool = _insert(self.pool, cache, jnp.int32(slot))
+            self.pool = _insert(self.pool, cache, np.int32(slot))
         return dataclasses.replace(prefix.state, slot=slot)
 
     def wake(self) -> None:
@@ -261,9 +261,9 @@ class Batch:
         e = self.engine
         count = min(steps, s.remaining)
         out, n, self.caches[s.slot], key, recent = gen.decode_chunk(
-            e.graph, e.state, jnp.int32(s.token), jnp.int32(s.position + 1), self.caches[s.slot],
-            jax.random.wrap_key_data(jnp.asarray(s.key)), s.sampling.params(), jnp.asarray(s.recent),
-            jnp.asarray(s.stops), jnp.int32(count), chunk=steps, greedy=s.sampling.greedy)
+            e.graph, e.state, np.int32(s.token), np.int32(s.position + 1), self.caches[s.slot],
+            jax.random.wrap_key_data(jax.device_put(s.key)), s.sampling.params(), s.recent, s.stops,
+            np.int32(count), chunk=steps, greedy=s.sampling.greedy)
         self._took(s, np.asarray(out)[:int(n)].tolist(), np.asarray(jax.random.key_data(key)), np.asarray(recent))
 
     @staticmethod

@@ -154,9 +154,9 @@ class Engine:
         cache_len = min(gen.bucket(total, gen.MIN_CACHE_BUCKET), self.config.max_seq_len)
         return min(gen.bucket(prompt_len, gen.MIN_PROMPT_BUCKET), cache_len), cache_len
 
-    def stop_tokens(self, stop_ids) -> jnp.ndarray:
+    def stop_tokens(self, stop_ids) -> np.ndarray:
         ids = list(self.tokenizer.eos_ids if stop_ids is None else stop_ids)[:gen.MAX_STOP_IDS]
-        return jnp.array(ids + [-1] * (gen.MAX_STOP_IDS - len(ids)), jnp.int32)
+        return np.array(ids + [-1] * (gen.MAX_STOP_IDS - len(ids)), np.int32)
 
     def prompt_rows(self, padded_len: int):
         """Where a prompt padded to padded_len tokens runs (pjinfer.runtime.host.prefill says why): the dense host
@@ -177,7 +177,7 @@ class Engine:
     def pad_prompt(self, prompt_ids, padded_len):
         tokens = np.zeros((1, padded_len), np.int32)
         tokens[0, :len(prompt_ids)] = prompt_ids
-        return jnp.asarray(tokens)
+        return jax.device_put(tokens)   # no executable, as jnp.asarray compiles one per shape
 
     def prefill(self, prompt_ids, *, cache_len: int, sampling: Sampling = Sampling(), key=None):
         """Run the prompt into a fresh cache of cache_len slots: (first new token, cache). key: the sampling
@@ -185,7 +185,7 @@ class Engine:
         padded = min(gen.bucket(len(prompt_ids), gen.MIN_PROMPT_BUCKET), cache_len)
         key = jax.random.key(sampling.seed) if key is None else key
         return gen.prefill(self.graph, self.state, self.pad_prompt(prompt_ids, padded),
-                           jnp.int32(len(prompt_ids)), key, sampling.params(), cache_len=cache_len,
+                           np.int32(len(prompt_ids)), key, sampling.params(), cache_len=cache_len,
                            greedy=sampling.greedy, rows=self.prompt_rows(padded))
 
     def generate(self, prompt_ids, *, max_new_tokens: int = 64, sampling: Sampling = Sampling(),

@@ -26,7 +26,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cpu_offload.activation import activate
-from pallas_kernels import active_inputs, gather_matvec
 from pjinfer.config import ConfigError
 from pjinfer.runtime.model import FFN, Attention, Block, Transformer, sparsify_input, value
 
@@ -53,6 +52,8 @@ def masked_product(x, w_t, threshold):
 def gathered_product(x, w_t, threshold, interpret: bool):
     """The same sum for one token x [..., n_in] (a single row), reading only the rows of w_t whose input clears
     the threshold (every row when threshold is None): pallas_kernels.gather_matvec."""
+    from pallas_kernels import active_inputs, gather_matvec   # docs/architecture.md, "Lazy imports"
+
     if math.prod(x.shape[:-1]) != 1:
         raise ValueError(f"a gathered product takes one token, got input shape {x.shape}")
     flat = x.reshape(-1)

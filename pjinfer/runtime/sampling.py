@@ -46,11 +46,22 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def first_keys(self) -> np.ndarray:
+        """jax.random.split(jax.random.key(self.seed)) as key data, uint32 [2, 2]: the request's key, then the
+        subkey its first token is sampled with. One executable: outside jit each of those calls (the seed's
+        conversion, the seeding, the split, the unpacking) compiles and keeps an executable of its own."""
+        return np.asarray(_split_seed(np.int64(self.seed)))
+
     def params(self):
         """The traced part: changing these values does not recompile. numpy scalars: a jnp scalar is a device
         array, costly to make, which the batched step paid for every request on every token."""
         return (np.float32(max(self.temperature, 1e-6)), np.int32(self.top_k), np.float32(self.top_p),
                 np.float32(self.min_p), np.float32(self.repeat_penalty))
+
+
+@jax.jit
+def _split_seed(seed):
+    return jax.random.key_data(jax.random.split(jax.random.key(seed)))
 
 
 SEED_RANDOM = -1     # a seed of -1 asks for a random one (llama.cpp's convention)

@@ -29,7 +29,6 @@ from flax import nnx
 
 from cpu_offload.bridge import ColdFFN
 from cpu_offload.ffi import check_platform
-from pallas_kernels import compact, hot_ffn, hot_ffn_reference
 from pjinfer.config import HOT_BACKENDS, ConfigError
 from pjinfer.runtime.gathered import PALLAS_BACKENDS, pallas_interpret
 from pjinfer.runtime.model import FFN, Transformer, neurons, value
@@ -76,6 +75,8 @@ class SparseFFN(nnx.Module):
         return self.predictor.active(x)
 
     def __call__(self, x, residual=None):
+        from pallas_kernels import compact   # traced once per executable (docs/architecture.md, "Lazy imports")
+
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         active = self.active(x, None if residual is None else residual.reshape(-1, shape[-1]))
@@ -103,6 +104,8 @@ class SparseFFN(nnx.Module):
         return jnp.where(mask, act, 0.0) @ self.w_down_t[...]
 
     def _hot(self, x, ids, count):
+        from pallas_kernels import hot_ffn, hot_ffn_reference
+
         args = (x, value(self.w_gate), self.w_up[...], self.w_down_t[...], ids, count)
         kw = dict(activation=self.activation, b_up=value(self.b_up))
         if self.hot_backend == "xla":
