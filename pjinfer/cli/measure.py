@@ -25,7 +25,8 @@ def add_commands(command) -> None:
     p.add_argument("--runs", type=common.positive_int, default=5, help="timed runs of each engine")
     common.sparse_options(p)
     common.weight_options(p, many=True)
-    p.add_argument("--breakdown", action="store_true", help="also time one decode step part by part (the host decode stage by stage)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time one decode step part by part (the host decode stage by stage)")
     p.add_argument("--peer", choices=["llama-bench", "powerinfer", "llama-cpp"],
                    help="also run a peer on the same GGUF, alternating: llama.cpp's llama-bench or PowerInfer's main "
                         "(native, `make peers`), or llama-cpp-python's token loop (`make bench-peer`)")

@@ -309,9 +309,9 @@ def host_stages(engine: Engine, step_ms: float, *, position: int, repeats: int) 
                     np.float32).reshape(c.d_model)
     logits = np.zeros(c.vocab_size, np.float32)
 
-    def part(which, reps=1, x=x0):
-        xs = x.copy()
-        return _median_ms(lambda: host_decode.repeat(header, which, reps, position, k_ptrs, v_ptrs, xs, logits),
+    def part(which, reps=1):
+        x = x0.copy()   # PART_LAYER updates its input in place
+        return _median_ms(lambda: host_decode.repeat(header, which, reps, position, k_ptrs, v_ptrs, x, logits),
                           repeats) / reps
 
     layer = part(host_decode.PART_LAYER)   # also leaves the scratch holding a real layer's vectors
