@@ -305,17 +305,14 @@ def add_qkv_bias(table, qkv):
 
 
 @njit(**NOJIT)
-def run_attention(header, layer, pos, x, k_ptr, v_ptr):
-    """The attention half of a decoder layer for one token: x [d] += the attention's output (caches [S, KV, hd]
-    written at pos), then h (the scratch's first vector) = rmsnorm(x) * ffn_norm, the FFN's input. A decoder whose
-    FFN differs (predicted_decode.py) runs this, then its own FFN."""
+def attention_output(header, layer, pos, x, k_ptr, v_ptr):
+    """The attention of a decoder layer for one token, without the residual: o (the scratch's o [d]) = Wo of the
+    attention of rmsnorm(x) * attn_norm, caches [S, KV, hd] written at pos. x [d] is only read."""
     d, nh, nkv, hd, ff = dims(header)
     eps = np.float32(carray(ptr_f64(header + 8 * H_EPS), (1,))[0])
     h, qkv, att, o, gate, up, down, scores = scratch(header)
     table = load_i64(header + 8 * H_TABLE) + 8 * L_WIDTH * layer
-    task = load_i64(header + 8 * H_TASK)
-    store_i64(task + 8 * K_LAYER, layer)
-
+    store_i64(load_i64(header + 8 * H_TASK) + 8 * K_LAYER, layer)
     rmsnorm(x, f32_view(load_i64(table + 8 * L_ATTN_NORM), d), eps, h)
     run_stage(header, ST_QKV)
     add_qkv_bias(table, qkv)
@@ -324,9 +321,27 @@ def run_attention(header, layer, pos, x, k_ptr, v_ptr):
     rope(qkv[nh * hd:(nh + nkv) * hd], nkv, hd, inv_freq, pos)
     attend(header, pos, k_ptr, v_ptr)
     run_stage(header, ST_O)
-    for j in range(d):
+    return o
+
+
+@njit(**NOJIT)
+def ffn_input(header, layer, x):
+    """h (the scratch's first vector) = rmsnorm(x) * ffn_norm: the FFN's input for the residual x [d]."""
+    d = load_i64(header + 8 * H_D)
+    eps = np.float32(carray(ptr_f64(header + 8 * H_EPS), (1,))[0])
+    table = load_i64(header + 8 * H_TABLE) + 8 * L_WIDTH * layer
+    rmsnorm(x, f32_view(load_i64(table + 8 * L_FFN_NORM), d), eps, scratch(header)[0])
+
+
+@njit(**NOJIT)
+def run_attention(header, layer, pos, x, k_ptr, v_ptr):
+    """The attention half of a decoder layer for one token: x [d] += the attention's output (caches [S, KV, hd]
+    written at pos), then h (the scratch's first vector) = rmsnorm(x) * ffn_norm, the FFN's input. A decoder whose
+    FFN differs (predicted_decode.py) runs this, then its own FFN."""
+    o = attention_output(header, layer, pos, x, k_ptr, v_ptr)
+    for j in range(x.shape[0]):
         x[j] += o[j]
-    rmsnorm(x, f32_view(load_i64(table + 8 * L_FFN_NORM), d), eps, h)
+    ffn_input(header, layer, x)
 
 
 @njit(**NOJIT)

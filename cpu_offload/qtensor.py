@@ -101,6 +101,35 @@ class QTensor:
         """The same matrix with f applied to each array (e.g. moved into XLA's memory)."""
         return QTensor(self.code, tuple(f(a) for a in self.arrays), self.cols)
 
+    def rows(self, lo: int, hi: int, total: int | None = None) -> "QTensor":
+        """Rows [lo, hi): views of these arrays, or with `total` rows a new matrix whose rows past hi - lo are
+        zero (all-zero bytes are zero weights in every block type)."""
+        part = tuple(np.asarray(a)[lo:hi] for a in self.arrays)
+        if total is not None and total != hi - lo:
+            part = tuple(_zero_padded(a, (total, a.shape[1])) for a in part)
+        return QTensor(self.code, part, self.cols)
+
+    def columns(self, lo: int, hi: int, total: int | None = None) -> "QTensor":
+        """Columns [lo, hi) (on block boundaries) as a new matrix of `total` columns (default hi - lo), those past
+        hi - lo zero. Every array holds a row's blocks side by side, so each is cut at the same blocks."""
+        block, nb = self.type.block, self.cols // self.type.block
+        total = hi - lo if total is None else total
+        if lo % block or hi % block or total % block:
+            raise ConfigError(f"{self.type.name} columns split at multiples of {block}, not [{lo}, {hi}) of {total}")
+        part = []
+        for a in self.arrays:
+            a = np.asarray(a)
+            width = a.shape[1] // nb   # an array's entries per block
+            part.append(_zero_padded(a[:, lo // block * width:hi // block * width], (a.shape[0], total // block * width)))
+        return QTensor(self.code, tuple(part), total)
+
 
 def is_quantized(w) -> bool:
     return isinstance(w, QTensor)
+
+
+def _zero_padded(a: np.ndarray, shape: tuple) -> np.ndarray:
+    """a copied into the leading corner of a new aligned array of `shape`, zero elsewhere."""
+    out = aligned_zeros(shape, a.dtype)
+    out[:a.shape[0], :a.shape[1]] = a
+    return out

@@ -69,6 +69,32 @@ def sampling_options(p):
                    "process may use (default: all of them)")
 
 
+def parallel_options(p):
+    p.add_argument("--coordinator", metavar="HOST:PORT", help="tensor parallel: the address process 0 serves and "
+                   "every process of the run joins (default $PJINFER_COORDINATOR); each holds 1/N of the model")
+    p.add_argument("--num-processes", type=positive_int, help="tensor parallel: how many processes split the model "
+                   "(default $PJINFER_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, help="tensor parallel: this process, 0..N-1 (default "
+                   "$PJINFER_PROCESS_ID); process 0 writes the output, the others follow it")
+
+
+def join(args) -> None:
+    """With --coordinator (or its environment variable): join the run's other processes before JAX starts
+    (pjinfer.runtime.tensor_parallel.Processes). Process 0 writes the output; the others' standard output goes
+    nowhere, and what native libraries print to file descriptor 1 (gloo's connection lines) goes to stderr. Sets
+    args.parallel, which plan() reads."""
+    from pjinfer.runtime.tensor_parallel import Processes
+
+    processes = Processes.from_args(args.coordinator, args.num_processes, args.process_id)
+    args.parallel = processes is not None
+    if processes is not None:
+        sys.stdout.flush()
+        out = open(os.devnull, "w") if processes.index else os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)
+        sys.stdout = out
+        processes.start()
+
+
 def say(*parts):
     print(*parts, file=sys.stderr, flush=True)
 
@@ -83,7 +109,8 @@ def plan(args, bundle=None, weights=None):
     return backends.resolve(backends.Request(
         args.model, weights=weights or getattr(args, "weights", "float32"), bundle=bundle,
         sparse_rule=getattr(args, "sparse_rule", "auto"), hot_backend=getattr(args, "hot_backend", "xla"),
-        cold_weights=getattr(args, "cold_weights", "float32"), dense=getattr(args, "dense", False)))
+        cold_weights=getattr(args, "cold_weights", "float32"), dense=getattr(args, "dense", False),
+        parallel=getattr(args, "parallel", False)))
 
 
 def load(args, bundle=None, weights=None, *, plan_made=None, until_first_token=False):

@@ -23,6 +23,7 @@ def add_commands(command) -> None:
     common.sampling_options(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     common.weight_options(p)
+    common.parallel_options(p)
 
     p = command("chat", cmd_chat, "talk with the model: multi-turn, replies streamed (/reset, /exit, Ctrl-C stops a reply)")
     p.add_argument("--system", help="system message that opens the conversation")
@@ -48,6 +49,7 @@ def cmd_generate(args):
     prompt = _prompt_text(args)
     if any(not stop for stop in args.stop):
         raise ConfigError("--stop needs a non-empty string")
+    common.join(args)
     engine = common.load(args, args.bundle, until_first_token=True)
     tok = engine.tokenizer
     if args.chat:

@@ -17,12 +17,14 @@ what this platform cannot. The engine builds the plan's backend; the CLI, the se
     hybrid             float32      predictors  xla, pallas, pallas-interpret any (*)     no
     powerinfer         gguf         predictors  xla                           cpu         no
     powerinfer-dense   gguf         -           xla                           cpu         no
+    tensor-parallel    q4_1         -           xla                           cpu         no
 
 (*) "pallas" compiles its kernels for a GPU (pjinfer.runtime.gathered.pallas_interpret). "batched": the
 server's scheduler decodes concurrent requests in one step (pjinfer.runtime.batch); the others take turns.
 The two powerinfer rows run a PowerInfer file (its layers store neuron rows, ffn_down_t) on the host, sparse with
 the file's own predictors (no bundle: pjinfer.runtime.predicted) or dense (--dense); the other host rows read
-llama.cpp's layout only, and the float32 rows read either.
+llama.cpp's layout only, and the float32 rows read either. The tensor-parallel row splits the host decode over
+the processes `jax.distributed` joined (Request.parallel; pjinfer.runtime.tensor_parallel).
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ from pjinfer.config import (COLD_WEIGHTS, HOT_BACKENDS, SPARSE_RULES, WEIGHT_CHO
 from pjinfer.load import loader
 from pjinfer.load.powerinfer import file_layout
 from pjinfer.load.bundle import THRESHOLDS, Bundle
-from pjinfer.runtime import gathered, host
+from pjinfer.runtime import gathered, host, tensor_parallel
 from pjinfer.runtime.gathered import PALLAS_BACKENDS, pallas_interpret
 from pjinfer.runtime.model import Float32View, Transformer, float32_weights, set_thresholds, to_xla
 from pjinfer.runtime.predicted import attach_powerinfer
@@ -56,7 +58,7 @@ class Backend:
     """One way of running a model. rule: None (dense), THRESHOLDS or PREDICTORS; host: one-token steps run on
     the host decoder (cpu_offload's FFI targets, registered for the CPU only); batched: concurrent requests
     decode in one step; neuron_rows: the file's layout it reads, PowerInfer's (True), llama.cpp's (False) or
-    either (None)."""
+    either (None); parallel: split over processes (tensor parallel), one-token steps only."""
     name: str
     weights: tuple[str, ...]
     rule: str | None
@@ -64,10 +66,12 @@ class Backend:
     host: bool
     batched: bool
     neuron_rows: bool | None = False
+    parallel: bool = False
 
-    def runs(self, weights: str, rule: str | None, hot_backend: str, neuron_rows: bool = False) -> bool:
+    def runs(self, weights: str, rule: str | None, hot_backend: str, neuron_rows: bool = False,
+             parallel: bool = False) -> bool:
         return (weights in self.weights and rule == self.rule and hot_backend in self.hot_backends
-                and self.neuron_rows in (None, neuron_rows))
+                and self.neuron_rows in (None, neuron_rows) and self.parallel == parallel)
 
     def describe(self, weights: str, hot_backend: str, bundle=None) -> str:
         """The path in words, as the CLI prints it: the weights, and the sparse rule with its bundle."""
@@ -91,13 +95,14 @@ BACKENDS = (
     Backend("hybrid", ("float32",), PREDICTORS, HOT_BACKENDS, host=False, batched=False, neuron_rows=None),
     Backend("powerinfer", ("gguf",), PREDICTORS, ("xla",), host=True, batched=False, neuron_rows=True),
     Backend("powerinfer-dense", ("gguf",), None, ("xla",), host=True, batched=False, neuron_rows=True),
+    Backend("tensor-parallel", ("q4_1",), None, ("xla",), host=True, batched=False, parallel=True),
 )
 
 
 def select(weights: str, rule: str | None = None, hot_backend: str = "xla", cold_weights: str = "float32", *,
-           neuron_rows: bool = False) -> Backend:
+           neuron_rows: bool = False, parallel: bool = False) -> Backend:
     """The row that runs these settings (rule: None, THRESHOLDS or PREDICTORS; neuron_rows: a PowerInfer file's
-    layout), or ConfigError in one line that says what runs instead."""
+    layout; parallel: split over processes), or ConfigError in one line that says what runs instead."""
     if weights not in WEIGHT_FORMATS:
         raise ConfigError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
     if hot_backend not in HOT_BACKENDS:
@@ -108,8 +113,12 @@ def select(weights: str, rule: str | None = None, hot_backend: str = "xla", cold
         raise ConfigError(f"--cold-weights {cold_weights} stores a predictor bundle's cold rows; a bundle's thresholds "
                           "run without cold rows (--sparse-rule predictors runs its predictors)")
     for backend in BACKENDS:
-        if backend.runs(weights, rule, hot_backend, neuron_rows):
+        if backend.runs(weights, rule, hot_backend, neuron_rows, parallel):
             return backend
+    if parallel:
+        runs = [b for b in BACKENDS if b.parallel]
+        raise ConfigError(f"tensor parallel runs the dense host decode of {', '.join(w for b in runs for w in b.weights)} "
+                          f"weights (a file of those blocks), not {'a bundle' if rule else weights}")
     rows = [b for b in BACKENDS if weights in b.weights]
     if neuron_rows and all(b.neuron_rows is False for b in rows):
         raise ConfigError(f"--weights {weights} reads llama.cpp's layout, not a PowerInfer file's neuron rows "
@@ -164,6 +173,7 @@ class Request:
     hot_backend: str = "xla"
     cold_weights: str = "float32"
     dense: bool = False   # a PowerInfer file without its predictors (--dense)
+    parallel: bool = False   # split over the processes jax.distributed joined (tensor_parallel.Processes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +224,8 @@ def resolve(request: Request) -> Plan:
     if neuron_rows and r.bundle is None and weights == "gguf" and has_predictors and not r.dense:
         rule = PREDICTORS   # the file's own, as PowerInfer runs it
     # With a bundle, a PowerInfer file runs the bundle's rule on float32 (the loader lays its rows out as any file's).
-    backend = select(weights, rule, r.hot_backend, r.cold_weights, neuron_rows=neuron_rows and r.bundle is None)
+    backend = select(weights, rule, r.hot_backend, r.cold_weights, neuron_rows=neuron_rows and r.bundle is None,
+                     parallel=r.parallel)
     check_platform_runs(backend, weights, r.hot_backend)
     return Plan(r, backend, weights, rule)
 
@@ -247,6 +258,8 @@ def build(backend: Backend, config, weights: dict, fmt: str, *, thresholds=None,
     [n_layers, 4] for the THRESHOLDS rows; predictors: a PowerInfer file's (pjinfer.load.powerinfer.Predictors)
     for the powerinfer row. The hybrid row builds its dense float32 model here; the engine then swaps its FFNs
     (Engine.use_bundle)."""
+    if backend.parallel:
+        return tensor_parallel.build(config, weights, fmt)
     if backend.neuron_rows:
         stored = {k: v.map(to_xla) if is_quantized(v) else v for k, v in weights.items()}
         model = Transformer(config, stored)

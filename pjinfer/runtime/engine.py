@@ -27,7 +27,7 @@ from pjinfer.runtime.sampling import Sampling
 class Engine:
     def __init__(self, config: ModelConfig, weights: dict, tokenizer: Tokenizer, *, source: str = "",
                  weights_format: str = "float32", thresholds=None, hot_backend: str = "xla", predictors=None,
-                 neuron_rows: bool = False):
+                 neuron_rows: bool = False, parallel: bool = False):
         """weights: canonical weights (pjinfer.runtime.model), float32 arrays or quantized matrices
         (cpu_offload.qtensor), built into the backend (pjinfer.runtime.backends) that runs weights_format with
         `thresholds` and `hot_backend`.
@@ -46,9 +46,10 @@ class Engine:
         read by the Pallas gather kernel). A predictor bundle's hot_backend is use_bundle's. neuron_rows:
         `weights` are a PowerInfer file's as the loader keeps them with neuron_rows (the weights_format of
         backends.BACKENDS' powerinfer rows), run on the host with the file's `predictors`
-        (pjinfer.load.powerinfer.Predictors), or dense without them."""
+        (pjinfer.load.powerinfer.Predictors), or dense without them. parallel: split over the processes
+        jax.distributed joined (pjinfer.runtime.tensor_parallel; weights_format q4_1)."""
         rule = THRESHOLDS if thresholds is not None else backends.PREDICTORS if predictors is not None else None
-        self.backend = backends.select(weights_format, rule, hot_backend, neuron_rows=neuron_rows)
+        self.backend = backends.select(weights_format, rule, hot_backend, neuron_rows=neuron_rows, parallel=parallel)
         backends.check_platform_runs(self.backend, weights_format, hot_backend)
         self.config = config
         self.tokenizer = tokenizer
@@ -66,12 +67,13 @@ class Engine:
     @classmethod
     def load(cls, path=None, *, bundle=None, hot_backend: str = "xla", cold_weights: str = "float32",
              weights: str = "auto", sparse_rule: str = "auto", dense: bool = False, progress=None,
-             compile_cache: bool = True) -> "Engine":
+             compile_cache: bool = True, parallel: bool = False) -> "Engine":
         """The model at `path` (default: the embedded SmolLM2-135M), ready to generate: the plan
         pjinfer.runtime.backends.resolve makes of these settings (from_plan). dense: a PowerInfer file computes
-        every neuron (by default its own predictors pick them)."""
+        every neuron (by default its own predictors pick them). parallel: split over the processes
+        jax.distributed joined (pjinfer.runtime.tensor_parallel.Processes.start)."""
         request = backends.Request(path, weights=weights, bundle=bundle, sparse_rule=sparse_rule,
-                                   hot_backend=hot_backend, cold_weights=cold_weights, dense=dense)
+                                   hot_backend=hot_backend, cold_weights=cold_weights, dense=dense, parallel=parallel)
         return cls.from_plan(backends.resolve(request), progress=progress, compile_cache=compile_cache)
 
     @classmethod
@@ -105,7 +107,7 @@ class Engine:
         engine = cls(config, tensors, tokenizer, source=source, weights_format=plan.weights,
                      thresholds=None if bundle is None else bundle.thresholds(config),
                      hot_backend=r.hot_backend if bundle is not None else "xla", predictors=predictors,
-                     neuron_rows=bool(plan.backend.neuron_rows))
+                     neuron_rows=bool(plan.backend.neuron_rows), parallel=plan.backend.parallel)
         del tensors
         if bundle is not None:
             engine.bundle = bundle
@@ -162,9 +164,12 @@ class Engine:
         """Where a prompt padded to padded_len tokens runs (pjinfer.runtime.host.prefill says why): the dense host
         decoder's prompt decoder (a BatchDecoder of PROMPT_ROWS rows, made on first use) when the engine's backend
         decodes in batches on the host and the prompt fits it; host.STEPS, one-token decode steps, on another host
-        backend for a prompt of at most STEPPED_PROMPT tokens; else None: XLA."""
+        backend for a prompt of at most STEPPED_PROMPT tokens and on a tensor-parallel one for any prompt; else None:
+        XLA."""
         if not self.backend.host:
             return None
+        if self.backend.parallel:
+            return pjinfer_host.STEPS
         if not self.backend.batched:
             return pjinfer_host.STEPS if padded_len <= pjinfer_host.STEPPED_PROMPT else None
         if padded_len > pjinfer_host.PROMPT_ROWS:

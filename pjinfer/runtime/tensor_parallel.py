@@ -1,0 +1,225 @@
+"""Tensor parallel over JAX processes: one model split Megatron-style across N processes (on one host or many), on
+JAX's own multi-controller runtime (`jax.distributed`, gloo collectives on CPUs).
+
+The split (``shard_weights``), for process i of N:
+- attention: whole key/value heads, ceil(KV / N) a process, each with its query heads: q, k and v rows, o's
+  columns, the q/k/v biases and the KV cache. A process with fewer heads (KV not a multiple of N) pads with heads
+  of zero weights, whose output is zero, so every shard has one shape;
+- FFN: d_ff / N neurons a process: gate and up rows, down's columns;
+- the output head and the embedding (one table when tied): vocab / N rows a process;
+- replicated: the norms (a few KB a layer).
+Each process keeps only its slices of the file's blocks (rows are views of the memory-mapped file; columns and
+padded heads are copied once), so its weight memory is about 1/N of the model.
+
+One token (``ShardedModel.decode``, inside the jitted generate, each shard's work inside `jax.shard_map`):
+    x = psum(the embedding row where this shard holds the token, else 0)
+    per layer: x = x + psum(attention form)  then  x = x + psum(FFN form)      cpu_offload.shard_decode
+    logits = all_gather(head form of final_norm(x))
+Everything outside the shard's calls runs replicated on every process: sampling sees the whole logits with the
+same key, so every process picks the same token. Prompts run as one-token steps (host.STEPS). With N = 1 the
+numbers are the host decode's, bit for bit; with N > 1 a psum adds the shards' partial sums in its own order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from cpu_offload.blocks import TYPES
+from cpu_offload.qtensor import is_quantized
+from cpu_offload.shard_decode import ShardDecoder
+from pjinfer.config import ConfigError
+from pjinfer.runtime.model import KVCache, Norm
+
+AXIS = "tp"
+CACHE = P(None, None, AXIS, None)   # [batch, S, KV, hd], split by heads
+ENV = ("PJINFER_COORDINATOR", "PJINFER_NUM_PROCESSES", "PJINFER_PROCESS_ID")
+HEARTBEAT_S = 20   # a process that stops answering for this long ends the others' runs
+
+
+@dataclasses.dataclass(frozen=True)
+class Processes:
+    """Where this process sits: the coordinator's HOST:PORT (process 0 serves it), how many, and which one."""
+    coordinator: str
+    count: int
+    index: int
+
+    @classmethod
+    def from_args(cls, coordinator=None, count=None, index=None) -> "Processes | None":
+        """The flags, each defaulting to its ENV variable; None when neither names a coordinator. ConfigError in
+        one line for what cannot start."""
+        coordinator = coordinator or os.environ.get(ENV[0])
+        if not coordinator:
+            if count not in (None, 1) or index not in (None, 0):
+                raise ConfigError("--num-processes and --process-id need --coordinator HOST:PORT")
+            return None
+        try:
+            count = int(count if count is not None else os.environ.get(ENV[1], 0))
+            index = int(index if index is not None else os.environ.get(ENV[2], -1))
+        except ValueError:
+            raise ConfigError(f"{ENV[1]} and {ENV[2]} must be integers") from None
+        host, _, port = coordinator.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"--coordinator must be HOST:PORT, got {coordinator!r}")
+        if count < 1:
+            raise ConfigError("--num-processes must be at least 1 with --coordinator")
+        if not 0 <= index < count:
+            raise ConfigError(f"--process-id must be in [0, {count}), got {index}")
+        return cls(coordinator, count, index)
+
+    def start(self) -> None:
+        """Join the others (blocks until all N have): JAX's distributed runtime, gloo collectives on CPUs."""
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(self.coordinator, num_processes=self.count, process_id=self.index,
+                                   initialization_timeout=120, heartbeat_timeout_seconds=HEARTBEAT_S,
+                                   shutdown_timeout_seconds=HEARTBEAT_S)
+
+
+def mesh() -> Mesh:
+    """The processes' devices in process order, one each: shard i is process i's."""
+    devices = sorted(jax.devices(), key=lambda d: d.process_index)
+    if len(jax.local_devices()) != 1:
+        raise ConfigError(f"tensor parallel runs one device a process, this one has {len(jax.local_devices())}")
+    return Mesh(np.array(devices), (AXIS,))
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How a model splits over n shards: each takes `kv` KV heads (the last ones padded), `ff` neurons and
+    `vocab` head rows."""
+    n: int
+    kv: int
+    ff: int
+    vocab: int
+
+    @classmethod
+    def of(cls, config, n: int) -> "Split":
+        kv = -(-config.n_kv_heads // n)
+        if config.d_ff % n or (config.d_ff // n) % 64:
+            raise ConfigError(f"tensor parallel splits d_ff ({config.d_ff}) into {n} shards of a multiple of 64 "
+                              "neurons; it does not")
+        if config.vocab_size % n:
+            raise ConfigError(f"tensor parallel splits the vocabulary ({config.vocab_size}) evenly; {n} does not")
+        return cls(n, kv, config.d_ff // n, config.vocab_size // n)
+
+    def shard_config(self, config):
+        """The config of one shard: the model HostDecoder builds for it."""
+        rep = config.n_heads // config.n_kv_heads
+        return dataclasses.replace(config, n_heads=self.kv * rep, n_kv_heads=self.kv, d_ff=self.ff,
+                                   vocab_size=self.vocab)
+
+    def cache_config(self, config):
+        """The config of the whole cache: n shards of kv heads (padding included), each with its query heads."""
+        rep = config.n_heads // config.n_kv_heads
+        return dataclasses.replace(config, n_heads=self.kv * self.n * rep, n_kv_heads=self.kv * self.n)
+
+
+def _matrix(weights, name):
+    w = weights[name]
+    if not is_quantized(w):
+        raise ConfigError(f"tensor parallel slices the file's quantized blocks; {name} is not quantized "
+                          "(--weights q4_1 runs a Q4_1 file)")
+    return w
+
+
+def shard_weights(config, weights: dict, split: Split, i: int) -> dict:
+    """Shard i's weights (the module docstring's split) under the canonical names, for a ShardDecoder of
+    split.shard_config(config); the embedding is left out when the head is a separate matrix."""
+    c, hd = config, config.head_dim
+    rep = c.n_heads // c.n_kv_heads
+    g0, g1 = min(c.n_kv_heads, i * split.kv), min(c.n_kv_heads, (i + 1) * split.kv)   # this shard's KV heads
+    f0, f1 = i * split.ff, (i + 1) * split.ff
+    out = {k: v for k, v in weights.items() if k.endswith(".scale")}
+    for l in range(c.n_layers):
+        p = f"layers.{l}."
+        q_rows, kv_rows = (g0 * rep * hd, g1 * rep * hd, split.kv * rep * hd), (g0 * hd, g1 * hd, split.kv * hd)
+        out[p + "wq"] = _matrix(weights, p + "wq").rows(*q_rows)
+        out[p + "wk"] = _matrix(weights, p + "wk").rows(*kv_rows)
+        out[p + "wv"] = _matrix(weights, p + "wv").rows(*kv_rows)
+        out[p + "wo"] = _matrix(weights, p + "wo").columns(*q_rows)
+        for b, (lo, hi, total) in (("bq", q_rows), ("bk", kv_rows), ("bv", kv_rows)):
+            if p + b in weights:
+                out[p + b] = np.pad(np.asarray(weights[p + b], np.float32)[lo:hi], (0, total - (hi - lo)))
+        out[p + "w_gate"] = _matrix(weights, p + "w_gate").rows(f0, f1)
+        out[p + "w_up"] = _matrix(weights, p + "w_up").rows(f0, f1)
+        out[p + "w_down_t"] = _matrix(weights, p + "w_down_t").columns(f0, f1)
+    v0, v1 = i * split.vocab, (i + 1) * split.vocab
+    out["embed"] = _matrix(weights, "embed").rows(v0, v1)
+    if not c.tie_embeddings:
+        out["lm_head"] = _matrix(weights, "lm_head").rows(v0, v1)
+    return out
+
+
+def _global(local: np.ndarray, spec: P, m: Mesh) -> jax.Array:
+    """One array over the processes from each one's part (spec P(AXIS): rows; P(): the same on every one)."""
+    return jax.make_array_from_process_local_data(NamedSharding(m, spec), np.asarray(local))
+
+
+class ShardedModel(nnx.Module):
+    """The model a tensor-parallel engine runs: this process's ShardDecoder, its embedding rows (one array over
+    the processes) and the final norm; ``decode`` as Transformer.decode. `config` is the cache's (its n_kv_heads
+    count every shard's heads): KVCache.create makes the whole cache, split by heads."""
+
+    def __init__(self, config, weights: dict, fmt: str, m: Mesh):
+        split = Split.of(config, m.size)
+        i = jax.process_index()
+        local = shard_weights(config, weights, split, i)
+        self.config = split.cache_config(config)
+        self.vocab = split.vocab
+        self.mesh = m
+        self.decoder = ShardDecoder(split.shard_config(config), local, fmt)
+        embed = local["embed"]
+        self.embed_code, self.embed_cols = embed.code, embed.cols
+        self.embed = nnx.List([nnx.Param(_global(a, P(AXIS), m)) for a in embed.arrays])
+        self.final_norm = Norm({"final_norm.scale": _global(np.asarray(weights["final_norm.scale"], np.float32), P(),
+                                                            m)}, "final_norm", config.norm_eps)
+
+    def _map(self, f, in_specs, out_specs):
+        return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+    def _embedding(self, token, *arrays):
+        """The token's embedding row [d]: the shard holding it gives the row, the others zeros, summed."""
+        local = token - jax.lax.axis_index(AXIS) * self.vocab
+        inside = (local >= 0) & (local < self.vocab)
+        at = jnp.clip(local, 0, self.vocab - 1)
+        row = TYPES[self.embed_code].dequantize(tuple(a[at][None] for a in arrays), self.embed_cols, jnp)[0]
+        return jax.lax.psum(jnp.where(inside, row, 0.0), AXIS)
+
+    def _layers(self, x, pos, ks, vs):
+        ks, vs = list(ks), list(vs)
+        for layer in range(len(ks)):
+            o, ks[layer], vs[layer] = self.decoder.attention(layer, x, pos, ks[layer], vs[layer])
+            x = x + jax.lax.psum(o, AXIS)
+            x = x + jax.lax.psum(self.decoder.ffn(layer, x), AXIS)
+        return x, ks, vs
+
+    def _head(self, h):
+        return jax.lax.all_gather(self.decoder.head(h), AXIS, tiled=True)
+
+    def decode(self, token, pos, cache: KVCache):
+        """One token (a scalar id) at position pos -> (logits [vocab], updated cache), as Transformer.decode."""
+        arrays = tuple(a[...] for a in self.embed)
+        x = self._map(self._embedding, (P(), *(P(AXIS),) * len(arrays)), P())(token, *arrays)
+        n = len(cache.k)
+        x, ks, vs = self._map(self._layers, (P(), P(), [CACHE] * n, [CACHE] * n), (P(), [CACHE] * n, [CACHE] * n))(
+            x, jnp.asarray(pos, jnp.int32), cache.k, cache.v)
+        logits = self._map(self._head, P(), P())(self.final_norm(x))
+        return logits, KVCache(k=ks, v=vs)
+
+    def __call__(self, *args, **kwargs):
+        raise ConfigError("a tensor-parallel engine runs one-token steps only: prompts run as steps, and scoring "
+                          "(perplexity, evaluate) is not built for it")
+
+    forward_sequence = __call__
+
+
+def build(config, weights: dict, fmt: str):
+    """backends.build's (model, decoder) for the tensor-parallel row: this process's shard, over every process
+    `jax.distributed` joined."""
+    model = ShardedModel(config, weights, fmt, mesh())
+    return model, model.decoder

@@ -1,0 +1,40 @@
+"""One process of a tensor-parallel run, for tests/test_tensor_parallel.py (a real run: N such processes join over
+local sockets through jax.distributed and gloo).
+
+    python tests/tp_worker.py COORDINATOR N I TOKENS PROMPT [PROMPT ...]
+
+Process I of N loads the default model split N ways (--weights q4_1), generates TOKENS greedy tokens for each
+prompt, and takes the logits of the first prompt's first token at position 0. Process 0 prints one JSON line:
+{"ids": [[...] per prompt], "logits": [...]}. N 0: one process, the host decode unsplit (the reference)."""
+import json
+import sys
+
+import jax
+import numpy as np
+
+from pjinfer.runtime.engine import Engine
+from pjinfer.runtime.model import KVCache
+from pjinfer.runtime.tensor_parallel import Processes
+
+
+def main() -> None:
+    coordinator, n, i, tokens, prompts = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]
+    if n:
+        Processes(coordinator, n, i).start()
+    engine = Engine.load(weights="q4_1", parallel=n > 0)
+    ids = [engine.tokenizer.encode(p) for p in prompts]
+    out = [engine.generate(p, max_new_tokens=tokens, stop_ids=[]) for p in ids]
+    graph = engine.graph
+
+    @jax.jit
+    def first_logits(state, token):
+        model = graph.merge(state)
+        return model.decode(token, 0, KVCache.create(model.config, 1, 256))[0]
+
+    logits = np.asarray(first_logits(engine.state, np.int32(ids[0][0])))
+    if i == 0:
+        print(json.dumps({"ids": out, "logits": logits.tolist()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
