@@ -7,7 +7,7 @@ LLAMA_VOCAB := $(VENV)/share/llama-vocab
 LLAMA_CPP_PYTHON := 0.3.36
 export NUMBA_THREADING_LAYER ?= workqueue
 
-.PHONY: setup run test test-fast fuzz mutants bench peers bench-peer bench-powerinfer bench-quants bench-long bench-serve soak bench-scale bench-pallas perplexity bundle clean
+.PHONY: setup run run-tp bench-tp test test-fast fuzz mutants bench peers bench-peer bench-powerinfer bench-quants bench-long bench-serve soak bench-scale bench-pallas perplexity bundle clean
 
 # Idempotent: re-runs pip only when pyproject.toml changed.
 setup: $(STAMP) $(LLAMA_VOCAB)/.stamp
@@ -38,6 +38,13 @@ $(LLAMA_VOCAB)/.stamp: | $(STAMP)
 
 run: setup
 	$(VENV)/bin/pjinfer generate --prompt "Once upon a time, in a small village by the sea," --max-new-tokens 48
+
+# Tensor parallel: the default model split over two processes on this machine (pjinfer.runtime.tensor_parallel).
+TP_PORT ?= 12455
+run-tp: setup
+	for i in 0 1; do PJINFER_HOST_THREADS=1 $(VENV)/bin/pjinfer generate --coordinator 127.0.0.1:$(TP_PORT) \
+		--num-processes 2 --process-id $$i --prompt "Once upon a time, in a small village by the sea," \
+		--max-new-tokens 48 & done; wait
 
 test: setup
 	$(PY) -m pytest -q --durations=20
@@ -145,6 +152,11 @@ soak: setup
 
 # Random Llama GGUFs (Q4_1) of about 0.5B, 1.5B and 3B parameters (SCALE=7b adds 7B) written to out/scale, each
 # measured for peak RSS, load time, prefill 512 and decode 128 against llama.cpp in one run.
+# Tensor parallel's decode rate, collective time and memory at 1, 2, 4 processes (TP_MODEL: a Q4_1 GGUF, e.g.
+# bench-scale's out/scale/1.5b.gguf; default: the default model).
+bench-tp: setup
+	$(PY) -m pjinfer.measure.bench_tp $(if $(TP_MODEL),--model $(TP_MODEL)) --processes 0,1,2,4
+
 bench-scale: $(PEER_STAMP)
 	$(PY) -m pjinfer.measure.bench_scale --sizes 0.5b,1.5b,3b$(if $(filter 7b,$(SCALE)),$(comma)7b) --dir out/scale
 

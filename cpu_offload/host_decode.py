@@ -335,9 +335,8 @@ def ffn_input(header, layer, x):
 
 @njit(**NOJIT)
 def run_attention(header, layer, pos, x, k_ptr, v_ptr):
-    """The attention half of a decoder layer for one token: x [d] += the attention's output (caches [S, KV, hd]
-    written at pos), then h (the scratch's first vector) = rmsnorm(x) * ffn_norm, the FFN's input. A decoder whose
-    FFN differs (predicted_decode.py) runs this, then its own FFN."""
+    """x [d] += attention_output, then ffn_input: the attention half of a layer (predicted_decode.py runs this, then
+    its own FFN)."""
     o = attention_output(header, layer, pos, x, k_ptr, v_ptr)
     for j in range(x.shape[0]):
         x[j] += o[j]
@@ -345,14 +344,20 @@ def run_attention(header, layer, pos, x, k_ptr, v_ptr):
 
 
 @njit(**NOJIT)
-def run_layer(header, layer, pos, x, k_ptr, v_ptr):
-    """One decoder layer for one token, x [d] updated in place; caches [S, KV, hd] written at pos."""
-    d = load_i64(header + 8 * H_D)
-    down = scratch(header)[6]
-    run_attention(header, layer, pos, x, k_ptr, v_ptr)
+def ffn_output(header, layer):
+    """The FFN's output (the scratch's down [d]) for its input h (ffn_input's, the scratch's first vector)."""
+    store_i64(load_i64(header + 8 * H_TASK) + 8 * K_LAYER, layer)
     run_stage(header, ST_GATE_UP)
     run_stage(header, ST_DOWN)
-    for j in range(d):
+    return scratch(header)[6]
+
+
+@njit(**NOJIT)
+def run_layer(header, layer, pos, x, k_ptr, v_ptr):
+    """One decoder layer for one token, x [d] updated in place; caches [S, KV, hd] written at pos."""
+    run_attention(header, layer, pos, x, k_ptr, v_ptr)
+    down = ffn_output(header, layer)
+    for j in range(x.shape[0]):
         x[j] += down[j]
 
 
@@ -364,37 +369,6 @@ def run_head(header, hidden, logits_ptr):
         h[j] = hidden[j]
     store_i64(load_i64(header + 8 * H_TASK) + 8 * K_OUT, logits_ptr)
     run_stage(header, ST_HEAD)
-
-
-# What `repeat` times besides the team's stages (ST_*): the whole layer, and a hand-off of an empty stage.
-PART_LAYER, PART_HANDOFF = 100, 101
-
-
-@njit(**NOJIT)
-def repeat(header, part, reps, pos, k_ptrs, v_ptrs, x, logits):
-    """For timing a decode step part by part (pjinfer.measure.bench.stages): `reps` times over every layer, one
-    part, under the ffi lock in the team's floating-point environment, as the handler runs it. part: a team stage
-    (ST_QKV, ST_O, ST_GATE_UP, ST_DOWN on the scratch as it stands; ST_ATTN as ``attend``: the cache write, the
-    stage and the merge, at pos of layer l's caches at k_ptrs[l], v_ptrs[l]), ST_HEAD (once a round, into logits
-    [vocab]), PART_LAYER (run_layer on x), or PART_HANDOFF (the team runs an empty stage)."""
-    runtime = load_i64(header + 8 * H_RUNTIME)
-    lock(runtime)
-    env = team.enter()
-    task = load_i64(header + 8 * H_TASK)
-    for _ in range(reps):
-        if part == ST_HEAD:
-            run_head(header, x, logits.ctypes.data)
-            continue
-        for layer in range(load_i64(header + 8 * H_NLAYERS)):
-            store_i64(task + 8 * K_LAYER, layer)
-            if part == PART_LAYER:
-                run_layer(header, layer, pos, x, k_ptrs[layer], v_ptrs[layer])
-            elif part == ST_ATTN:
-                attend(header, pos, k_ptrs[layer], v_ptrs[layer])
-            else:
-                run_stage(header, part)
-    team.leave(env)
-    unlock(runtime)
 
 
 # ---------------------------------------------------------------------------------------------------------------

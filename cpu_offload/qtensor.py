@@ -111,9 +111,12 @@ class QTensor:
 
     def columns(self, lo: int, hi: int, total: int | None = None) -> "QTensor":
         """Columns [lo, hi) (on block boundaries) as a new matrix of `total` columns (default hi - lo), those past
-        hi - lo zero. Every array holds a row's blocks side by side, so each is cut at the same blocks."""
+        hi - lo zero (all of them: this matrix). Every array holds a row's blocks side by side, so each is cut at the
+        same blocks."""
         block, nb = self.type.block, self.cols // self.type.block
         total = hi - lo if total is None else total
+        if (lo, hi, total) == (0, self.cols, self.cols):
+            return self
         if lo % block or hi % block or total % block:
             raise ConfigError(f"{self.type.name} columns split at multiples of {block}, not [{lo}, {hi}) of {total}")
         part = []

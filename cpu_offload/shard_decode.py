@@ -26,9 +26,8 @@ import numpy as np
 from . import activation, attention, blocks, decoder, ffi, host_decode as hd, int8, kernels, q4, quants, tables, team
 from . import vector_ir
 from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F32, DT_S32, ERRC_INVALID_ARGUMENT,
-                  ERRC_OUT_OF_RANGE, NOJIT, buffer_numel, cstr, load_i32, load_i64, lock, make_error, ptr_i32,
-                  store_i64, unlock)
-from .host_decode import H_D, H_MAGIC, H_NLAYERS, H_RUNTIME, H_TASK, K_LAYER, ST_DOWN, ST_GATE_UP
+                  ERRC_OUT_OF_RANGE, NOJIT, buffer_numel, cstr, load_i32, load_i64, lock, make_error, ptr_i32, unlock)
+from .host_decode import H_D, H_MAGIC, H_NLAYERS, H_RUNTIME
 
 from numba import carray, njit  # noqa: E402
 
@@ -92,11 +91,8 @@ def _execute(frame, api):
     elif nargs == 5:
         _copy(hd.attention_output(header, layer, pos, x, k_ptr, v_ptr), out)
     else:
-        store_i64(load_i64(header + 8 * H_TASK) + 8 * K_LAYER, layer)
         hd.ffn_input(header, layer, x)
-        hd.run_stage(header, ST_GATE_UP)
-        hd.run_stage(header, ST_DOWN)
-        _copy(hd.scratch(header)[6], out)
+        _copy(hd.ffn_output(header, layer), out)
     team.leave(env)
     unlock(load_i64(header + 8 * H_RUNTIME))
     return 0

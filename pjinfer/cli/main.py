@@ -5,6 +5,7 @@ Every subcommand defaults to the embedded model (SmolLM2-135M-Instruct)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
@@ -74,6 +75,14 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         common.say("pjinfer: interrupted")
         return 130
+    except Exception as e:
+        parallel = sys.modules.get("pjinfer.runtime.tensor_parallel")
+        line = parallel and parallel.lost(e)
+        if not line:
+            raise
+        common.say(f"pjinfer: error: {line}")
+        sys.stdout.flush()
+        os._exit(1)   # not JAX's shutdown, which would wait for the lost process, then abort
     return 0
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 from numba import njit, prange
 
-from cpu_offload import host_decode
+from cpu_offload import host_decode, stage_timer
 from cpu_offload.predicted_decode import PredictedHostDecoder
 from cpu_offload.team import usable_cores
 from pjinfer.config import ConfigError
@@ -286,7 +286,7 @@ def _median_ms(fn, repeats: int) -> float:
 
 def host_stages(engine: Engine, step_ms: float, *, position: int, repeats: int) -> list[dict]:
     """The dense host decode's step part by part, each part timed over every layer in one call
-    (cpu_offload.host_decode.repeat, on real hidden states of wiki text and caches filled to position): the team's
+    (cpu_offload.stage_timer.repeat, on real hidden states of wiki text and caches filled to position): the team's
     stages, the layer's work on the calling thread (norms, RoPE, residuals: the whole layer less its stages), the
     hand-offs inside those stages (an empty stage's time, five a layer), the head; then the host's whole step, and
     what the generate loop's step (step_ms) costs beyond it: XLA's work and dispatch around the FFI calls,
@@ -311,10 +311,10 @@ def host_stages(engine: Engine, step_ms: float, *, position: int, repeats: int) 
 
     def part(which, reps=1):
         x = x0.copy()   # PART_LAYER updates its input in place
-        return _median_ms(lambda: host_decode.repeat(header, which, reps, position, k_ptrs, v_ptrs, x, logits),
+        return _median_ms(lambda: stage_timer.repeat(header, which, reps, position, k_ptrs, v_ptrs, x, logits),
                           repeats) / reps
 
-    layer = part(host_decode.PART_LAYER)   # also leaves the scratch holding a real layer's vectors
+    layer = part(stage_timer.PART_LAYER)   # also leaves the scratch holding a real layer's vectors
     mb = {slot: sum(host._quantized[(l, slot)].nbytes for l in range(c.n_layers)) / 1e6
           for slot in host_decode.MATRICES.values()}
     cache_mb = 2 * c.n_layers * (position + 1) * c.n_kv_heads * c.head_dim * 2 / 1e6
@@ -330,7 +330,7 @@ def host_stages(engine: Engine, step_ms: float, *, position: int, repeats: int) 
     rows.append({"part": "calling thread (norms, RoPE, residuals)", "ms": layer - sum(r["ms"] for r in rows),
                  "mb": None})
     rows.append({"part": "head", "ms": part(host_decode.ST_HEAD, reps=5), "mb": host._head.nbytes / 1e6})
-    handoff = 5 * part(host_decode.PART_HANDOFF)
+    handoff = 5 * part(stage_timer.PART_HANDOFF)
     host_ms = layer + rows[-1]["ms"]
     rows += [{"part": "hand-offs inside the stages above (an empty stage, 5 a layer)", "ms": handoff, "mb": None},
              {"part": "host step (the layers and the head)", "ms": host_ms, "mb": None},

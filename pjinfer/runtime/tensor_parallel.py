@@ -80,6 +80,17 @@ class Processes:
                                    shutdown_timeout_seconds=HEARTBEAT_S)
 
 
+def lost(error: BaseException) -> str | None:
+    """The one line for an error that says a process of this run went away (a gloo collective whose peer closed
+    its socket: it died or was killed), or None for any other error. Its caller exits at once (os._exit): JAX's
+    own shutdown would wait for the lost process at a barrier, then abort with a stack trace."""
+    state = jax._src.distributed.global_state
+    if state.client is None or "Gloo" not in str(error):
+        return None
+    who = f"process {1 - state.process_id}" if state.num_processes == 2 else "a process"
+    return f"tensor parallel: {who} of the {state.num_processes} in this run stopped ({str(error).rsplit(': ', 1)[-1].strip()})"
+
+
 def mesh() -> Mesh:
     """The processes' devices in process order, one each: shard i is process i's."""
     devices = sorted(jax.devices(), key=lambda d: d.process_index)
