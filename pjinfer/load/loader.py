@@ -94,7 +94,7 @@ def stored_format(path: str | os.PathLike | None = None) -> str | None:
     return next((fmt for fmt, f in FORMATS.items() if kinds <= {TYPES[code].name for code in f.layers}), None)
 
 
-def load(path: str | os.PathLike | None = None, *, progress=None, keep: str | None = None):
+def load(path: str | os.PathLike | None = None, *, progress=None, keep: str | None = None, part=None):
     """Load a GGUF file or HF directory. Returns (config, weights, tokenizer).
 
     Weights are float32 numpy arrays, except with `keep`, a host decode format (a key of
@@ -102,13 +102,15 @@ def load(path: str | os.PathLike | None = None, *, progress=None, keep: str | No
     blocks as a cpu_offload.qtensor.QTensor, a view of the file's memory map (wq / wk re-laid once by rows,
     w_down_t held untransposed: see pjinfer/runtime/model.py), the embedding and output head included, and the
     loader never makes a float32 copy of those. A layer matrix of another type is dequantized, with one line
-    saying so."""
+    saying so. part(config, name, tensor) -> tensor (GGUF only): this process's share of each tensor, taken before
+    anything is copied (pjinfer.runtime.tensor_parallel.part); the file's pages of a share that was copied are
+    released."""
     path = default_model_path() if path is None else Path(path)
     if not path.exists():
         raise ConfigError(f"model not found: {path}")
     if path.is_dir():
         return load_hf(path, progress=progress)
-    return load_gguf(path, progress=progress, keep=keep)
+    return load_gguf(path, progress=progress, keep=keep, part=part)
 
 
 # ---------------------------------------------------------------- GGUF
@@ -240,8 +242,9 @@ def gguf_header(path: Path):
     return reader, _gguf_config(reader, path)
 
 
-def load_gguf(path: Path, *, progress=None, keep: str | None = None, neuron_rows=False):
-    """load for a GGUF file; neuron_rows: a PowerInfer file, whose F16/F32 FFN matrices stay as stored too."""
+def load_gguf(path: Path, *, progress=None, keep: str | None = None, neuron_rows=False, part=None):
+    """load for a GGUF file; neuron_rows: a PowerInfer file, whose F16/F32 FFN matrices stay as stored too; part:
+    load's."""
     kept = FORMATS[keep].layers & GGUF_TYPES.keys() if keep else frozenset()  # kept as stored (int8 keeps none)
     reader, config = gguf_header(path)
     arch = reader.fields.get("general.architecture")
@@ -275,11 +278,14 @@ def load_gguf(path: Path, *, progress=None, keep: str | None = None, neuron_rows
             name = names[t.name]
         else:
             continue  # e.g. rope_freqs: not used by this architecture
+        stored = t
+        if part is not None:
+            t = part(config, name, t)
         keep_rows = neuron_rows and t.type in (GGML_F32, GGML_F16) and name.endswith(("w_gate", "w_up", "w_down_t"))
         weights[name] = aligned(t.data) if keep_rows else _gguf_weight(t, name, config, path, permuted=arch in (
             "llama", "bamboo"), kept=kept, dequantized=dequantized)
-        if not _aliases(weights[name], t.data):
-            reader.release(t)   # a copy was made: the file's pages of it need not stay resident
+        if not _aliases(weights[name], stored.data):
+            reader.release(stored)   # a copy was made: the file's pages of it need not stay resident
         if progress:
             progress(n + 1, len(reader.tensors))
     if dequantized:
@@ -300,7 +306,7 @@ def _gguf_weight(t, name: str, config: ModelConfig, path: Path, *, permuted: boo
     output head where blocks are kept and its type relays into int8, else float32. permuted: llama.cpp's converter
     interleaved Llama's q/k rows for its rotary layout (Qwen2's, NEOX rope, are as in HF). Adds the type of a layer
     matrix made float32 to `dequantized`."""
-    heads = config.n_heads if name.endswith(".wq") else config.n_kv_heads
+    heads = t.shape[0] // config.head_dim   # of q or k: the file's, or a process's share (load's part)
     rope_rows = permuted and (name.endswith(".wq") or name.endswith(".wk"))
     if t.type in kept and len(t.shape) == 2:
         # uint8 [rows, row bytes]; w_down_t stays [d, d_ff], the file's layout

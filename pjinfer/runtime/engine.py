@@ -17,7 +17,7 @@ from pjinfer.config import ConfigError, ModelConfig
 from pjinfer.load import loader, powerinfer
 from pjinfer.load.tokenizer import Tokenizer
 from pjinfer.load.bundle import THRESHOLDS, Bundle
-from pjinfer.runtime import backends, batch, sparse
+from pjinfer.runtime import backends, batch, sparse, tensor_parallel
 from pjinfer.runtime import generate as gen
 from pjinfer.runtime import host as pjinfer_host
 from pjinfer.runtime.compile_cache import enable_compilation_cache, trim_after_compiles
@@ -94,7 +94,8 @@ class Engine:
                 predictors = powerinfer.read_predictors(loader.open_gguf(model_path), config, model_path)
         else:
             config, tensors, tokenizer = loader.load(model_path, progress=progress,
-                                                     keep=plan.weights if plan.backend.host else None)
+                                                     keep=plan.weights if plan.backend.host else None,
+                                                     part=tensor_parallel.part if plan.backend.parallel else None)
         if r.weights == "auto" and plan.backend.host and not plan.backend.neuron_rows:
             try:
                 check_supported(config, tensors, plan.weights)

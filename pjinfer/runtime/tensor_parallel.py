@@ -1,7 +1,7 @@
 """Tensor parallel over JAX processes: one model split Megatron-style across N processes (on one host or many), on
 JAX's own multi-controller runtime (`jax.distributed`, gloo collectives on CPUs).
 
-The split (``shard_weights``), for process i of N:
+The split (``part``, applied by the loader to each tensor as it reads the file), for process i of N:
 - attention: whole key/value heads, ceil(KV / N) a process, each with its query heads: q, k and v rows, o's
   columns, the q/k/v biases and the KV cache. A process with fewer heads (KV not a multiple of N) pads with heads
   of zero weights, whose output is zero, so every shard has one shape;
@@ -31,7 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cpu_offload.blocks import TYPES
-from cpu_offload.qtensor import is_quantized
+from cpu_offload.qtensor import QTensor
 from cpu_offload.shard_decode import ShardDecoder
 from pjinfer.config import ConfigError
 from pjinfer.runtime.model import KVCache, Norm
@@ -130,40 +130,31 @@ class Split:
         return dataclasses.replace(config, n_heads=self.kv * self.n * rep, n_kv_heads=self.kv * self.n)
 
 
-def _matrix(weights, name):
-    w = weights[name]
-    if not is_quantized(w):
-        raise ConfigError(f"tensor parallel slices the file's quantized blocks; {name} is not quantized "
-                          "(--weights q4_1 runs a Q4_1 file)")
-    return w
-
-
-def shard_weights(config, weights: dict, split: Split, i: int) -> dict:
-    """Shard i's weights (the module docstring's split) under the canonical names, for a ShardDecoder of
-    split.shard_config(config); the embedding is left out when the head is a separate matrix."""
+def part(config, name: str, t):
+    """load's hook: this process's share of the file's tensor t (pjinfer.load.gguf_file.Tensor) that becomes the
+    canonical weight `name`, as the module docstring splits it: rows are views of the file, column slices and
+    padded heads new arrays. Matrices must be in a block type (QTensor slices them); norms are whole."""
+    split, i = Split.of(config, jax.process_count()), jax.process_index()
     c, hd = config, config.head_dim
     rep = c.n_heads // c.n_kv_heads
     g0, g1 = min(c.n_kv_heads, i * split.kv), min(c.n_kv_heads, (i + 1) * split.kv)   # this shard's KV heads
-    f0, f1 = i * split.ff, (i + 1) * split.ff
-    out = {k: v for k, v in weights.items() if k.endswith(".scale")}
-    for l in range(c.n_layers):
-        p = f"layers.{l}."
-        q_rows, kv_rows = (g0 * rep * hd, g1 * rep * hd, split.kv * rep * hd), (g0 * hd, g1 * hd, split.kv * hd)
-        out[p + "wq"] = _matrix(weights, p + "wq").rows(*q_rows)
-        out[p + "wk"] = _matrix(weights, p + "wk").rows(*kv_rows)
-        out[p + "wv"] = _matrix(weights, p + "wv").rows(*kv_rows)
-        out[p + "wo"] = _matrix(weights, p + "wo").columns(*q_rows)
-        for b, (lo, hi, total) in (("bq", q_rows), ("bk", kv_rows), ("bv", kv_rows)):
-            if p + b in weights:
-                out[p + b] = np.pad(np.asarray(weights[p + b], np.float32)[lo:hi], (0, total - (hi - lo)))
-        out[p + "w_gate"] = _matrix(weights, p + "w_gate").rows(f0, f1)
-        out[p + "w_up"] = _matrix(weights, p + "w_up").rows(f0, f1)
-        out[p + "w_down_t"] = _matrix(weights, p + "w_down_t").columns(f0, f1)
-    v0, v1 = i * split.vocab, (i + 1) * split.vocab
-    out["embed"] = _matrix(weights, "embed").rows(v0, v1)
-    if not c.tie_embeddings:
-        out["lm_head"] = _matrix(weights, "lm_head").rows(v0, v1)
-    return out
+    q_rows, kv_rows = (g0 * rep * hd, g1 * rep * hd, split.kv * rep * hd), (g0 * hd, g1 * hd, split.kv * hd)
+    f_rows, v_rows = (i * split.ff, (i + 1) * split.ff), (i * split.vocab, (i + 1) * split.vocab)
+    kind = name.rsplit(".", 1)[-1]
+    if kind in ("bq", "bk", "bv"):
+        lo, hi, total = q_rows if kind == "bq" else kv_rows
+        return dataclasses.replace(t, data=np.pad(np.asarray(t.data, np.float32)[lo:hi], (0, total - (hi - lo))),
+                                   shape=(total,))
+    how = {"wq": ("rows", q_rows), "wk": ("rows", kv_rows), "wv": ("rows", kv_rows), "wo": ("columns", q_rows),
+           "w_gate": ("rows", f_rows), "w_up": ("rows", f_rows), "w_down_t": ("columns", f_rows),
+           "embed": ("rows", v_rows), "lm_head": ("rows", v_rows)}.get(kind)
+    if how is None:
+        return t
+    if t.type not in TYPES or len(t.shape) != 2:
+        raise ConfigError(f"tensor parallel slices a file's quantized blocks; {t.name} is not in a block type "
+                          "(--weights q4_1 runs a Q4_1 file)")
+    shard = getattr(QTensor(t.type, (t.data,), t.shape[1]), how[0])(*how[1])
+    return dataclasses.replace(t, data=shard.data, shape=shard.shape)
 
 
 def _global(local: np.ndarray, spec: P, m: Mesh) -> jax.Array:
@@ -173,13 +164,13 @@ def _global(local: np.ndarray, spec: P, m: Mesh) -> jax.Array:
 
 class ShardedModel(nnx.Module):
     """The model a tensor-parallel engine runs: this process's ShardDecoder, its embedding rows (one array over
-    the processes) and the final norm; ``decode`` as Transformer.decode. `config` is the cache's (its n_kv_heads
+    the processes) and the final norm; ``decode`` as Transformer.decode. weights: this process's share, as the
+    loader gives it with `part`. `config` is the cache's (its n_kv_heads
     count every shard's heads): KVCache.create makes the whole cache, split by heads."""
 
     def __init__(self, config, weights: dict, fmt: str, m: Mesh):
         split = Split.of(config, m.size)
-        i = jax.process_index()
-        local = shard_weights(config, weights, split, i)
+        local = weights   # loaded as this process's shard (part)
         self.config = split.cache_config(config)
         self.vocab = split.vocab
         self.mesh = m
