@@ -95,7 +95,8 @@ def unsplit(q4_engine):
     ids = [e.tokenizer.encode(p) for p in PROMPTS]
     model = e.graph.merge(e.state)
     logits = jax.jit(lambda t: model.decode(t, 0, KVCache.create(model.config, 1, 256))[0])(np.int32(ids[0][0]))
-    return {"ids": [e.generate(p, max_new_tokens=TOKENS, stop_ids=[]) for p in ids], "logits": np.asarray(logits)}
+    out = [e.generate(p, max_new_tokens=TOKENS, stop_ids=[]) for p in ids]
+    return {"ids": out, "logits": np.asarray(logits), "logp": e.token_logprobs(np.array([ids[0] + out[0][:24]]))[0]}
 
 
 @pytest.mark.real_model
@@ -108,3 +109,7 @@ def test_split_runs_give_the_unsplit_greedy_ids_and_logits(n, unsplit):
         np.testing.assert_array_equal(logits, want)
     else:        # the psums add the shards' partial sums in their own order
         assert np.abs(logits - want).max() <= 1e-4 * np.abs(want).max()
+    # Scoring: host decode steps when split, XLA's sequence path unsplit (the same Q4_1 values, other float orders).
+    # test_real_model bounds host against XLA logits by 2^-12 of the largest (about 20 here); a log-softmax moves
+    # at most twice its logits' largest error.
+    np.testing.assert_allclose(got["logp"], unsplit["logp"], rtol=0, atol=2 * 2.0 ** -12 * np.abs(want).max())

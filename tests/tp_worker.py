@@ -4,8 +4,8 @@ local sockets through jax.distributed and gloo).
     python tests/tp_worker.py COORDINATOR N I TOKENS PROMPT [PROMPT ...]
 
 Process I of N loads the default model split N ways (--weights q4_1), generates TOKENS greedy tokens for each
-prompt, and takes the logits of the first prompt's first token at position 0. Process 0 prints one JSON line:
-{"ids": [[...] per prompt], "logits": [...]}. N 0: one process, the host decode unsplit (the reference)."""
+prompt, takes the logits of the first prompt's first token at position 0 and scores the first prompt with its first
+24 new tokens. Process 0 prints one JSON line: {"ids": [[...] per prompt], "logits": [...], "logp": [...]}. N 0: one process, the host decode unsplit (the reference)."""
 import json
 import sys
 
@@ -32,8 +32,9 @@ def main() -> None:
         return model.decode(token, 0, KVCache.create(model.config, 1, 256))[0]
 
     logits = np.asarray(first_logits(engine.state, np.int32(ids[0][0])))
+    logp = engine.token_logprobs(np.array([ids[0] + out[0][:24]]))   # scoring: decode steps when split
     if i == 0:
-        print(json.dumps({"ids": out, "logits": logits.tolist()}), flush=True)
+        print(json.dumps({"ids": out, "logits": logits.tolist(), "logp": logp[0].tolist()}), flush=True)
 
 
 if __name__ == "__main__":

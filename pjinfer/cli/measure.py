@@ -18,6 +18,7 @@ def add_commands(command) -> None:
     p.add_argument("--window-len", type=common.positive_int, default=256, help="tokens scored per window")
     common.sparse_options(p)
     common.weight_options(p)
+    common.parallel_options(p)
 
     p = command("bench", cmd_bench, "prefill and decode tokens per second of the jitted generate", json=True)
     p.add_argument("--prompt-len", type=common.positive_int, default=16, help="prompt tokens")
@@ -44,6 +45,7 @@ def add_commands(command) -> None:
 
 def cmd_perplexity(args):
     text = data.read_text(args.text_file)
+    common.join(args)
     engine = common.load(args, args.bundle)
     ids = engine.tokenizer.encode(text, add_special=False)
     start = time.perf_counter()

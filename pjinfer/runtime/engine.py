@@ -229,7 +229,12 @@ class Engine:
         tokens = np.asarray(tokens, np.int32)
         if tokens.shape[1] > self.config.max_seq_len:
             raise ConfigError(f"{tokens.shape[1]} tokens exceed the model's context of {self.config.max_seq_len}")
-        logp, greedy = gen.token_logprobs(self.graph, self.state, jnp.asarray(tokens))
+        if self.backend.parallel:   # decode steps only: one sequence at a time
+            cache_len = gen.bucket(tokens.shape[1], gen.MIN_CACHE_BUCKET)
+            rows = [gen.stepped_logprobs(self.graph, self.state, row[None], cache_len=cache_len) for row in tokens]
+            logp, greedy = (np.concatenate([np.asarray(r[k]) for r in rows]) for k in (0, 1))
+        else:
+            logp, greedy = gen.token_logprobs(self.graph, self.state, jnp.asarray(tokens))
         return (np.asarray(logp), np.asarray(greedy)) if with_greedy else np.asarray(logp)
 
     def perplexity(self, ids, *, windows: int, window_len: int) -> tuple[float, int]:

@@ -95,6 +95,24 @@ def decode_chunk(graph, state, token, pos, cache, key, params, recent, stop_ids,
     return out[1:], n - 1, cache, key, recent
 
 
+@partial(jax.jit, static_argnames=("graph", "cache_len"))
+def stepped_logprobs(graph, state, tokens, *, cache_len):
+    """token_logprobs of one sequence [1, T] through T - 1 one-token decode steps into a cache of cache_len: for a
+    model whose only path is the decode step (tensor parallel)."""
+    model = graph.merge(state)
+    n = tokens.shape[1] - 1
+
+    def step(t, carry):
+        cache, logp, greedy = carry
+        logits, cache = model.decode(tokens[0, t], t, cache)
+        lp = jax.nn.log_softmax(logits.astype(jnp.float32))
+        return cache, logp.at[t].set(lp[tokens[0, t + 1]]), greedy.at[t].set(jnp.argmax(lp) == tokens[0, t + 1])
+
+    carry = (KVCache.create(model.config, 1, cache_len), jnp.zeros(n, jnp.float32), jnp.zeros(n, bool))
+    _, logp, greedy = jax.lax.fori_loop(0, n, step, carry)
+    return logp[None], greedy[None]
+
+
 @partial(jax.jit, static_argnames=("graph",))
 def token_logprobs(graph, state, tokens):
     """tokens [B, T] -> (log p(tokens[:, t] | tokens[:, :t]), whether tokens[:, t] is the argmax) for

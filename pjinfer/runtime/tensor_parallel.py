@@ -16,8 +16,9 @@ One token (``ShardedModel.decode``, inside the jitted generate, each shard's wor
     per layer: x = x + psum(attention form)  then  x = x + psum(FFN form)      cpu_offload.shard_decode
     logits = all_gather(head form of final_norm(x))
 Everything outside the shard's calls runs replicated on every process: sampling sees the whole logits with the
-same key, so every process picks the same token. Prompts run as one-token steps (host.STEPS). With N = 1 the
-numbers are the host decode's, bit for bit; with N > 1 a psum adds the shards' partial sums in its own order.
+same key, so every process picks the same token. Prompts run as one-token steps (host.STEPS), and so does
+scoring (generate.stepped_logprobs). With N = 1 the numbers are the host decode's, bit for bit; with N > 1 a psum
+adds the shards' partial sums in its own order.
 """
 from __future__ import annotations
 
@@ -214,8 +215,8 @@ class ShardedModel(nnx.Module):
         return logits, KVCache(k=ks, v=vs)
 
     def __call__(self, *args, **kwargs):
-        raise ConfigError("a tensor-parallel engine runs one-token steps only: prompts run as steps, and scoring "
-                          "(perplexity, evaluate) is not built for it")
+        raise ConfigError("a tensor-parallel engine runs one-token steps only: prompts and scoring run as steps "
+                          "(generate.stepped_logprobs)")
 
     forward_sequence = __call__
 
