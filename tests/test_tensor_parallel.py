@@ -4,17 +4,21 @@ against the unsplit host decode. The default model's 3 KV heads split unevenly o
 padded heads run too."""
 import json
 import os
-import socket
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
 from cpu_offload import blocks
 from cpu_offload.qtensor import QTensor
 from pjinfer.config import ConfigError
+from pjinfer.measure.bench_serve import free_port, wait_healthy
 from pjinfer.runtime.tensor_parallel import Processes, Split
 from tests.conftest import tiny_config
 
@@ -66,15 +70,9 @@ def test_bad_process_flags_get_one_line(flags, message):
         Processes.from_args(*flags)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(n: int) -> dict:
     """The worker's JSON from process 0 of an n-process run (n 0: one unsplit process)."""
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     env = dict(os.environ, PJINFER_HOST_THREADS="1")
     procs = [subprocess.Popen([sys.executable, str(WORKER), address, str(n), str(i), str(TOKENS), *PROMPTS],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -113,3 +111,45 @@ def test_split_runs_give_the_unsplit_greedy_ids_and_logits(n, unsplit):
     # test_real_model bounds host against XLA logits by 2^-12 of the largest (about 20 here); a log-softmax moves
     # at most twice its logits' largest error.
     np.testing.assert_allclose(got["logp"], unsplit["logp"], rtol=0, atol=2 * 2.0 ** -12 * np.abs(want).max())
+
+
+@pytest.mark.real_model
+def test_a_split_server_answers_as_one_process_and_ends_on_a_lost_process(q4_engine):
+    """`pjinfer serve` over two processes, driven over a real socket: its greedy completion is the unsplit engine's;
+    then process 1 is killed under load, and every request in flight gets a 503 error object and process 0 exits
+    non-zero within 60 s with one line naming process 1."""
+    port, address = free_port(), f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, PJINFER_HOST_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "pjinfer.cli.main", "serve", "--port", str(port), "--coordinator",
+                               address, "--num-processes", "2", "--process-id", str(i)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, procs[0])
+        body = {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0}
+        got = httpx.post(f"{base}/v1/completions", json=body, timeout=300).json()["choices"][0]["text"]
+        tok = q4_engine.tokenizer
+        assert got == tok.decode(q4_engine.generate(tok.encode(PROMPTS[0]), max_new_tokens=16, stop_ids=[]))
+
+        answers = []
+        def ask():
+            long = {"prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0}
+            answers.append(httpx.post(f"{base}/v1/completions", json=long, timeout=120))
+        clients = [threading.Thread(target=ask) for _ in range(2)]
+        for c in clients:
+            c.start()
+        time.sleep(3)    # both admitted, one decoding
+        procs[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        for c in clients:
+            c.join(timeout=120)
+        assert [a.status_code for a in answers] == [503, 503]
+        assert all("process 1 of the 2 in this run stopped" in a.json()["error"]["message"] for a in answers)
+        err = procs[0].communicate(timeout=60)[1]
+        assert time.monotonic() - killed < 60 and procs[0].returncode == 1
+        assert err.strip().splitlines()[-1].startswith("pjinfer: error: tensor parallel: process 1 of the 2")
+        assert "Traceback" not in err
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -78,11 +78,11 @@ def parallel_options(p):
                    "$PJINFER_PROCESS_ID); process 0 writes the output, the others follow it")
 
 
-def join(args) -> None:
+def join(args) -> bool:
     """With --coordinator (or its environment variable): join the run's other processes before JAX starts
     (pjinfer.runtime.tensor_parallel.Processes). Process 0 writes the output; the others' standard output goes
     nowhere, and what native libraries print to file descriptor 1 (gloo's connection lines) goes to stderr. Sets
-    args.parallel, which plan() reads."""
+    args.parallel, which plan() reads. Returns whether this process follows process 0 (I > 0)."""
     from pjinfer.runtime.tensor_parallel import Processes
 
     processes = Processes.from_args(args.coordinator, args.num_processes, args.process_id)
@@ -93,6 +93,7 @@ def join(args) -> None:
         os.dup2(2, 1)
         sys.stdout = out
         processes.start()
+    return processes is not None and processes.index > 0
 
 
 def say(*parts):

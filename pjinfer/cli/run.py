@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 
@@ -39,6 +40,7 @@ def add_commands(command) -> None:
     p.add_argument("--max-queue", type=common.positive_int, default=32,
                    help="requests that may wait for a place in the batch; more get 429 with Retry-After")
     common.weight_options(p)
+    common.parallel_options(p)
 
 
 def cmd_generate(args):
@@ -170,9 +172,18 @@ def cmd_chat(args):
 def cmd_serve(args):
     from pjinfer.serve.server import Server, bind, serve
 
+    if common.join(args):   # process I > 0 of a tensor-parallel server: make process 0's calls until it stops
+        from pjinfer.runtime.followers import follow
+
+        follow(common.load(args), args.max_batch)
+        return
     sock = bind(args.host, args.port)      # a busy port is one line and exit 2, before the model loads
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     logging.getLogger("pjinfer").setLevel(logging.INFO)     # one line per request
     server = Server(common.load(args), api_key=args.api_key, max_active=args.max_batch, max_queue=args.max_queue)
     common.say(f"pjinfer: serving {server.name} on http://{args.host}:{args.port}/v1 [{server.engine.path}]")
     serve(server, sock)
+    if server.scheduler.fatal:
+        common.say(f"pjinfer: error: {server.scheduler.fatal}")
+        sys.stdout.flush()
+        os._exit(1)   # not JAX's shutdown, which would wait for the lost process, then abort

@@ -75,6 +75,8 @@ class Backend:
 
     def describe(self, weights: str, hot_backend: str, bundle=None) -> str:
         """The path in words, as the CLI prints it: the weights, and the sparse rule with its bundle."""
+        if self.parallel:
+            return f"weights {weights}, tensor parallel over {jax.process_count()} processes"
         if self.rule is None:
             return f"weights {weights}"
         if bundle is None:

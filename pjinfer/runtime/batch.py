@@ -53,6 +53,8 @@ from pjinfer.runtime.sampling import Sampling, recent_ids, sample
 def unsupported(engine) -> str | None:
     """Why `engine` cannot decode in batches (None when it can): its backend's row in
     pjinfer.runtime.backends.BACKENDS says whether it batches."""
+    if engine.backend.parallel:
+        return f"a tensor-parallel engine ({engine.path}) decodes one request at a time"
     if not engine.backend.batched:
         weights = " or ".join(w for b in BACKENDS if b.batched for w in b.weights)
         return f"batched decode runs dense weights (--weights {weights}, no bundle); this engine runs {engine.path}"
@@ -256,6 +258,9 @@ class Batch:
     def release(self, slot: int) -> None:
         """The slot's request is done: its own cache (in turns) is freed."""
         self.caches.pop(slot, None)
+
+    def close(self) -> None:
+        """No more calls (a LeaderBatch tells its followers, pjinfer.runtime.followers)."""
 
     def _step_alone(self, s: State, steps: int) -> None:
         e = self.engine

@@ -41,6 +41,9 @@ AXIS = "tp"
 CACHE = P(None, None, AXIS, None)   # [batch, S, KV, hd], split by heads
 ENV = ("PJINFER_COORDINATOR", "PJINFER_NUM_PROCESSES", "PJINFER_PROCESS_ID")
 HEARTBEAT_S = 20   # a process that stops answering for this long ends the others' runs
+# What JAX's errors say when a process of the run went away: a collective's peer closed its socket (gloo), or the
+# coordination service (process 0's) is gone.
+LOST = ("Gloo", "UNAVAILABLE", "Socket closed", "Connection reset")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,10 +89,11 @@ def lost(error: BaseException) -> str | None:
     its socket: it died or was killed), or None for any other error. Its caller exits at once (os._exit): JAX's
     own shutdown would wait for the lost process at a barrier, then abort with a stack trace."""
     state = jax._src.distributed.global_state
-    if state.client is None or "Gloo" not in str(error):
+    text = str(error)
+    if state.client is None or not any(sign in text for sign in LOST):
         return None
     who = f"process {1 - state.process_id}" if state.num_processes == 2 else "a process"
-    return f"tensor parallel: {who} of the {state.num_processes} in this run stopped ({str(error).rsplit(': ', 1)[-1].strip()})"
+    return f"tensor parallel: {who} of the {state.num_processes} in this run stopped ({text.rsplit(': ', 1)[-1].strip()})"
 
 
 def mesh() -> Mesh:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
+import signal
 import sys
 import threading
 import time
@@ -27,6 +29,8 @@ from typing import Callable
 
 from pjinfer.load.tokenizer import StreamDecoder
 from pjinfer.runtime import batch as batching
+from pjinfer.runtime import tensor_parallel
+from pjinfer.runtime.followers import LeaderBatch
 from pjinfer.runtime.sampling import Sampling
 
 
@@ -85,7 +89,9 @@ class Scheduler:
         self._active: list[_Active] = []
         self._closing = threading.Event()
         reason = batching.unsupported(engine)
-        self.batch = batching.Batch(engine, max_active)
+        self.batch = (LeaderBatch if engine.backend.parallel else batching.Batch)(engine, max_active)
+        self.fatal = None   # the line that ended a tensor-parallel server: a process of its run was lost
+        self.stop = lambda: os.kill(os.getpid(), signal.SIGTERM)   # how _lost stops the server (uvicorn's signal)
         if reason:
             print(f"pjinfer: requests take turns, up to {STEPS} tokens each per round: {reason}", file=sys.stderr)
         self._thread = threading.Thread(target=self._run, name="pjinfer-scheduler", daemon=True)
@@ -147,6 +153,8 @@ class Scheduler:
         while True:
             if self._closing.is_set():
                 self._end_all()
+                if self.fatal is None:
+                    self.batch.close()
                 return
             self.batch.clear_wake()   # before looking at the queue: a job submitted from here on wakes the step
             self._admit(block=not self._active)
@@ -178,6 +186,8 @@ class Scheduler:
             try:
                 entry.state = self.batch.start(slot, job.prompt_ids, job.max_tokens, job.sampling, job.stop_ids)
             except Exception as e:            # the engine refusing, or a bug: the job ends, the server goes on
+                if self._lost(e):
+                    return
                 self._finish(entry, None, error=f"{type(e).__name__}: {e}")
                 continue
             self._deliver(entry, entry.state.token)
@@ -188,6 +198,8 @@ class Scheduler:
         try:
             self.batch.step([e.state for e in entries], steps=STEPS)
         except Exception as e:                # a bug: these jobs end, the server goes on
+            if self._lost(e):
+                return
             for entry in entries:
                 self._finish(entry, None, error=f"{type(e).__name__}: {e}")
             return
@@ -196,6 +208,22 @@ class Scheduler:
                 if entry not in self._active or entry.job.cancelled.is_set():
                     break
                 self._deliver(entry, token)
+
+    def _lost(self, error: Exception) -> bool:
+        """A tensor-parallel run that lost a process ends the server (its model is gone): every active and waiting
+        job gets a 503 error, and `stop` (the server's: SIGTERM to this process) is called. True when it did."""
+        line = tensor_parallel.lost(error)
+        if line is None:
+            return False
+        self.fatal = line
+        self._closing.set()
+        for entry in list(self._active):
+            self._active.remove(entry)
+            entry.job.finished = time.perf_counter()
+            entry.job.emit(("error", f"the server is shutting down: {line}"))
+        self._end_all()
+        self.stop()
+        return True
 
     def _deliver(self, entry: _Active, token: int) -> None:
         """Hands a job its next token, and ends the job where Engine.stream would stop."""
