@@ -2,7 +2,7 @@
 
 For each N of --processes, N local processes join through jax.distributed (127.0.0.1, gloo), load the model split N
 ways (pjinfer.runtime.tensor_parallel) and generate greedily; N 0 is the unsplit host decode in one process. Each
-process reports its peak RSS minus its floor (the RSS once JAX has started, before the model loads) and, for N > 0,
+process reports its peak RSS minus its floor (the RSS once its code is imported and JAX has started, before the model loads) and, for N > 0,
 the time of one step's collectives alone (2 psums a layer, the embedding's psum and the head's all-gather, on
 vectors of the model's sizes). On one machine the N processes share its cores and its memory bandwidth: this
 measures what the split costs, not how it scales across hosts.
@@ -63,10 +63,11 @@ def worker(model: str, coordinator: str, n: int, index: int, tokens: int, runs: 
     if n:
         Processes(coordinator, n, index).start()
     import jax
-    jax.numpy.zeros(1).block_until_ready()
-    floor = _rss_mb("VmRSS")
+
     from pjinfer.runtime.engine import Engine
 
+    jax.numpy.zeros(1).block_until_ready()
+    floor = _rss_mb("VmRSS")   # the code imported and JAX started: what a process holds without a model
     engine = Engine.load(model, weights="q4_1", parallel=n > 0)
     prompt = bench_prompt(engine, 16)
     _, cache_len = engine.plan(len(prompt), tokens)

@@ -35,7 +35,7 @@ from cpu_offload.blocks import TYPES
 from cpu_offload.qtensor import QTensor
 from cpu_offload.shard_decode import ShardDecoder
 from pjinfer.config import ConfigError
-from pjinfer.runtime.model import KVCache, Norm
+from pjinfer.runtime.model import KVCache, Norm, to_xla
 
 AXIS = "tp"
 CACHE = P(None, None, AXIS, None)   # [batch, S, KV, hd], split by heads
@@ -163,8 +163,11 @@ def part(config, name: str, t):
 
 
 def _global(local: np.ndarray, spec: P, m: Mesh) -> jax.Array:
-    """One array over the processes from each one's part (spec P(AXIS): rows; P(): the same on every one)."""
-    return jax.make_array_from_process_local_data(NamedSharding(m, spec), np.asarray(local))
+    """One array over the processes from each one's part (spec P(AXIS): rows; P(): the same on every one), the
+    part in XLA's memory without a copy (to_xla)."""
+    rows = local.shape[0] * (m.size if spec == P(AXIS) else 1)
+    return jax.make_array_from_single_device_arrays((rows, *local.shape[1:]), NamedSharding(m, spec),
+                                                    [to_xla(np.asarray(local))])
 
 
 class ShardedModel(nnx.Module):
