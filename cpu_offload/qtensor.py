@@ -123,7 +123,8 @@ class QTensor:
         for a in self.arrays:
             a = np.asarray(a)
             width = a.shape[1] // nb   # an array's entries per block
-            part.append(_zero_padded(a[:, lo // block * width:hi // block * width], (a.shape[0], total // block * width)))
+            cut = a[:, lo // block * width:hi // block * width]
+            part.append(_zero_padded(cut, (a.shape[0], total // block * width)))
         return QTensor(self.code, tuple(part), total)
 
 

@@ -5,7 +5,8 @@ local sockets through jax.distributed and gloo).
 
 Process I of N loads the default model split N ways (--weights q4_1), generates TOKENS greedy tokens for each
 prompt, takes the logits of the first prompt's first token at position 0 and scores the first prompt with its first
-24 new tokens. Process 0 prints one JSON line: {"ids": [[...] per prompt], "logits": [...], "logp": [...]}. N 0: one process, the host decode unsplit (the reference)."""
+24 new tokens. Process 0 prints one JSON line: {"ids": [[...] per prompt], "logits": [...], "logp": [...]}.
+N 0: one process, the host decode unsplit (the reference)."""
 import json
 import sys
 

@@ -2,10 +2,10 @@
 
 For each N of --processes, N local processes join through jax.distributed (127.0.0.1, gloo), load the model split N
 ways (pjinfer.runtime.tensor_parallel) and generate greedily; N 0 is the unsplit host decode in one process. Each
-process reports its peak RSS minus its floor (the RSS once its code is imported and JAX has started, before the model loads) and, for N > 0,
-the time of one step's collectives alone (2 psums a layer, the embedding's psum and the head's all-gather, on
-vectors of the model's sizes). On one machine the N processes share its cores and its memory bandwidth: this
-measures what the split costs, not how it scales across hosts.
+process reports its peak RSS minus its floor (the RSS once its code is imported and JAX has started, before the
+model loads) and, for N > 0, the time of one step's collectives alone (2 psums a layer, the embedding's psum and
+the head's all-gather, on vectors of the model's sizes). On one machine the N processes share its cores and its
+memory bandwidth: this measures what the split costs, not how it scales across hosts.
 """
 from __future__ import annotations
 
@@ -126,7 +126,8 @@ def main(argv=None) -> int:
         rows = run(args.model, n, args.tokens, args.runs)
         first = rows[0]
         coll = f"{first['collectives_ms']:.2f}" if n else "-"
-        print(f"| {n or '1, unsplit'} | {first['decode_tok_s']:.1f} ({min(first['rates']):.1f}-{max(first['rates']):.1f}) "
+        rates = f"{first['decode_tok_s']:.1f} ({min(first['rates']):.1f}-{max(first['rates']):.1f})"
+        print(f"| {n or '1, unsplit'} | {rates} "
               f"| {coll} | {max(r['peak_minus_floor_mb'] for r in rows):.0f} |", flush=True)
     return 0
 

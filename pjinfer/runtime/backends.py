@@ -118,9 +118,9 @@ def select(weights: str, rule: str | None = None, hot_backend: str = "xla", cold
         if backend.runs(weights, rule, hot_backend, neuron_rows, parallel):
             return backend
     if parallel:
-        runs = [b for b in BACKENDS if b.parallel]
-        raise ConfigError(f"tensor parallel runs the dense host decode of {', '.join(w for b in runs for w in b.weights)} "
-                          f"weights (a file of those blocks), not {'a bundle' if rule else weights}")
+        runs = ", ".join(w for b in BACKENDS if b.parallel for w in b.weights)
+        raise ConfigError(f"tensor parallel runs the dense host decode of {runs} weights (a file of those blocks), "
+                          f"not {'a bundle' if rule else weights}")
     rows = [b for b in BACKENDS if weights in b.weights]
     if neuron_rows and all(b.neuron_rows is False for b in rows):
         raise ConfigError(f"--weights {weights} reads llama.cpp's layout, not a PowerInfer file's neuron rows "

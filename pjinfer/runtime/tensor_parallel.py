@@ -85,15 +85,16 @@ class Processes:
 
 
 def lost(error: BaseException) -> str | None:
-    """The one line for an error that says a process of this run went away (a gloo collective whose peer closed
-    its socket: it died or was killed), or None for any other error. Its caller exits at once (os._exit): JAX's
-    own shutdown would wait for the lost process at a barrier, then abort with a stack trace."""
+    """The one line for an error that says a process of this run went away (it died or was killed: see LOST), or
+    None for any other error. Its caller exits at once (os._exit): JAX's own shutdown would wait for the lost
+    process at a barrier, then abort with a stack trace."""
     state = jax._src.distributed.global_state
     text = str(error)
     if state.client is None or not any(sign in text for sign in LOST):
         return None
     who = f"process {1 - state.process_id}" if state.num_processes == 2 else "a process"
-    return f"tensor parallel: {who} of the {state.num_processes} in this run stopped ({text.rsplit(': ', 1)[-1].strip()})"
+    why = text.rsplit(": ", 1)[-1].strip()
+    return f"tensor parallel: {who} of the {state.num_processes} in this run stopped ({why})"
 
 
 def mesh() -> Mesh:
