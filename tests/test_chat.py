@@ -1,6 +1,7 @@
 """`pjinfer chat`: history through the chat template, and the terminal session driven through a real pty."""
 import io
 import os
+import signal
 import sys
 
 import pexpect
@@ -47,8 +48,11 @@ def test_a_reply_cut_at_the_token_limit_is_marked(engine):
 @pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called")
 def test_terminal_session_history_quiet_typing_cut_ctrl_c_and_ctrl_d():
     env = dict(os.environ, COLUMNS="100", LINES="24")
+    # Ctrl-C reaches the chat as a terminal's would even where this run ignores SIGINT (a background job of a
+    # non-interactive shell does, and its children inherit that).
     child = pexpect.spawn(sys.executable, ["-m", "pjinfer.cli.main", "chat", "--weights", "q4_1",
-                                           "--max-new-tokens", "100"], env=env, encoding="utf-8", timeout=600)
+                                           "--max-new-tokens", "100"], env=env, encoding="utf-8", timeout=600,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     story = "Write a very long story about a dragon who learns to bake bread."
     try:
         child.expect_exact("> ")

@@ -232,7 +232,12 @@ def test_ctrl_c_reports_interrupted(capsys, monkeypatch):
         return piece
 
     monkeypatch.setattr(StreamDecoder, "push", push_then_ctrl_c)
-    code, out, err = run(capsys, "generate", "--prompt", "Once upon a time", "--max-new-tokens", "40", "--json")
+    # Python's own handler, even where this run ignores SIGINT (a background job of a non-interactive shell does).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code, out, err = run(capsys, "generate", "--prompt", "Once upon a time", "--max-new-tokens", "40", "--json")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     result = json.loads(out)
     assert code == 130 and err.strip().endswith("pjinfer: interrupted")
     assert result["finish_reason"] == "interrupted" and result["interrupted"] is True
