@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import time
 
@@ -183,7 +182,7 @@ def cmd_serve(args):
     server = Server(common.load(args), api_key=args.api_key, max_active=args.max_batch, max_queue=args.max_queue)
     common.say(f"pjinfer: serving {server.name} on http://{args.host}:{args.port}/v1 [{server.engine.path}]")
     serve(server, sock)
-    if server.scheduler.fatal:
-        common.say(f"pjinfer: error: {server.scheduler.fatal}")
-        sys.stdout.flush()
-        os._exit(1)   # not JAX's shutdown, which would wait for the lost process, then abort
+    if server.scheduler.fatal:   # a process of a tensor-parallel run was lost: main says so and exits
+        from pjinfer.runtime.tensor_parallel import Lost
+
+        raise Lost(server.scheduler.fatal)

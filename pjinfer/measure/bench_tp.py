@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import time
 import numpy as np
 
 from cpu_offload.team import usable_cores
+from pjinfer.measure.bench_serve import free_port
 
 
 def _rss_mb(field: str) -> float:
@@ -86,15 +86,9 @@ def worker(model: str, coordinator: str, n: int, index: int, tokens: int, runs: 
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(model: str, n: int, tokens: int, runs: int) -> list[dict]:
     """Every process's figures for an N-process run (N 0: one unsplit process)."""
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     env = dict(os.environ, PJINFER_HOST_THREADS=str(max(1, usable_cores() // max(n, 1))))
     given = ["--model", model] if model else []
     procs = [subprocess.Popen([sys.executable, "-m", "pjinfer.measure.bench_tp", "--worker", address, str(n), str(i),

@@ -84,10 +84,17 @@ class Processes:
                                    shutdown_timeout_seconds=HEARTBEAT_S)
 
 
+class Lost(Exception):
+    """A process of this run went away: raised with lost's line where the error that said so was handled first
+    (the server's scheduler)."""
+
+
 def lost(error: BaseException) -> str | None:
-    """The one line for an error that says a process of this run went away (it died or was killed: see LOST), or
-    None for any other error. Its caller exits at once (os._exit): JAX's own shutdown would wait for the lost
-    process at a barrier, then abort with a stack trace."""
+    """The one line for an error that says a process of this run went away (it died or was killed: see LOST; or
+    Lost), or None for any other error. Its caller exits at once (os._exit): JAX's own shutdown would wait for the
+    lost process at a barrier, then abort with a stack trace."""
+    if isinstance(error, Lost):
+        return str(error)
     state = jax._src.distributed.global_state
     text = str(error)
     if state.client is None or not any(sign in text for sign in LOST):
@@ -179,12 +186,11 @@ class ShardedModel(nnx.Module):
 
     def __init__(self, config, weights: dict, fmt: str, m: Mesh):
         split = Split.of(config, m.size)
-        local = weights   # loaded as this process's shard (part)
         self.config = split.cache_config(config)
         self.vocab = split.vocab
         self.mesh = m
-        self.decoder = ShardDecoder(split.shard_config(config), local, fmt)
-        embed = local["embed"]
+        self.decoder = ShardDecoder(split.shard_config(config), weights, fmt)   # weights: this process's share
+        embed = weights["embed"]
         self.embed_code, self.embed_cols = embed.code, embed.cols
         self.embed = nnx.List([nnx.Param(_global(a, P(AXIS), m)) for a in embed.arrays])
         self.final_norm = Norm({"final_norm.scale": _global(np.asarray(weights["final_norm.scale"], np.float32), P(),
