@@ -7,11 +7,18 @@ nearest even: numpy's ``astype(np.float16)``, XLA's convert).
 
 How a team of n threads shares one token's attention (``share``, ``attend_share``, ``merge``):
 - long context (pos + 1 >= n * MIN_CHUNK): the positions are split into n contiguous chunks; each thread runs
-  every query head over its chunk, reading each key and value row once for the GQA group that shares it, and
-  leaves an unnormalized partial (its max score, its sum of exponentials, its weighted value sum) in the first
+  every query head over its chunk (a GQA group's heads read the same key and value rows, the later ones from
+  cache), and leaves an unnormalized partial (its max score, its sum of exponentials, its weighted value sum) in the first
   hd + 2 score slots of its chunk; the caller ``merge``s the n partials per head (split-softmax, as in
   flash-decoding). Each thread streams a contiguous stretch of the cache.
 - short context: the query heads are split; each thread writes its heads' outputs directly (merge is a no-op).
+
+The two products over the positions are LLVM vector IR (``_dots``, ``_weighted``), one case per head_dim / 16
+(vector_ir.by_count): a query head's scores widen each key row from float16 in registers against the query's
+vectors, held in registers across the positions, and sum 16 rows' products at once by a shuffle tree; its values
+sum rows of V weighted by the probabilities into accumulators held in registers (Numba's loops kept them in
+memory, and summed each score's products alone). head_dim must be a multiple of LANES (every real model's is; the
+host decoders refuse others).
 
 Usage (inside Numba)::
 
@@ -24,16 +31,27 @@ out float32 [H, hd]. H a multiple of KV.
 """
 from __future__ import annotations
 
-import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic
+from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
+
+import numpy as np  # noqa: E402
+from llvmlite import ir  # noqa: E402
+from numba import njit, types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
+
+from . import ffi, vector_ir  # noqa: E402
+from .vector_ir import F32, I64, V16F, load, splat, strict  # noqa: E402
+
+ffi.purge_stale_cache("attention", vector_ir)  # the products' IR is compiled into this module's cached functions
 
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 _F0 = np.float32(0.0)
 _ONE = np.float32(1.0)
 PARTIAL_EXTRA = 2   # a chunk's partial: max score, sum of exponentials, then hd weighted value sums
 MIN_CHUNK = 128     # positions per thread below which the heads are split instead (and at least hd + 2)
+LANES = 16          # float32 lanes of one vector: head_dim is a whole number of them
+MAX_CHUNKS = 16     # head_dim up to 256
+_V16H = ir.VectorType(ir.HalfType(), LANES)
 
 
 @intrinsic
@@ -69,14 +87,25 @@ def store(k, v, k_row, v_row):
 
 
 # exp(x) for x <= 0 as 2^k * p(r), k = round(x log2 e), |r| <= ln2 / 2, p the degree-6 Taylor polynomial
-# (relative error 4e-7 over [-87, 0]), 2^k from a table. Unlike libm's expf it vectorizes: one expf call per
-# score cost 5-11% of attention (positions 512 and 144, float32 cache).
-_POW2 = (2.0 ** np.arange(-126, 1)).astype(np.float32)
+# (relative error 4e-7 over [-87, 0]), 2^k built from its exponent bits (_pow2). Unlike libm's expf, or a table
+# of 2^k (a gather), it vectorizes.
 _EXP_MIN = np.float32(-87.0)
 _LOG2E = np.float32(1.4426950408889634)
 _LN2 = np.float32(0.6931471805599453)
 _HALF = np.float32(0.5)
 _C1, _C2, _C3, _C4, _C5, _C6 = (np.float32(1.0 / f) for f in (1, 2, 6, 24, 120, 720))
+
+
+@intrinsic
+def _pow2(typingctx, k):
+    """2^k as float32 for an int32 k in [-126, 127]: the bits (k + 127) << 23."""
+    if not isinstance(k, types.Integer) or k.bitwidth != 32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        bits = builder.shl(builder.add(args[0], ir.Constant(ir.IntType(32), 127)), ir.Constant(ir.IntType(32), 23))
+        return builder.bitcast(bits, ir.FloatType())
+    return types.float32(k), codegen
 
 
 @njit(**_JIT)
@@ -87,7 +116,7 @@ def exp_shifted(v, top):
         x = max(v[s] - top, _EXP_MIN)
         k = np.floor(x * _LOG2E + _HALF)
         r = x - k * _LN2
-        e = (_ONE + r * (_C1 + r * (_C2 + r * (_C3 + r * (_C4 + r * (_C5 + r * _C6)))))) * _POW2[np.int32(k) + 126]
+        e = (_ONE + r * (_C1 + r * (_C2 + r * (_C3 + r * (_C4 + r * (_C5 + r * _C6)))))) * _pow2(np.int32(k))
         v[s] = e
         total += e
     return total
@@ -107,41 +136,122 @@ def share(pos, hd, tid, n, heads):
     return 0, length, qa, min(heads, qa + per), False
 
 
+def _row(builder, rows, i, step, c):
+    """IR: lanes 16c..16c+15 of float16 row i (at rows + i * step) widened to float32."""
+    at = builder.add(builder.add(rows, builder.mul(i, step)), I64(2 * LANES * c))
+    return builder.fpext(load(builder, at, _V16H, 2), V16F)
+
+
+def _fold(builder, a, b, width):
+    """IR: two vectors, each of 16 / width groups of width lanes (a group: partial sums of one row), as one vector of
+    groups of width / 2: each group's first half plus its second half, a's groups first."""
+    half, firsts, seconds = width // 2, [], []
+    for base in (0, LANES):
+        for g in range(LANES // width):
+            firsts += [base + g * width + t for t in range(half)]
+            seconds += [base + g * width + half + t for t in range(half)]
+    pick = lambda lanes: builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), LANES), lanes))
+    return strict(builder.fadd(pick(firsts), pick(seconds)))
+
+
+@intrinsic
+def _dots(typingctx, chunks, n, q, rows, step, out):
+    """out[i] = q . row i for i < n: q float32 [16 chunks] at address q, row i float16 [16 chunks] at rows + i * step
+    bytes, out float32 at address out (addresses as integers). Per row the chunks' products go into one vector (an
+    FMA chain in chunk order); 16 rows' vectors are then summed lane-wise by a fixed tree of _folds into one vector
+    of their 16 dots, and the last n % 16 rows each by vector_ir.hsum."""
+    if not all(isinstance(a, types.Integer) for a in (chunks, n, q, rows, step, out)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        chunks, n, q, rows, step, out = args
+        fma = vector_ir.vector_intrinsic(builder, "llvm.fma", 3)
+
+        def emit(c):
+            qv = [load(builder, builder.add(q, I64(4 * LANES * j)), V16F, 4) for j in range(c)]
+
+            def product(i):
+                acc = strict(builder.fmul(qv[0], _row(builder, rows, i, step, 0)))
+                for j in range(1, c):
+                    acc = builder.call(fma, [qv[j], _row(builder, rows, i, step, j), acc])
+                return acc
+            blocks = builder.udiv(n, I64(LANES))
+            with cgutils.for_range(builder, blocks) as loop:
+                first = builder.mul(loop.index, I64(LANES))
+                parts, width = [product(builder.add(first, I64(t))) for t in range(LANES)], LANES
+                while len(parts) > 1:
+                    parts, width = [_fold(builder, parts[t], parts[t + 1], width)
+                                    for t in range(0, len(parts), 2)], width // 2
+                at = builder.add(out, builder.mul(first, I64(4)))
+                builder.store(parts[0], builder.inttoptr(at, V16F.as_pointer()), align=4)
+            with cgutils.for_range(builder, builder.sub(n, builder.mul(blocks, I64(LANES)))) as loop:
+                i = builder.add(builder.mul(blocks, I64(LANES)), loop.index)
+                at = builder.add(out, builder.mul(i, I64(4)))
+                builder.store(vector_ir.hsum(builder, product(i)), builder.inttoptr(at, F32.as_pointer()), align=4)
+        vector_ir.by_count(builder, chunks, range(1, MAX_CHUNKS + 1), emit)
+        return context.get_dummy_value()
+    return types.void(*[types.int64] * 6), codegen
+
+
+@intrinsic
+def _weighted(typingctx, chunks, n, p, rows, step, acc):
+    """acc += sum over i < n of p[i] * row i: acc float32 [16 chunks] at address acc, p float32 at address p, row i
+    float16 [16 chunks] at rows + i * step bytes. Even rows sum into one set of registers and odd rows into another,
+    each in row order; acc + (even + odd) at the end."""
+    if not all(isinstance(a, types.Integer) for a in (chunks, n, p, rows, step, acc)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        chunks, n, p, rows, step, acc = args
+        fma = vector_ir.vector_intrinsic(builder, "llvm.fma", 3)
+        zero = ir.Constant(V16F, [0.0] * LANES)
+
+        def emit(c):
+            sets = [[cgutils.alloca_once_value(builder, zero) for _ in range(c)] for _ in range(2)]
+
+            def add_row(i, regs):
+                w = splat(builder, load(builder, builder.add(p, builder.mul(i, I64(4))), F32, 4))
+                for j in range(c):
+                    builder.store(builder.call(fma, [w, _row(builder, rows, i, step, j), builder.load(regs[j])]),
+                                  regs[j])
+            with cgutils.for_range(builder, builder.udiv(n, I64(2))) as loop:
+                i = builder.mul(loop.index, I64(2))
+                add_row(i, sets[0])
+                add_row(builder.add(i, I64(1)), sets[1])
+            with cgutils.if_unlikely(builder, builder.trunc(n, ir.IntType(1))):   # an odd last row
+                add_row(builder.sub(n, I64(1)), sets[0])
+            for j in range(c):
+                ptr = builder.inttoptr(builder.add(acc, I64(4 * LANES * j)), V16F.as_pointer())
+                both = strict(builder.fadd(builder.load(sets[0][j]), builder.load(sets[1][j])))
+                builder.store(strict(builder.fadd(builder.load(ptr, align=4), both)), ptr, align=4)
+        vector_ir.by_count(builder, chunks, range(1, MAX_CHUNKS + 1), emit)
+        return context.get_dummy_value()
+    return types.void(*[types.int64] * 6), codegen
+
+
 @njit(**_JIT)
-def _scores(q, k, lo, hi, qa, qb, scores, row):
-    """scores[h, s] = q[h] . k[s, h // group] / sqrt(hd) for s in [lo, hi), h in [qa, qb); row: float32 [hd]."""
+def _scores(q, k, lo, hi, qa, qb, scores):
+    """scores[h, s] = q[h] . k[s, h // group] / sqrt(hd) for s in [lo, hi), h in [qa, qb)."""
     heads, hd = q.shape
     group = heads // k.shape[1]
     scale = np.float32(1.0 / np.sqrt(hd))
-    for s in range(lo, hi):
-        for kvh in range(qa // group, (qb - 1) // group + 1):
-            src = k[s, kvh]
-            for j in range(hd):
-                row[j] = f16_to_f32(src[j])
-            for h in range(max(qa, kvh * group), min(qb, (kvh + 1) * group)):
-                t = _F0
-                for j in range(hd):
-                    t += q[h, j] * row[j]
-                scores[h, s] = t * scale
+    for h in range(qa, qb):
+        row = scores[h, lo:hi]
+        _dots(hd // LANES, hi - lo, q[h].ctypes.data, k[lo:, h // group].ctypes.data, k.strides[0], row.ctypes.data)
+        for s in range(hi - lo):
+            row[s] *= scale
 
 
 @njit(**_JIT)
-def _values(v, lo, hi, qa, qb, scores, acc, row):
+def _values(v, lo, hi, qa, qb, scores, acc):
     """acc[h] = sum over s in [lo, hi) of scores[h, s] * v[s, h // group], h in [qa, qb)."""
     heads, hd = acc.shape
     group = heads // v.shape[1]
     for h in range(qa, qb):
         for j in range(hd):
             acc[h, j] = _F0
-    for s in range(lo, hi):
-        for kvh in range(qa // group, (qb - 1) // group + 1):
-            src = v[s, kvh]
-            for j in range(hd):
-                row[j] = f16_to_f32(src[j])
-            for h in range(max(qa, kvh * group), min(qb, (kvh + 1) * group)):
-                p = scores[h, s]
-                for j in range(hd):
-                    acc[h, j] += p * row[j]
+        _weighted(hd // LANES, hi - lo, scores[h, lo:hi].ctypes.data, v[lo:, h // group].ctypes.data, v.strides[0],
+                  acc[h].ctypes.data)
 
 
 @njit(**_JIT)
@@ -152,9 +262,8 @@ def attend_share(q, k, v, pos, tid, n, scores, out):
     lo, hi, qa, qb, split = share(pos, hd, tid, n, heads)
     if lo >= hi or qa >= qb:
         return
-    row = np.empty(hd, np.float32)
     acc = np.empty((heads, hd), np.float32)
-    _scores(q, k, lo, hi, qa, qb, scores, row)
+    _scores(q, k, lo, hi, qa, qb, scores)
     tops = np.empty(heads, np.float32)
     sums = np.empty(heads, np.float32)
     for h in range(qa, qb):
@@ -163,7 +272,7 @@ def attend_share(q, k, v, pos, tid, n, scores, out):
             top = max(top, scores[h, s])
         tops[h] = top
         sums[h] = exp_shifted(scores[h, lo:hi], top)
-    _values(v, lo, hi, qa, qb, scores, acc, row)
+    _values(v, lo, hi, qa, qb, scores, acc)
     for h in range(qa, qb):
         if split:
             part = scores[h, lo:lo + hd + PARTIAL_EXTRA]

@@ -29,6 +29,7 @@ from .host_decode import (F_BLOCKS, F_INT8, H_ACT, H_D, H_EPS, H_FF, H_FORMAT, H
                           H_HEADS, H_INV_FREQ, H_KV, H_MAGIC, H_MAXLEN, H_NLAYERS, H_RUNTIME, H_SCRATCH, H_STAGE,
                           H_TABLE, H_TASK, H_TEAM, H_VOCAB, H_WIDTH, L_ATTN_NORM, L_FFN_NORM, L_QKV_BIAS, L_WIDTH,
                           MAGIC, MATRICES, TARGET_NAME, handler_cfunc, new_scratch, stage_cfunc)
+from .attention import LANES, MAX_CHUNKS
 from .kernels import QBLOCK
 from .qtensor import QTensor, is_quantized
 
@@ -52,8 +53,9 @@ def check_supported(config, weights: dict, fmt: str) -> None:
     for name, n in (("d_model", c.d_model), ("n_heads * head_dim", c.n_heads * c.head_dim), ("d_ff", c.d_ff)):
         if n % QBLOCK:
             raise ConfigError(f"host decode needs {name} to be a multiple of {QBLOCK}, got {n}")
-    if c.head_dim % 2:
-        raise ConfigError(f"host decode needs an even head_dim, got {c.head_dim}")
+    if c.head_dim % LANES or c.head_dim > LANES * MAX_CHUNKS:
+        raise ConfigError(f"host decode needs head_dim to be a multiple of {LANES} up to {LANES * MAX_CHUNKS}, "
+                          f"got {c.head_dim}")
 
 
 def _head_name(config) -> str:

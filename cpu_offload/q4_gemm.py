@@ -29,19 +29,6 @@ GROUP = 8     # tokens per pass over a row: 8 (Q4_1: 16) accumulators of 16 floa
 _f32, _i32, _i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
 
 
-def _by_count(builder, k, emit) -> None:
-    """IR: emit(n) for the n in 1..GROUP that equals k (an i64 known at run time); another k does nothing."""
-    end = builder.append_basic_block("count_end")
-    switch = builder.switch(k, end)
-    for n in range(1, GROUP + 1):
-        block = builder.append_basic_block(f"count_{n}")
-        switch.add_case(_i64(n), block)
-        builder.position_at_end(block)
-        emit(n)
-        builder.branch(end)
-    builder.position_at_end(end)
-
-
 @intrinsic
 def _rows_dot(typingctx, k, row, nb, x, x_stride, y, y_stride):
     """The dots of one Q4_1 row (nb blocks at address row) with k (1..GROUP) float32 inputs: token t's input
@@ -58,7 +45,7 @@ def _rows_dot(typingctx, k, row, nb, x, x_stride, y, y_stride):
             for t, total in enumerate(q4.emit_rows_dot(builder, row, nb, xs)):
                 addr = builder.add(y, builder.mul(y_stride, _i64(t)))
                 builder.store(total, builder.inttoptr(addr, _f32.as_pointer()), align=4)
-        _by_count(builder, k, emit)
+        vector_ir.by_count(builder, k, range(1, GROUP + 1), emit)
         return context.get_dummy_value()
     return types.void(*[types.int64] * 7), codegen
 
@@ -99,7 +86,7 @@ def _int8_dot(typingctx, k, w, s, nb, x, x_stride, y, y_stride, y_rows):
                 out = vector_ir.load(builder, builder.add(y_rows, _i64(8 * t)), _i64, 8)
                 addr = builder.add(y, builder.mul(y_stride, out))
                 builder.store(total, builder.inttoptr(addr, _f32.as_pointer()), align=4)
-        _by_count(builder, k, emit)
+        vector_ir.by_count(builder, k, range(1, GROUP + 1), emit)
         return context.get_dummy_value()
     return types.void(*[types.int64] * 9), codegen
 

@@ -41,6 +41,20 @@ def splat(builder, value):
     return builder.shuffle_vector(one, ir.Constant(V16F, ir.Undefined), lane0)
 
 
+def by_count(builder, k, counts, emit) -> None:
+    """IR: emit(n) for the n in counts that equals k (an i64 known at run time); another k does nothing. A kernel
+    whose unrolled form depends on a size (tokens in a group, 16-lane chunks of a head) emits one case per size."""
+    end = builder.append_basic_block("count_end")
+    switch = builder.switch(k, end)
+    for n in counts:
+        block = builder.append_basic_block(f"count_{n}")
+        switch.add_case(I64(n), block)
+        builder.position_at_end(block)
+        emit(n)
+        builder.branch(end)
+    builder.position_at_end(end)
+
+
 def hsum(builder, v):
     """The 16 lanes of v summed as a fixed tree (halves, then quarters, ...)."""
     for width in (8, 4, 2, 1):

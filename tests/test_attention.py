@@ -29,7 +29,10 @@ def _run(q, k, v, pos, n):
     return out, scores
 
 
-@pytest.mark.parametrize("heads,kv,hd", [(9, 3, 64), (4, 1, 32), (2, 2, 64), (6, 2, 48)])
+# head_dim from one 16-lane chunk to the largest (attention.MAX_CHUNKS); lengths with every remainder class of the
+# scores' 16-row blocks that the positions split gives.
+@pytest.mark.parametrize("heads,kv,hd", [(9, 3, 64), (4, 1, 32), (2, 2, 64), (6, 2, 48), (4, 4, 16), (8, 2, 128),
+                                         (2, 1, 256)])
 @pytest.mark.parametrize("length", [1, 5, 67, 301, 1031])
 def test_attention_matches_numpy_at_first_middle_and_last_position(heads, kv, hd, length):
     rng = np.random.default_rng(heads * 10007 + length)

@@ -241,6 +241,8 @@ def test_last_cache_slot_and_positions_past_the_cache(fmt):
     (dict(arch="opt", activation="relu"), "Llama-family"),
     (dict(d_model=48), "d_model to be a multiple of 64"),
     (dict(d_model=64, n_heads=2, n_kv_heads=1, head_dim=32, d_ff=72), "d_ff to be a multiple of 64"),
+    (dict(d_model=64, n_heads=8, n_kv_heads=2, head_dim=8, d_ff=128), "head_dim to be a multiple of 16 up to 256"),
+    (dict(d_model=320, n_heads=1, n_kv_heads=1, head_dim=320, d_ff=128), "head_dim to be a multiple of 16 up to 256"),
 ])
 def test_unsupported_models_are_refused(changes, fragment):
     config = tiny_config(**changes)
