@@ -7,17 +7,15 @@ against 1.0625 for int8 with a scale per 64. For a Q4_1 GGUF the 4-bit decode is
 further approximation.
 
 The GEMV dequantizes in registers and takes the dot in float32. Per block, shared by every input that reads the
-row: the 16 bytes as q_lo and q_hi, 16 floats each (``emit_nibbles``: a widening, a vpermps, a shift and a
-conversion on AVX-512), and the block's weights w = d q + m as two FMAs (w_lo for elements 0..15, w_hi for
-16..31); per input: two FMAs of those weights with the input's two halves of the block, into two accumulators;
-one horizontal sum per input at the end (``emit_rows_dot``). The input is x itself, as the caller holds it: no
-preparation pass. With one input this takes about the operations of the former form (c . x_lo + q_hi . (x_hi -
-16 x_lo), then d and a scalar m . sum(x) chain per block) and runs as fast; with 8 inputs (q4_gemm) it is 1.6x
-faster, and every weight is its dequantized value, so the dot does not cancel large terms (about 8x closer to
-float64 than that form on random rows).
+row: the block's weights w = d q + m, 16 floats for elements 0..15 (w_lo) and 16 for 16..31 (w_hi)
+(``emit_weights``: on AVX-512 the 16 values d i + m are made by one FMA and each half picks its weights from them
+by a vpermps on its nibbles; on AVX2 each nibble is converted to float and takes its FMA); per input: two FMAs of
+those weights with the input's two halves of the block, into two accumulators; one horizontal sum per input at
+the end (``emit_rows_dot``). The input is x itself, as the caller holds it: no preparation pass. Every weight is
+its dequantized value, so the dot does not cancel large terms, and one token's result is the same whether one
+input or eight read the row (q4_gemm).
 The row dot is written as LLVM vector IR because Numba's autovectorizer turned the same loop into byte-by-byte
-inserts (2.4 G weights/s on one thread here); the IR form streams about 16 G weights/s on one thread
-(`/tmp` microbenchmark over 40 x [1536, 576]).
+inserts.
 """
 from __future__ import annotations
 
@@ -66,6 +64,25 @@ def emit_nibbles(builder, addr, permute=PERMUTE):
     return builder.sitofp(builder.and_(z, ir.Constant(V16I32, [15] * 16)), V16F), hi
 
 
+_IOTA = ir.Constant(V16F, [float(v) for v in range(16)])
+
+
+def emit_weights(builder, d, m, addr, permute=PERMUTE):
+    """IR: a block's 32 weights fma(d, q, m) (d, m: 16-lane splats; q: the nibbles of the 16 bytes at addr) as
+    (elements 0..15, elements 16..31). With AVX-512 the 16 possible weights fma(d, 0..15, m) are made once and
+    each half is a vpermps of them by its nibbles: the same values as converting every nibble and taking its FMA,
+    in fewer operations."""
+    fma = vector_intrinsic(builder, "llvm.fma", 3)
+    if not permute:
+        q_lo, q_hi = emit_nibbles(builder, addr, permute)
+        return builder.call(fma, [d, q_lo, m]), builder.call(fma, [d, q_hi, m])
+    table = builder.call(fma, [d, _IOTA, m])
+    pick = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F, V16I32]),
+                                          "llvm.x86.avx512.permvar.sf.512")
+    z = builder.zext(load(builder, addr, V16I8, 1), V16I32)
+    return builder.call(pick, [table, z]), builder.call(pick, [table, builder.lshr(z, ir.Constant(V16I32, [4] * 16))])
+
+
 def emit_rows_dot(builder, row, nb, xs, kind=blocks.Q4_1):
     """LLVM IR for the dots of one Q4_1 row (or Q4_0: kind) of nb blocks at address row with len(xs) float32 inputs
     (their addresses); returns the float32 results. The single-token GEMV (``gemv``) and the batched one
@@ -80,10 +97,7 @@ def emit_rows_dot(builder, row, nb, xs, kind=blocks.Q4_1):
         d = builder.fpext(load(builder, p, ir.HalfType(), 1), F32)
         m = builder.fpext(load(builder, builder.add(p, I64(2)), ir.HalfType(), 1), F32) if kind == blocks.Q4_1 \
             else builder.fmul(d, ir.Constant(F32, -8.0))
-        d, m = splat(builder, d), splat(builder, m)
-        q_lo, q_hi = emit_nibbles(builder, builder.add(p, I64(NIBBLES_AT[kind])))
-        w_lo = builder.call(fma, [d, q_lo, m])
-        w_hi = builder.call(fma, [d, q_hi, m])
+        w_lo, w_hi = emit_weights(builder, splat(builder, d), splat(builder, m), builder.add(p, I64(NIBBLES_AT[kind])))
         off = builder.mul(b, I64(4 * BLOCK))   # bytes of the block's 32 input floats
         for t, x in enumerate(xs):
             at = builder.add(x, off)
