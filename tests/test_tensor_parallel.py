@@ -153,3 +153,37 @@ def test_a_split_server_answers_as_one_process_and_ends_on_a_lost_process(q4_eng
         for p in procs:
             p.kill()
             p.wait()
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("stopped,named", [(1, "process 1 of the 2"), (0, "process 0 (the coordinator) of the 2")])
+def test_a_process_that_stops_answering_ends_the_other_in_one_line(stopped, named):
+    """A process that hangs without closing its sockets (SIGSTOP: its collectives and its coordination-service
+    heartbeats simply stop): the other exits 1 with one line naming it, within tensor_parallel.SILENT_S plus a beat
+    and before JAX's own health check (HEARTBEAT_S) would abort it with a C++ stack trace."""
+    from pjinfer.runtime.tensor_parallel import HEARTBEAT_S
+
+    address = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, PJINFER_HOST_THREADS="1")
+    # Greedy counting goes on past what the survivor's wait needs (it ends in no end-of-text token first).
+    procs = [subprocess.Popen([sys.executable, "-m", "pjinfer.cli.main", "generate", "--prompt", "1, 2, 3, 4,",
+                               "--max-new-tokens", "4000", "--coordinator", address,
+                               "--num-processes", "2", "--process-id", str(i)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    survivor = procs[1 - stopped]
+    try:
+        assert procs[0].stdout.read(1), procs[0].stderr.read()     # decoding: the first text has come
+        procs[stopped].send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        err = survivor.communicate(timeout=HEARTBEAT_S + 30)[1]
+        took = time.monotonic() - stopped_at
+        assert survivor.returncode == 1, err
+        assert took < HEARTBEAT_S, (took, err)
+        lines = [l for l in err.splitlines() if l.startswith("pjinfer:")]
+        assert len(lines) == 1 and f"tensor parallel: {named} in this run stopped answering" in lines[0], err
+        assert "Traceback" not in err and "stack trace" not in err
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait()

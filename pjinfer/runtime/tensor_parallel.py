@@ -22,8 +22,12 @@ adds the shards' partial sums in its own order.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
+import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +44,8 @@ from pjinfer.runtime.model import KVCache, Norm, to_xla
 AXIS = "tp"
 CACHE = P(None, None, AXIS, None)   # [batch, S, KV, hd], split by heads
 ENV = ("PJINFER_COORDINATOR", "PJINFER_NUM_PROCESSES", "PJINFER_PROCESS_ID")
-HEARTBEAT_S = 20   # a process that stops answering for this long ends the others' runs
+HEARTBEAT_S = 20   # JAX's own health check: a process silent this long makes the runtime abort the others
+BEAT_S, SILENT_S = 1, 10   # the Watch's beat, and how long a silent process may stay so (before JAX's abort)
 # What JAX's errors say when a process of the run went away: a collective's peer closed its socket (gloo), or the
 # coordination service (process 0's) is gone.
 LOST = ("Gloo", "UNAVAILABLE", "Socket closed", "Connection reset")
@@ -82,6 +87,69 @@ class Processes:
         jax.distributed.initialize(self.coordinator, num_processes=self.count, process_id=self.index,
                                    initialization_timeout=120, heartbeat_timeout_seconds=HEARTBEAT_S,
                                    shutdown_timeout_seconds=HEARTBEAT_S)
+        if self.count > 1:
+            Watch(jax._src.distributed.global_state.client, self.index, self.count).start()
+
+
+class Watch:
+    """Ends this process with one line when another process of the run stops answering without closing its
+    sockets (stopped, hung, or its host gone), before JAX's health check would abort it with a C++ stack trace.
+    (A process that exits closes its sockets: the collective fails at once, and ``lost`` names it.)
+
+    Every BEAT_S each process counts up its key in the coordination service's store and reads the others'; a
+    process whose count has not moved for SILENT_S is named, and so is the coordinator (process 0, which holds the
+    store) when this process's own beat has not come back for SILENT_S. A process that ends normally writes
+    "done" first (atexit), so the others stop watching it."""
+    PREFIX = "pjinfer/alive/"
+
+    def __init__(self, client, index: int, count: int):
+        self.client, self.index, self.count = client, index, count
+        self.answered = time.monotonic()          # when this process's last beat came back
+        self.ended = threading.Event()
+
+    def start(self) -> None:
+        atexit.register(self.end)
+        threading.Thread(target=self._beat, name="pjinfer-watch", daemon=True).start()
+        threading.Thread(target=self._judge, name="pjinfer-judge", daemon=True).start()
+
+    def end(self) -> None:
+        """This process is done: the others stop watching it (called at exit)."""
+        if not self.ended.is_set():
+            self.ended.set()
+            try:
+                self.client.key_value_set(f"{self.PREFIX}{self.index}", "done", allow_overwrite=True)
+            except Exception:  # the store is gone (process 0 ended first): nobody is left to watch
+                pass
+
+    def _beat(self) -> None:
+        others = [i for i in range(self.count) if i != self.index]
+        counts, moved, beat = dict.fromkeys(others), dict.fromkeys(others, time.monotonic()), 0
+        while not self.ended.wait(BEAT_S):
+            beat += 1
+            try:
+                self.client.key_value_set(f"{self.PREFIX}{self.index}", str(beat), allow_overwrite=True)
+                seen = dict(self.client.key_value_dir_get(self.PREFIX))
+            except Exception:   # the store is unreachable: _judge names the coordinator
+                continue
+            now = self.answered = time.monotonic()
+            for i in others:
+                key = f"{self.PREFIX}{i}"
+                if seen.get(key) == "done":
+                    continue
+                if seen.get(key) != counts.get(i):
+                    counts[i], moved[i] = seen.get(key), now
+                elif now - moved[i] > SILENT_S and not self.ended.is_set():
+                    self._exit(f"process {i}")
+
+    def _judge(self) -> None:
+        while not self.ended.wait(BEAT_S):
+            if time.monotonic() - self.answered > SILENT_S:
+                self._exit("process 0 (the coordinator)")
+
+    def _exit(self, who: str) -> None:
+        print(f"pjinfer: error: tensor parallel: {who} of the {self.count} in this run stopped answering "
+              f"({SILENT_S} s without a sign of life)", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 class Lost(Exception):
