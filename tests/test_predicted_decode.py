@@ -25,11 +25,12 @@ from tests.support.powerinfer_files import powerinfer_predictors, write_powerinf
 T = gguf.GGMLQuantizationType
 
 
-def write_file(path, ffn_type, *, arch="llama", threshold=None):
-    """A tiny PowerInfer file: FFN matrices of ffn_type, the rest Q8_0 (the embedding, tied, is the head)."""
+def write_file(path, ffn_type, *, arch="llama", threshold=None, predictors=powerinfer_predictors):
+    """A tiny PowerInfer file: FFN matrices of ffn_type, the rest Q8_0 (the embedding, tied, is the head);
+    predictors(config) gives its (fc1, fc2)."""
     config = tiny_config(d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=192, tie_embeddings=True,
                          activation="drelu" if arch == "bamboo" else "reglu")
-    fc1, fc2 = powerinfer_predictors(config)
+    fc1, fc2 = predictors(config)
     kind = lambda name: ffn_type if name.rsplit(".", 1)[-1] in ("w_gate", "w_up", "w_down_t") else T.Q8_0
     write_powerinfer(path, config, random_weights(config, seed=11), fc1, fc2, arch=arch, threshold=threshold,
                      vocab=write_spm_vocab, layer_type=kind)
@@ -193,6 +194,23 @@ def test_refusals_are_one_line(tmp_path):
     config, tensors, _ = loader.load_gguf(plain, keep="gguf", neuron_rows=True)
     with pytest.raises(ConfigError, match=r"layers.0.w_down_t must be \[192, 64\] Q8_0 rows, got 64 rows of 204 bytes"):
         attach_powerinfer(Transformer(config, tensors), config, tensors, dense=True)
+
+
+def _unchained(config):
+    fc1, fc2 = powerinfer_predictors(config)
+    return fc1, [np.pad(w, ((0, 0), (0, 1))) for w in fc2]     # fc2 [d_ff, rank + 1] after fc1 [rank, d]
+
+
+@pytest.mark.parametrize("change,fragment", [
+    (dict(threshold="0.5"), "metadata powerinfer.sparse_threshold must be a finite number, got '0.5'"),
+    (dict(threshold=float("nan")), "metadata powerinfer.sparse_threshold must be a finite number, got nan"),
+    (dict(predictors=_unchained), "layer 0's predictor is fc1 [16, 64], fc2 [192, 17]; the model needs"),
+])
+def test_generate_refuses_a_bad_powerinfer_file_in_one_line(tmp_path, capsys, change, fragment):
+    from tests.support.cli import assert_clean_error, run_cli
+
+    path = write_file(tmp_path / "bad.powerinfer.gguf", T.Q4_0, **change)
+    assert_clean_error(run_cli(capsys, "generate", "--model", str(path), "--prompt", "x"), fragment)
 
 
 def powerinfer_engine_and_reply(tmp_path):

@@ -46,7 +46,7 @@ def write_tiny_gguf(path, config, weights, *, arch="llama", quantize=False, laye
     or a function of the canonical name giving each matrix's type (None: float32). K types are written by
     tests/support/kquants.py (gguf has no quantizer for them). PowerInfer's layout: down_t writes blk.N.ffn_down_t
     [d_ff, d] instead of ffn_down, extra {GGUF name: array} adds tensors as they are, fields {key: float} adds
-    float32 metadata, and magic (b"PWRI") overwrites the file's first four bytes, as PowerInfer's converters do.
+    float32 metadata (a str: string metadata, for files that get it wrong), and magic (b"PWRI") overwrites the file's first four bytes, as PowerInfer's converters do.
     vocab(writer) writes the tokenizer's metadata and returns its size (write_bpe_vocab: a tiny byte-level BPE);
     the embedding gets that many rows, or embed_rows."""
     w = gguf.GGUFWriter(str(path), arch)
@@ -72,7 +72,7 @@ def write_tiny_gguf(path, config, weights, *, arch="llama", quantize=False, laye
                  "wv": "attn_v", "wo": "attn_output", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down_t": "ffn_down"}
     biases = {"bq": "attn_q", "bk": "attn_k", "bv": "attn_v"}  # Qwen2's
     for key, number in (fields or {}).items():
-        w.add_float32(key, number)
+        w.add_string(key, number) if isinstance(number, str) else w.add_float32(key, number)
     permuted = arch in ("llama", "bamboo")             # llama.cpp permutes Llama's q/k rows, not Qwen2's
     for name, value in weights.items():
         if name.startswith("layers."):
