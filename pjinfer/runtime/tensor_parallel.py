@@ -44,8 +44,14 @@ from pjinfer.runtime.model import KVCache, Norm, to_xla
 AXIS = "tp"
 CACHE = P(None, None, AXIS, None)   # [batch, S, KV, hd], split by heads
 ENV = ("PJINFER_COORDINATOR", "PJINFER_NUM_PROCESSES", "PJINFER_PROCESS_ID")
-HEARTBEAT_S = 20   # JAX's own health check: a process silent this long makes the runtime abort the others
-BEAT_S, SILENT_S = 1, 10   # the Watch's beat, and how long a silent process may stay so (before JAX's abort)
+# JAX's own health check: a process silent this long makes the runtime abort the others with a C++ stack trace.
+# Its heartbeats come about HEARTBEAT_S / 2 apart, so it may fire from HEARTBEAT_S / 2 after a process went
+# silent: well after the Watch (SILENT_S, then up to GRACE_S), which says it in one line.
+HEARTBEAT_S = 60
+SHUTDOWN_S = 20            # how long a process ending normally waits for the others at JAX's shutdown barrier
+BEAT_S, SILENT_S = 1, 10   # the Watch's beat, and how long a silent process may stay so
+GRACE_S = 5                # how long a silent hook (the server's) has to end this process before the Watch does
+SILENT_HOOKS: list = []    # called with the Watch's line before it ends the process (on_silent)
 # What JAX's errors say when a process of the run went away: a collective's peer closed its socket (gloo), or the
 # coordination service (process 0's) is gone.
 LOST = ("Gloo", "UNAVAILABLE", "Socket closed", "Connection reset")
@@ -86,7 +92,7 @@ class Processes:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(self.coordinator, num_processes=self.count, process_id=self.index,
                                    initialization_timeout=120, heartbeat_timeout_seconds=HEARTBEAT_S,
-                                   shutdown_timeout_seconds=HEARTBEAT_S)
+                                   shutdown_timeout_seconds=SHUTDOWN_S)
         if self.count > 1:
             Watch(jax._src.distributed.global_state.client, self.index, self.count).start()
 
@@ -99,7 +105,7 @@ class Watch:
     Every BEAT_S each process counts up its key in the coordination service's store and reads the others'; a
     process whose count has not moved for SILENT_S is named, and so is the coordinator (process 0, which holds the
     store) when this process's own beat has not come back for SILENT_S. A process that ends normally writes
-    "done" first (atexit), so the others stop watching it."""
+    "done" first (atexit), so the others stop watching it. Hooks (on_silent: the server's) get the line first."""
     PREFIX = "pjinfer/alive/"
 
     def __init__(self, client, index: int, count: int):
@@ -147,9 +153,20 @@ class Watch:
                 self._exit("process 0 (the coordinator)")
 
     def _exit(self, who: str) -> None:
-        print(f"pjinfer: error: tensor parallel: {who} of the {self.count} in this run stopped answering "
-              f"({SILENT_S} s without a sign of life)", file=sys.stderr, flush=True)
+        line = f"tensor parallel: {who} of the {self.count} in this run stopped answering ({SILENT_S} s without a " \
+               f"sign of life)"
+        if SILENT_HOOKS:      # the server ends itself (503s to the requests in flight, then main's exit line)
+            for hook in SILENT_HOOKS:
+                hook(line)
+            time.sleep(GRACE_S)
+        print(f"pjinfer: error: {line}", file=sys.stderr, flush=True)
         os._exit(1)
+
+
+def on_silent(hook) -> None:
+    """hook(line) is called from the Watch's thread when a process of the run stops answering; the process must end
+    within GRACE_S (by main's exit path, as for Lost), or the Watch prints the line and ends it."""
+    SILENT_HOOKS.append(hook)
 
 
 class Lost(Exception):

@@ -92,6 +92,8 @@ class Scheduler:
         self.batch = (LeaderBatch if engine.backend.parallel else batching.Batch)(engine, max_active)
         self.fatal = None   # the line that ended a tensor-parallel server: a process of its run was lost
         self.stop = lambda: os.kill(os.getpid(), signal.SIGTERM)   # how _lost stops the server (uvicorn's signal)
+        if engine.backend.parallel:   # a process that stops answering ends the server as a lost one does
+            tensor_parallel.on_silent(lambda line: self._lost(tensor_parallel.Lost(line)))
         if reason:
             print(f"pjinfer: requests take turns, up to {STEPS} tokens each per round: {reason}", file=sys.stderr)
         self._thread = threading.Thread(target=self._run, name="pjinfer-scheduler", daemon=True)
