@@ -27,7 +27,8 @@ Usage (inside Numba)::
     merge(pos, n, scores, out)                                         # caller, after the stage
 
 q [H, hd] float32 (RoPE applied), caches uint16 [>= pos + 1, KV, hd], scores float32 [H, >= pos + 1] (scratch),
-out float32 [H, hd]. H a multiple of KV.
+out float32 [H, hd]. H a multiple of KV; q's rows, each cache row's hd values and scores' rows contiguous (the IR
+products read them by address).
 """
 from __future__ import annotations
 
