@@ -45,8 +45,8 @@ AXIS = "tp"
 CACHE = P(None, None, AXIS, None)   # [batch, S, KV, hd], split by heads
 ENV = ("PJINFER_COORDINATOR", "PJINFER_NUM_PROCESSES", "PJINFER_PROCESS_ID")
 # JAX's own health check: a process silent this long makes the runtime abort the others with a C++ stack trace.
-# Its heartbeats come about HEARTBEAT_S / 2 apart, so it may fire from HEARTBEAT_S / 2 after a process went
-# silent: well after the Watch (SILENT_S, then up to GRACE_S), which says it in one line.
+# It counts from the silent process's last heartbeat, which may be seconds older than the silence, so it is set
+# well past the Watch (SILENT_S, then up to GRACE_S), which says the same in one line.
 HEARTBEAT_S = 60
 SHUTDOWN_S = 20            # how long a process ending normally waits for the others at JAX's shutdown barrier
 BEAT_S, SILENT_S = 1, 10   # the Watch's beat, and how long a silent process may stay so
