@@ -112,6 +112,7 @@ class Watch:
         self.client, self.index, self.count = client, index, count
         self.answered = time.monotonic()          # when this process's last beat came back
         self.ended = threading.Event()
+        self.exiting = threading.Lock()           # _exit runs once, whichever thread saw the silence first
 
     def start(self) -> None:
         atexit.register(self.end)
@@ -153,6 +154,8 @@ class Watch:
                 self._exit("process 0 (the coordinator)")
 
     def _exit(self, who: str) -> None:
+        if not self.exiting.acquire(blocking=False):
+            return
         line = f"tensor parallel: {who} of the {self.count} in this run stopped answering ({SILENT_S} s without a " \
                f"sign of life)"
         if SILENT_HOOKS:      # the server ends itself (503s to the requests in flight, then main's exit line)
