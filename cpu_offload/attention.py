@@ -56,17 +56,6 @@ _V16H = ir.VectorType(ir.HalfType(), LANES)
 
 
 @intrinsic
-def f16_to_f32(typingctx, h):
-    """float32 value of the IEEE float16 bits h (uint16)."""
-    if not isinstance(h, types.Integer) or h.bitwidth != 16:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-    return types.float32(h), codegen
-
-
-@intrinsic
 def f32_to_f16(typingctx, x):
     """IEEE float16 bits (uint16) of float32 x, rounded to nearest even (numpy's astype(np.float16))."""
     if not isinstance(x, types.Float) or x.bitwidth != 32:

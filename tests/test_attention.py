@@ -90,8 +90,12 @@ from numba import njit  # noqa: E402
 
 @njit
 def _widen(bits, out):
-    for i in range(bits.shape[0]):
-        out[i] = att.f16_to_f32(bits[i])
+    """out = bits widened as the attention's products widen cache rows: one row of 16 weighted by 1 (_weighted)."""
+    one = np.ones(1, np.float32)
+    for i in range(0, bits.shape[0], att.LANES):
+        acc = np.zeros(att.LANES, np.float32)
+        att._weighted(1, 1, one.ctypes.data, bits[i:].ctypes.data, 2 * att.LANES, acc.ctypes.data)
+        out[i:i + att.LANES] = acc
 
 
 def test_exp_matches_numpy_down_to_the_clamp():

@@ -5,7 +5,6 @@ Every subcommand defaults to the embedded model (SmolLM2-135M-Instruct)."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
@@ -80,9 +79,7 @@ def main(argv=None) -> int:
         line = parallel and parallel.lost(e)
         if not line:
             raise
-        common.say(f"pjinfer: error: {line}")
-        sys.stdout.flush()
-        os._exit(1)   # not JAX's shutdown, which would wait for the lost process, then abort
+        parallel.leave(line)
     return 0
 
 

@@ -162,8 +162,15 @@ class Watch:
             for hook in SILENT_HOOKS:
                 hook(line)
             time.sleep(GRACE_S)
-        print(f"pjinfer: error: {line}", file=sys.stderr, flush=True)
-        os._exit(1)
+        leave(line)
+
+
+def leave(line: str) -> None:
+    """Ends this process at once, exit status 1, after the output so far and `line` as its one error line: not
+    JAX's shutdown, which would wait for the lost process at a barrier, then abort with a stack trace."""
+    sys.stdout.flush()
+    print(f"pjinfer: error: {line}", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def on_silent(hook) -> None:
@@ -179,8 +186,7 @@ class Lost(Exception):
 
 def lost(error: BaseException) -> str | None:
     """The one line for an error that says a process of this run went away (it died or was killed: see LOST; or
-    Lost), or None for any other error. Its caller exits at once (os._exit): JAX's own shutdown would wait for the
-    lost process at a barrier, then abort with a stack trace."""
+    Lost), or None for any other error. Its caller ends with ``leave(line)``."""
     if isinstance(error, Lost):
         return str(error)
     state = jax._src.distributed.global_state
