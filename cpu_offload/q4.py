@@ -72,15 +72,22 @@ def emit_weights(builder, d, m, addr, permute=PERMUTE):
     (elements 0..15, elements 16..31). With AVX-512 the 16 possible weights fma(d, 0..15, m) are made once and
     each half is a vpermps of them by its nibbles: the same values as converting every nibble and taking its FMA,
     in fewer operations."""
-    fma = vector_intrinsic(builder, "llvm.fma", 3)
     if not permute:
+        fma = vector_intrinsic(builder, "llvm.fma", 3)
         q_lo, q_hi = emit_nibbles(builder, addr, permute)
         return builder.call(fma, [d, q_lo, m]), builder.call(fma, [d, q_hi, m])
-    table = builder.call(fma, [d, _IOTA, m])
-    pick = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F, V16I32]),
-                                          "llvm.x86.avx512.permvar.sf.512")
     z = builder.zext(load(builder, addr, V16I8, 1), V16I32)
-    return builder.call(pick, [table, z]), builder.call(pick, [table, builder.lshr(z, ir.Constant(V16I32, [4] * 16))])
+    return pick(builder, d, m, z), pick(builder, d, m, builder.lshr(z, ir.Constant(V16I32, [4] * 16)))
+
+
+def pick(builder, d, m, codes):
+    """IR, AVX-512 only: fma(d, codes, m) for 4-bit codes (<16 x i32>; d, m: 16-lane splats), the 16 possible
+    values made by one FMA and each lane picking its own by a vpermps. Calls with the same d and m make the values
+    once (LLVM merges the identical FMAs)."""
+    values = builder.call(vector_intrinsic(builder, "llvm.fma", 3), [d, _IOTA, m])
+    permvar = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F, V16I32]),
+                                             "llvm.x86.avx512.permvar.sf.512")
+    return builder.call(permvar, [values, codes])
 
 
 def emit_rows_dot(builder, row, nb, xs, kind=blocks.Q4_1):

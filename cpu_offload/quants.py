@@ -98,17 +98,14 @@ class _Row:
 
     def affine(self, code, scale, bias, table=False):
         """fma(float(code), scale, bias) on 16 lanes (code <16 x i32>, scale and bias float). With table (codes of
-        4 bits) and AVX-512, the 16 possible values are made by one FMA and the lanes pick theirs by a vpermps: the
-        same values in fewer operations (calls with one scale and bias make them once: LLVM merges the identical
-        FMAs). A 32-entry table for 5-bit codes (vpermi2ps) measured slower than converting, so those convert."""
+        4 bits) and AVX-512, the lanes pick their values from the 16 possible ones (q4.pick): the same values in
+        fewer operations. A 32-entry table for 5-bit codes (vpermi2ps) measured slower than converting, so those
+        convert."""
         b = self.b
         s, c = _splat(b, scale, _v16f), _splat(b, bias, _v16f)
-        if not (table and q4.PERMUTE):
-            return b.call(self.fma, [b.uitofp(code, _v16f), s, c])
-        values = b.call(self.fma, [ir.Constant(_v16f, [float(i) for i in range(_V)]), s, c])
-        pick = cgutils.get_or_insert_function(b.module, ir.FunctionType(_v16f, [_v16f, _v16i]),
-                                              "llvm.x86.avx512.permvar.sf.512")
-        return b.call(pick, [values, code])
+        if table and q4.PERMUTE:
+            return q4.pick(b, s, c, code)
+        return b.call(self.fma, [b.uitofp(code, _v16f), s, c])
 
     def total(self):
         b = self.b
