@@ -6,6 +6,10 @@ process reports its peak RSS minus its floor (the RSS once its code is imported 
 model loads) and, for N > 0, the time of one step's collectives alone (2 psums a layer, the embedding's psum and
 the head's all-gather, on vectors of the model's sizes). On one machine the N processes share its cores and its
 memory bandwidth: this measures what the split costs, not how it scales across hosts.
+
+Every run starts with an empty compilation cache, so every process of every N compiles its executables, as a
+first run does: JAX's persistent cache serves process 0 alone on CPUs (its key holds per-process options, and only
+process 0 writes), so processes 1..N-1 compile on every run, and compiling adds to a process's peak.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -89,13 +94,15 @@ def worker(model: str, coordinator: str, n: int, index: int, tokens: int, runs: 
 def run(model: str, n: int, tokens: int, runs: int) -> list[dict]:
     """Every process's figures for an N-process run (N 0: one unsplit process)."""
     address = f"127.0.0.1:{free_port()}"
-    env = dict(os.environ, PJINFER_HOST_THREADS=str(max(1, usable_cores() // max(n, 1))))
     given = ["--model", model] if model else []
-    procs = [subprocess.Popen([sys.executable, "-m", "pjinfer.measure.bench_tp", "--worker", address, str(n), str(i),
-                               *given, "--tokens", str(tokens), "--runs", str(runs)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for i in range(max(n, 1))]
-    outs = [p.communicate() for p in procs]
+    with tempfile.TemporaryDirectory(prefix="pjinfer-bench-tp-") as cache:   # compiled anew: the module docstring
+        env = dict(os.environ, PJINFER_HOST_THREADS=str(max(1, usable_cores() // max(n, 1))),
+                   PJINFER_COMPILE_CACHE=cache)
+        procs = [subprocess.Popen([sys.executable, "-m", "pjinfer.measure.bench_tp", "--worker", address, str(n),
+                                   str(i), *given, "--tokens", str(tokens), "--runs", str(runs)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                 for i in range(max(n, 1))]
+        outs = [p.communicate() for p in procs]
     for p, (_, err) in zip(procs, outs):
         if p.returncode:
             raise RuntimeError(f"a worker failed:\n{err[-3000:]}")
@@ -114,15 +121,18 @@ def main(argv=None) -> int:
         coordinator, n, i = args.worker
         print(json.dumps(worker(args.model, coordinator, int(n), int(i), args.tokens, args.runs)), flush=True)
         return 0
-    print("| processes | decode tok/s | collectives ms a step | peak RSS minus floor, MB a process (max) |")
-    print("|---|---|---|---|")
+    print("| processes | decode tok/s | collectives ms a step | peak RSS minus floor, MB a process (max) "
+          "| of unsplit |")
+    print("|---|---|---|---|---|")
+    unsplit = None
     for n in (int(v) for v in args.processes.split(",")):
         rows = run(args.model, n, args.tokens, args.runs)
-        first = rows[0]
+        first, peak = rows[0], max(r["peak_minus_floor_mb"] for r in rows)
+        unsplit = peak if n == 0 else unsplit
         coll = f"{first['collectives_ms']:.2f}" if n else "-"
         rates = f"{first['decode_tok_s']:.1f} ({min(first['rates']):.1f}-{max(first['rates']):.1f})"
-        print(f"| {n or '1, unsplit'} | {rates} "
-              f"| {coll} | {max(r['peak_minus_floor_mb'] for r in rows):.0f} |", flush=True)
+        share = f"{peak / unsplit:.3f}" if unsplit else "-"
+        print(f"| {n or '1, unsplit'} | {rates} | {coll} | {peak:.0f} | {share} |", flush=True)
     return 0
 
 

@@ -8,8 +8,10 @@ The split (``part``, applied by the loader to each tensor as it reads the file),
 - FFN: d_ff / N neurons a process: gate and up rows, down's columns;
 - the output head and the embedding (one table when tied): vocab / N rows a process;
 - replicated: the norms (a few KB a layer).
-Each process keeps only its slices of the file's blocks (rows are views of the memory-mapped file; columns and
-padded heads are copied once), so its weight memory is about 1/N of the model.
+Each process keeps only its slices of the file's blocks, so its weight memory is about 1/N of the model. With N > 1
+every slice is a copy, and the file's pages are let go once read: a view of a slice would keep more than the slice
+resident, as a fault maps the neighbouring pages of the file that are in the page cache, and the other processes
+have read those. The embedding's rows alone stay a view (the decode reads the looked-up rows only).
 
 One token (``ShardedModel.decode``, inside the jitted generate, each shard's work inside `jax.shard_map`):
     x = psum(the embedding row where this shard holds the token, else 0)
@@ -36,7 +38,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cpu_offload.blocks import TYPES
-from cpu_offload.qtensor import QTensor
+from cpu_offload.qtensor import QTensor, aligned_empty
 from cpu_offload.shard_decode import ShardDecoder
 from pjinfer.config import ConfigError
 from pjinfer.runtime.model import KVCache, Norm, to_xla
@@ -239,8 +241,8 @@ class Split:
 
 def part(config, name: str, t):
     """load's hook: this process's share of the file's tensor t (pjinfer.load.gguf_file.Tensor) that becomes the
-    canonical weight `name`, as the module docstring splits it: rows are views of the file, column slices and
-    padded heads new arrays. Matrices must be in a block type (QTensor slices them); norms are whole."""
+    canonical weight `name`, as the module docstring splits it: with N > 1 new arrays but for the embedding's rows,
+    with N = 1 the file's own. Matrices must be in a block type (QTensor slices them); norms are whole."""
     split, i = Split.of(config, jax.process_count()), jax.process_index()
     c, hd = config, config.head_dim
     rep = c.n_heads // c.n_kv_heads
@@ -261,7 +263,11 @@ def part(config, name: str, t):
         raise ConfigError(f"tensor parallel slices a file's quantized blocks; {t.name} is not in a block type "
                           "(--weights q4_1 runs a Q4_1 file)")
     shard = getattr(QTensor(t.type, (t.data,), t.shape[1]), how[0])(*how[1])
-    return dataclasses.replace(t, data=shard.data, shape=shard.shape)
+    data = shard.data
+    if split.n > 1 and kind != "embed" and np.shares_memory(data, t.data):
+        data = aligned_empty(data.shape, data.dtype)
+        data[...] = shard.data
+    return dataclasses.replace(t, data=data, shape=shard.shape)
 
 
 def _global(local: np.ndarray, spec: P, m: Mesh) -> jax.Array:
