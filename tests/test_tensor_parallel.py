@@ -70,17 +70,36 @@ def test_bad_process_flags_get_one_line(flags, message):
         Processes.from_args(*flags)
 
 
-def _run(n: int) -> dict:
-    """The worker's JSON from process 0 of an n-process run (n 0: one unsplit process)."""
+def test_the_split_runs_the_file_s_blocks_and_refuses_other_weights_in_one_line():
+    from pjinfer.load.bundle import THRESHOLDS
+    from pjinfer.runtime import backends
+
+    assert {backends.select(w, parallel=True).name for w in ("q4_1", "gguf")} == {"tensor-parallel"}
+    for weights, rule, what in (("int8", None, "not int8"), ("float32", None, "not float32"),
+                                ("q4_1", THRESHOLDS, "not a bundle")):
+        with pytest.raises(ConfigError, match=f"tensor parallel runs the dense host decode of q4_1, gguf weights "
+                                              f"\\(a file of those blocks\\), {what}"):
+            backends.select(weights, rule, parallel=True)
+
+
+def _processes(n: int, tokens: int = TOKENS, prompts=PROMPTS, model=()) -> list:
+    """The worker's (return code, stdout, stderr) of every process of an n-process run (n 0: one unsplit process);
+    model: its --model and --weights flags (default: the default model in Q4_1)."""
     address = f"127.0.0.1:{free_port()}"
     env = dict(os.environ, PJINFER_HOST_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(WORKER), address, str(n), str(i), str(TOKENS), *PROMPTS],
+    procs = [subprocess.Popen([sys.executable, str(WORKER), address, str(n), str(i), str(tokens), *model, *prompts],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for i in range(max(n, 1))]
     outs = [p.communicate(timeout=900) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    return json.loads(outs[0][0].strip().splitlines()[-1])
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
+def _run(n: int, **kwargs) -> dict:
+    """The worker's JSON from process 0 of an n-process run (_processes)."""
+    outs = _processes(n, **kwargs)
+    for rc, _, err in outs:
+        assert rc == 0, err[-3000:]
+    return json.loads(outs[0][1].strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +130,44 @@ def test_split_runs_give_the_unsplit_greedy_ids_and_logits(n, unsplit):
     # test_real_model bounds host against XLA logits by 2^-12 of the largest (about 20 here); a log-softmax moves
     # at most twice its logits' largest error.
     np.testing.assert_allclose(got["logp"], unsplit["logp"], rtol=0, atol=2 * 2.0 ** -12 * np.abs(want).max())
+
+
+@pytest.fixture(scope="module")
+def k_quant_file(tmp_path_factory):
+    """The default model re-quantized to a K-quant mix as llama.cpp's Q4_K_M makes it at this width: Q4_K down
+    (1536 columns: whole blocks of 256), Q5_0 and Q8_0 for the 576-column matrices, a Q8_0 embedding."""
+    import gguf
+
+    from tests.support.gguf_files import write_requantized_default_model
+
+    kinds = gguf.GGMLQuantizationType
+    path = tmp_path_factory.mktemp("tp") / "model.k-quants.gguf"
+    write_requantized_default_model(path, lambda name: kinds.Q8_0 if not name.startswith("layers.") or
+                                    name.endswith(".wv") else kinds.Q4_K if name.endswith(".w_down_t") else kinds.Q5_0)
+    return path
+
+
+@pytest.mark.real_model
+def test_a_k_quant_file_splits_as_it_runs_unsplit_and_what_does_not_cut_into_blocks_is_refused(k_quant_file):
+    """--weights gguf: each process keeps its slices in the file's own block types (K-quant down cut by columns at
+    whole blocks of 256); greedy ids equal the unsplit host decode's and the first logits agree within 1e-4 of the
+    largest. Over 4 processes down's 1536 columns would be cut into 384: every process says so in one line."""
+    model = ("--model", str(k_quant_file), "--weights", "gguf")
+    want, got = (_run(n, tokens=24, prompts=PROMPTS[:2], model=model) for n in (0, 2))
+    assert got["ids"] == want["ids"]
+    logits = np.array(want["logits"])
+    assert np.abs(np.array(got["logits"]) - logits).max() <= 1e-4 * np.abs(logits).max()
+
+    address = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-m", "pjinfer.cli.main", "generate", *model, "--prompt", PROMPTS[0],
+                               "--coordinator", address, "--num-processes", "4", "--process-id", str(i)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        lines = [line for line in err.splitlines() if not line.startswith("[Gloo]")]
+        assert p.returncode != 0 and out == ""
+        assert lines == ["pjinfer: error: tensor parallel over 4 processes cuts blk.0.ffn_down.weight into slices of "
+                         "384 columns, not whole Q4_K blocks of 256: run fewer processes"], err[-2000:]
 
 
 @pytest.mark.real_model

@@ -1,14 +1,14 @@
 """One process of a tensor-parallel run, for tests/test_tensor_parallel.py (a real run: N such processes join over
 local sockets through jax.distributed and gloo).
 
-    python tests/tp_worker.py COORDINATOR N I TOKENS PROMPT [PROMPT ...]
+    python tests/tp_worker.py COORDINATOR N I TOKENS [--model PATH --weights gguf] PROMPT [PROMPT ...]
 
-Process I of N loads the default model split N ways (--weights q4_1), generates TOKENS greedy tokens for each
+Process I of N loads the model (default: the default model, --weights q4_1) split N ways, generates TOKENS greedy tokens for each
 prompt, takes the logits of the first prompt's first token at position 0 and scores the first prompt with its first
 24 new tokens. Process 0 prints one JSON line: {"ids": [[...] per prompt], "logits": [...], "logp": [...]}.
 N 0: one process, the host decode unsplit (the reference)."""
+import argparse
 import json
-import sys
 
 import jax
 import numpy as np
@@ -19,10 +19,19 @@ from pjinfer.runtime.tensor_parallel import Processes
 
 
 def main() -> None:
-    coordinator, n, i, tokens, prompts = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]
+    p = argparse.ArgumentParser()
+    p.add_argument("coordinator")
+    p.add_argument("n", type=int)
+    p.add_argument("i", type=int)
+    p.add_argument("tokens", type=int)
+    p.add_argument("prompts", nargs="+")
+    p.add_argument("--model")
+    p.add_argument("--weights", default="q4_1")
+    args = p.parse_args()
+    n, i, tokens, prompts = args.n, args.i, args.tokens, args.prompts
     if n:
-        Processes(coordinator, n, i).start()
-    engine = Engine.load(weights="q4_1", parallel=n > 0)
+        Processes(args.coordinator, n, i).start()
+    engine = Engine.load(args.model, weights=args.weights, parallel=n > 0)
     ids = [engine.tokenizer.encode(p) for p in prompts]
     out = [engine.generate(p, max_new_tokens=tokens, stop_ids=[]) for p in ids]
     graph = engine.graph

@@ -17,7 +17,7 @@ what this platform cannot. The engine builds the plan's backend; the CLI, the se
     hybrid             float32      predictors  xla, pallas, pallas-interpret any (*)     no
     powerinfer         gguf         predictors  xla                           cpu         no
     powerinfer-dense   gguf         -           xla                           cpu         no
-    tensor-parallel    q4_1         -           xla                           cpu         no
+    tensor-parallel    q4_1, gguf   -           xla                           cpu         no
 
 (*) "pallas" compiles its kernels for a GPU (pjinfer.runtime.gathered.pallas_interpret). "batched": the
 server's scheduler decodes concurrent requests in one step (pjinfer.runtime.batch); the others take turns.
@@ -97,7 +97,7 @@ BACKENDS = (
     Backend("hybrid", ("float32",), PREDICTORS, HOT_BACKENDS, host=False, batched=False, neuron_rows=None),
     Backend("powerinfer", ("gguf",), PREDICTORS, ("xla",), host=True, batched=False, neuron_rows=True),
     Backend("powerinfer-dense", ("gguf",), None, ("xla",), host=True, batched=False, neuron_rows=True),
-    Backend("tensor-parallel", ("q4_1",), None, ("xla",), host=True, batched=False, parallel=True),
+    Backend("tensor-parallel", ("q4_1", "gguf"), None, ("xla",), host=True, batched=False, parallel=True),
 )
 
 

@@ -140,3 +140,26 @@ def write_spm_vocab(w):
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
     return len(tokens)
+
+
+def write_requantized_default_model(path, layer_type) -> None:
+    """The default model's own weights and tokenizer, its matrices re-quantized: layer_type(canonical name) gives
+    each one's gguf.GGMLQuantizationType (write_tiny_gguf's)."""
+    from pjinfer.load import loader
+    from pjinfer.load.gguf_file import GGUFFile
+
+    source = loader.default_model_path()
+    config, weights, _ = loader.load(source)
+    fields = GGUFFile(source).fields
+
+    def vocab(w):
+        w.add_tokenizer_model(fields["tokenizer.ggml.model"])
+        w.add_tokenizer_pre(fields["tokenizer.ggml.pre"])
+        w.add_token_list(list(fields["tokenizer.ggml.tokens"]))
+        w.add_token_merges(list(fields["tokenizer.ggml.merges"]))
+        w.add_token_types([int(t) for t in fields["tokenizer.ggml.token_type"]])
+        w.add_eos_token_id(int(fields["tokenizer.ggml.eos_token_id"]))
+        w.add_bos_token_id(int(fields["tokenizer.ggml.bos_token_id"]))
+        return len(fields["tokenizer.ggml.tokens"])
+
+    write_tiny_gguf(path, config, {k: np.asarray(v) for k, v in weights.items()}, layer_type=layer_type, vocab=vocab)
