@@ -68,8 +68,10 @@ def jitted(model, f):
     return lambda *args: step(state, *args)
 
 
-CASES = [(T.Q4_0, "llama", None), (T.Q8_0, "llama", 0.05), (T.F16, "llama", None), (T.Q4_1, "bamboo", None),
-         (T.F32, "llama", None)]
+# Two cases in the unit tier (make test-fast); the others, 8-9 s each, with the slow ones (make test runs all).
+CASES = [(T.Q4_0, "llama", None), (T.Q8_0, "llama", 0.05),
+         *(pytest.param(*case, marks=pytest.mark.slow) for case in ((T.F16, "llama", None), (T.Q4_1, "bamboo", None),
+                                                                    (T.F32, "llama", None)))]
 
 
 @pytest.mark.parametrize("ffn_type,arch,threshold", CASES, ids=lambda c: getattr(c, "name", str(c)))

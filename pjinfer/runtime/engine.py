@@ -47,7 +47,7 @@ class Engine:
         `weights` are a PowerInfer file's as the loader keeps them with neuron_rows (the weights_format of
         backends.BACKENDS' powerinfer rows), run on the host with the file's `predictors`
         (pjinfer.load.powerinfer.Predictors), or dense without them. parallel: split over the processes
-        jax.distributed joined (pjinfer.runtime.tensor_parallel; weights_format q4_1)."""
+        jax.distributed joined (pjinfer.runtime.tensor_parallel; weights_format q4_1 or gguf)."""
         rule = THRESHOLDS if thresholds is not None else backends.PREDICTORS if predictors is not None else None
         self.backend = backends.select(weights_format, rule, hot_backend, neuron_rows=neuron_rows, parallel=parallel)
         backends.check_platform_runs(self.backend, weights_format, hot_backend)
