@@ -132,6 +132,24 @@ def test_split_runs_give_the_unsplit_greedy_ids_and_logits(n, unsplit):
     np.testing.assert_allclose(got["logp"], unsplit["logp"], rtol=0, atol=2 * 2.0 ** -12 * np.abs(want).max())
 
 
+@pytest.mark.real_model
+def test_eval_over_two_processes_scores_as_one_and_process_0_writes_the_results(q4_engine, tmp_path):
+    from pjinfer.measure import evaluate
+
+    want = evaluate.evaluate(q4_engine, ["piqa"], limit=1)["tasks"]["piqa"]
+    address, output = f"127.0.0.1:{free_port()}", tmp_path / "results.json"
+    env = dict(os.environ, PJINFER_HOST_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "pjinfer.cli.main", "eval", "--tasks", "piqa", "--limit", "1",
+                               "--weights", "q4_1", "--json", "--output", str(output), "--coordinator", address,
+                               "--num-processes", "2", "--process-id", str(i)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    (out0, err0), (out1, err1) = (p.communicate(timeout=600) for p in procs)
+    assert [p.returncode for p in procs] == [0, 0], err0[-2000:] + err1[-2000:]
+    got = json.loads(out0)["tasks"]["piqa"]
+    assert {k: got[k] for k in ("acc", "acc_norm", "n")} == {k: want[k] for k in ("acc", "acc_norm", "n")}
+    assert json.loads(output.read_text())["tasks"]["piqa"] == got and out1 == ""
+
+
 @pytest.fixture(scope="module")
 def k_quant_file(tmp_path_factory):
     """The default model re-quantized to a K-quant mix as llama.cpp's Q4_K_M makes it at this width: Q4_K down

@@ -41,6 +41,7 @@ def add_commands(command) -> None:
     common.weight_options(p)
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print two result files side by side")
     common.sparse_options(p)
+    common.parallel_options(p)
 
 
 def cmd_perplexity(args):
@@ -190,10 +191,11 @@ def cmd_eval(args):
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     evaluate.check_tasks(tasks)  # before the model loads
-    if args.output:
+    writes = args.output and not common.join(args)   # a tensor-parallel run's process 0 writes it
+    if writes:
         common.check_writable(args.output)  # before the evaluation runs, not after
     engine = common.load(args, args.bundle)
     results = evaluate.evaluate(engine, tasks, limit=args.limit, num_fewshot=args.num_fewshot)
-    if args.output:
+    if writes:
         common.write_json(args.output, results)
     print(json.dumps(results) if args.json else evaluate.format_table(results))
