@@ -150,6 +150,28 @@ def test_eval_over_two_processes_scores_as_one_and_process_0_writes_the_results(
     assert json.loads(output.read_text())["tasks"]["piqa"] == got and out1 == ""
 
 
+@pytest.mark.real_model
+def test_chat_over_two_processes_replies_as_one_process_does(q4_engine):
+    """Process 0 reads the lines and writes the replies; process 1 makes its calls (runtime.followers) and writes
+    nothing; the conversation's second turn carries the first."""
+    from pjinfer.cli.chat import Conversation
+
+    lines = ["What is the capital of France?", "And of Italy?"]
+    talk = Conversation(q4_engine, max_new_tokens=16)
+    want = ["".join(talk.reply(line)).strip() for line in lines]
+    address = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, PJINFER_HOST_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "pjinfer.cli.main", "chat", "--weights", "q4_1",
+                               "--max-new-tokens", "16", "--coordinator", address, "--num-processes", "2",
+                               "--process-id", str(i)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    (out0, err0), (out1, err1) = (p.communicate("\n".join(lines) + "\n" if i == 0 else "", timeout=600)
+                                  for i, p in enumerate(procs))
+    assert [p.returncode for p in procs] == [0, 0], err0[-2000:] + err1[-2000:]
+    replies = [line.removeprefix("> ").strip() for line in out0.splitlines()[1:]]
+    assert replies[:2] == want and out1 == ""
+
+
 @pytest.fixture(scope="module")
 def k_quant_file(tmp_path_factory):
     """The default model re-quantized to a K-quant mix as llama.cpp's Q4_K_M makes it at this width: Q4_K down

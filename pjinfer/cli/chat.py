@@ -20,10 +20,12 @@ COMMANDS_HELP = "/reset clears the conversation, /exit (or Ctrl-D) leaves; Ctrl-
 
 class Conversation:
     def __init__(self, engine, *, system: str | None = None, max_new_tokens: int = 256,
-                 sampling: Sampling = Sampling()):
+                 sampling: Sampling = Sampling(), batch=None):
+        """batch: where replies decode (Engine.stream's `into`; a tensor-parallel run's LeaderBatch)."""
         if not engine.tokenizer.chat_template:
             raise ConfigError("this model has no chat template, so it cannot chat; use `pjinfer generate`")
         self.engine, self.system, self.max_new_tokens, self.sampling = engine, system, max_new_tokens, sampling
+        self.batch = batch
         self.turns: list[dict] = []
         self.cut = False   # whether the last reply stopped at max_new_tokens rather than at the end of its turn
 
@@ -51,7 +53,8 @@ class Conversation:
         decoder = StreamDecoder(self.engine.tokenizer)
         self.cut = False
         try:
-            for token in self.engine.stream(ids, max_new_tokens=self.max_new_tokens, sampling=self.sampling):
+            for token in self.engine.stream(ids, max_new_tokens=self.max_new_tokens, sampling=self.sampling,
+                                            into=self.batch):
                 yield decoder.push(token)
             self.cut = len(decoder.ids) == self.max_new_tokens
         finally:

@@ -30,6 +30,7 @@ def add_commands(command) -> None:
     p.add_argument("--max-new-tokens", type=common.positive_int, default=256, help="the longest reply")
     common.sampling_options(p)
     common.weight_options(p)
+    common.parallel_options(p)
 
     p = command("serve", cmd_serve, "an OpenAI-compatible HTTP server (completions, chat completions, streaming)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -159,13 +160,23 @@ def decode_rate(marks) -> float | None:
 def cmd_chat(args):
     from pjinfer.cli.chat import Conversation, repl, terminal_input
 
+    from pjinfer.runtime.followers import LeaderBatch, follow
+
     sampling = common.sampling(args)
+    if common.join(args):   # process I > 0 of a tensor-parallel chat: make process 0's calls until it stops
+        follow(common.load(args), 1)
+        return
     engine = common.load(args)
     if not sampling.greedy:
         common.say(f"pjinfer: sampling with seed {sampling.seed}")
+    batch = LeaderBatch(engine, 1) if engine.backend.parallel else None
     terminal = terminal_input()
-    repl(Conversation(engine, system=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling),
-         quiet_input=terminal.quiet if terminal else None)
+    try:
+        repl(Conversation(engine, system=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                          batch=batch), quiet_input=terminal.quiet if terminal else None)
+    finally:
+        if batch is not None:
+            batch.close()
 
 
 def cmd_serve(args):

@@ -201,26 +201,30 @@ class Engine:
                                 chunk=None, cache_len=cache_len))
 
     def stream(self, prompt_ids, *, max_new_tokens: int = 64, sampling: Sampling = Sampling(), stop_ids=None,
-               chunk: int | None = gen.STREAM_CHUNK, cache_len: int | None = None) -> Iterator[int]:
+               chunk: int | None = gen.STREAM_CHUNK, cache_len: int | None = None, into=None) -> Iterator[int]:
         """Yields generated ids as they come (a final stop id dropped): the first from the prefill, then up to
         `chunk` at a time (None: all of them), each chunk from one jitted loop of decode steps. The request is a
-        batch of one in the decode loop every request runs (pjinfer.runtime.batch). stop_ids: default the
-        tokenizer's end ids, [] for none. cache_len: at least what plan() gives (one executable for several
-        max_new_tokens). Stopping early wastes at most the rest of a chunk."""
+        batch of one in the decode loop every request runs (pjinfer.runtime.batch): a new Batch, or slot 0 of
+        `into`, released when the stream ends (a tensor-parallel chat's LeaderBatch, whose calls its followers
+        make too). stop_ids: default the tokenizer's end ids, [] for none. cache_len: at least what plan() gives
+        (one executable for several max_new_tokens). Stopping early wastes at most the rest of a chunk."""
         _, planned = self.plan(len(prompt_ids), max_new_tokens)
         cache_len = planned if cache_len is None else max(cache_len, planned)
-        one = batch.Batch(self, 1)
+        one = into or batch.Batch(self, 1)
         state = one.start(0, prompt_ids, max_new_tokens, sampling, stop_ids, cache_len=cache_len)
         new = [state.token]
-        while True:
-            for token in new:
-                if token in state.stops:
+        try:
+            while True:
+                for token in new:
+                    if token in state.stops:
+                        return
+                    yield token
+                if state.remaining <= 0:
                     return
-                yield token
-            if state.remaining <= 0:
-                return
-            one.step([state], chunk or cache_len)   # a chunk of the cache's length: one executable per cache
-            new = state.new
+                one.step([state], chunk or cache_len)   # a chunk of the cache's length: one executable per cache
+                new = state.new
+        finally:
+            one.release(0)
 
     # ------------------------------------------------------------ scoring
     def token_logprobs(self, tokens: np.ndarray, *, with_greedy: bool = False):
