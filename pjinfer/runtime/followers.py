@@ -1,9 +1,9 @@
-"""A tensor-parallel server's processes kept in step: every process must make the same jitted calls in the same
-order, since each call's collectives wait for all of them.
+"""A tensor-parallel server's or chat's processes kept in step: every process must make the same jitted calls in
+the same order, since each call's collectives wait for all of them.
 
-Process 0 serves HTTP and schedules requests on a ``LeaderBatch``: before each call that runs the model (a
-request's start, one request's chunk of decode steps, a release) it publishes the call in JAX's distributed
-key-value store (the coordination service process 0 runs). The other processes run ``follow``: they read the
+Process 0 serves HTTP (or reads the chat's lines) and runs requests on a ``LeaderBatch``: before each call that
+runs the model (a request's start, one request's chunk of decode steps, a release) it publishes the call in JAX's
+distributed key-value store (the coordination service process 0 runs). The other processes run ``follow``: they read the
 calls in order and make the same ones on a Batch of their own, so their states, caches and sampled tokens stay
 those of process 0. The server's own decisions (which request steps next, a wake that ends a round early) are
 made on process 0 alone and reach the others as the calls they led to.
