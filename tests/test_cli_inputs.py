@@ -85,6 +85,15 @@ def test_generate_refuses_bad_input_before_loading(tmp_path, capsys, args, fragm
     assert_one_line_error(code, out, err, fragment)
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["chat"], ["serve"], ["eval", "--tasks", "piqa"],
+                                     ["perplexity", "--text-file", "TEXT"]])
+def test_every_split_command_refuses_a_bad_coordinator_before_loading(tmp_path, capsys, command):
+    (tmp_path / "text.txt").write_text("Some text to score.")
+    command = [str(tmp_path / "text.txt") if a == "TEXT" else a for a in command]
+    code, out, err = run(capsys, *command, "--model", str(tmp_path / "no.gguf"), "--coordinator", "nohost")
+    assert_one_line_error(code, out, err, "--coordinator must be HOST:PORT, got 'nohost'")
+
+
 @pytest.mark.real_model
 def test_stop_string_cuts_the_text_and_is_not_printed(capsys):
     code, out, err = run(capsys, "generate", "--prompt", "The capital of France is", "--max-new-tokens", "16",

@@ -191,7 +191,8 @@ def cmd_eval(args):
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     evaluate.check_tasks(tasks)  # before the model loads
-    writes = args.output and not common.join(args)   # a tensor-parallel run's process 0 writes it
+    follower = common.join(args)
+    writes = args.output and not follower   # a tensor-parallel run's process 0 writes it
     if writes:
         common.check_writable(args.output)  # before the evaluation runs, not after
     engine = common.load(args, args.bundle)
