@@ -159,7 +159,6 @@ def decode_rate(marks) -> float | None:
 
 def cmd_chat(args):
     from pjinfer.cli.chat import Conversation, repl, terminal_input
-
     from pjinfer.runtime.followers import LeaderBatch, follow
 
     sampling = common.sampling(args)

@@ -210,7 +210,7 @@ class Engine:
         (one executable for several max_new_tokens). Stopping early wastes at most the rest of a chunk."""
         _, planned = self.plan(len(prompt_ids), max_new_tokens)
         cache_len = planned if cache_len is None else max(cache_len, planned)
-        one = into or batch.Batch(self, 1)
+        one = batch.Batch(self, 1) if into is None else into
         state = one.start(0, prompt_ids, max_new_tokens, sampling, stop_ids, cache_len=cache_len)
         new = [state.token]
         try:
