@@ -172,6 +172,43 @@ def test_chat_over_two_processes_replies_as_one_process_does(q4_engine):
     assert replies[:2] == want and out1 == ""
 
 
+# pexpect forks this (JAX-threaded) process and execs at once in the child, which is safe; the warning is not.
+@pytest.mark.real_model
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called")
+def test_ctrl_c_stops_a_split_chat_s_reply_and_the_processes_stay_in_step():
+    """Ctrl-C at process 0's terminal during a reply: the reply stops, the stream's release reaches the follower,
+    and the next question is answered by both processes together; /exit ends both with status 0."""
+    import pexpect
+
+    address = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, COLUMNS="100", LINES="24", PJINFER_HOST_THREADS="1")
+    flags = ["chat", "--weights", "q4_1", "--max-new-tokens", "200", "--coordinator", address, "--num-processes", "2"]
+    follower = subprocess.Popen([sys.executable, "-m", "pjinfer.cli.main", *flags, "--process-id", "1"],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env)
+    # Ctrl-C reaches the chat as a terminal's would even where this run ignores SIGINT (test_chat says why).
+    child = pexpect.spawn(sys.executable, ["-m", "pjinfer.cli.main", *flags, "--process-id", "0"], env=env,
+                          encoding="utf-8", timeout=300,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        child.expect_exact("> ")
+        child.sendline("Write a very long story about a dragon who learns to bake bread.")
+        child.expect_exact("bread.\r\n")
+        child.expect(r"\w+ \w+ \w+ \w+")
+        child.sendcontrol("c")
+        child.expect_exact("[stopped]")
+        child.expect_exact("> ")
+        child.sendline("What is the capital of France?")
+        child.expect("Paris")
+        child.expect_exact("\r\n> ")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+        out, err = follower.communicate(timeout=120)
+    assert (child.exitstatus, follower.returncode, out) == (0, 0, ""), err[-2000:]
+
+
 @pytest.fixture(scope="module")
 def k_quant_file(tmp_path_factory):
     """The default model re-quantized to a K-quant mix as llama.cpp's Q4_K_M makes it at this width: Q4_K down
