@@ -262,12 +262,12 @@ def part(config, name: str, t):
     if t.type not in TYPES or len(t.shape) != 2:
         raise ConfigError(f"tensor parallel slices a file's quantized blocks; {t.name} is not in a block type "
                           "(--weights q4_1 runs a Q4_1 file, --weights gguf one of llama.cpp's block types)")
-    block = TYPES[t.type].block
-    if how[0] == "columns" and any(v % block for v in how[1]):
+    try:
+        shard = getattr(QTensor(t.type, (t.data,), t.shape[1]), how[0])(*how[1])
+    except ConfigError:   # QTensor.columns: the cut falls inside a block
         raise ConfigError(f"tensor parallel over {split.n} processes cuts {t.name} into slices of "
-                          f"{how[1][1] - how[1][0]} columns, not whole {TYPES[t.type].name} blocks of {block}: run "
-                          "fewer processes")
-    shard = getattr(QTensor(t.type, (t.data,), t.shape[1]), how[0])(*how[1])
+                          f"{how[1][1] - how[1][0]} columns, not whole {TYPES[t.type].name} blocks of "
+                          f"{TYPES[t.type].block}: run fewer processes") from None
     data = shard.data
     if split.n > 1 and kind != "embed" and np.shares_memory(data, t.data):
         data = aligned_empty(data.shape, data.dtype)
