@@ -94,6 +94,16 @@ def _processes(n: int, tokens: int = TOKENS, prompts=PROMPTS, model=()) -> list:
     return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
 
 
+def _cli(n: int, *args, **popen) -> list:
+    """`pjinfer ARGS` started as each of the n processes of one split run (Popen objects, process 0 first; output
+    piped, one host thread each, unless popen says otherwise)."""
+    address = f"127.0.0.1:{free_port()}"
+    popen = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                 env=dict(os.environ, PJINFER_HOST_THREADS="1")) | popen
+    return [subprocess.Popen([sys.executable, "-m", "pjinfer.cli.main", *args, "--coordinator", address,
+                              "--num-processes", str(n), "--process-id", str(i)], **popen) for i in range(n)]
+
+
 def _run(n: int, **kwargs) -> dict:
     """The worker's JSON from process 0 of an n-process run (_processes)."""
     outs = _processes(n, **kwargs)
@@ -137,12 +147,8 @@ def test_eval_over_two_processes_scores_as_one_and_process_0_writes_the_results(
     from pjinfer.measure import evaluate
 
     want = evaluate.evaluate(q4_engine, ["piqa"], limit=1)["tasks"]["piqa"]
-    address, output = f"127.0.0.1:{free_port()}", tmp_path / "results.json"
-    env = dict(os.environ, PJINFER_HOST_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "pjinfer.cli.main", "eval", "--tasks", "piqa", "--limit", "1",
-                               "--weights", "q4_1", "--json", "--output", str(output), "--coordinator", address,
-                               "--num-processes", "2", "--process-id", str(i)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    output = tmp_path / "results.json"
+    procs = _cli(2, "eval", "--tasks", "piqa", "--limit", "1", "--weights", "q4_1", "--json", "--output", str(output))
     (out0, err0), (out1, err1) = (p.communicate(timeout=600) for p in procs)
     assert [p.returncode for p in procs] == [0, 0], err0[-2000:] + err1[-2000:]
     got = json.loads(out0)["tasks"]["piqa"]
@@ -159,12 +165,7 @@ def test_chat_over_two_processes_replies_as_one_process_does(q4_engine):
     lines = ["What is the capital of France?", "And of Italy?"]
     talk = Conversation(q4_engine, max_new_tokens=16)
     want = ["".join(talk.reply(line)).strip() for line in lines]
-    address = f"127.0.0.1:{free_port()}"
-    env = dict(os.environ, PJINFER_HOST_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "pjinfer.cli.main", "chat", "--weights", "q4_1",
-                               "--max-new-tokens", "16", "--coordinator", address, "--num-processes", "2",
-                               "--process-id", str(i)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    procs = _cli(2, "chat", "--weights", "q4_1", "--max-new-tokens", "16", stdin=subprocess.PIPE)
     (out0, err0), (out1, err1) = (p.communicate("\n".join(lines) + "\n" if i == 0 else "", timeout=600)
                                   for i, p in enumerate(procs))
     assert [p.returncode for p in procs] == [0, 0], err0[-2000:] + err1[-2000:]
@@ -235,11 +236,7 @@ def test_a_k_quant_file_splits_as_it_runs_unsplit_and_what_does_not_cut_into_blo
     logits = np.array(want["logits"])
     assert np.abs(np.array(got["logits"]) - logits).max() <= 1e-4 * np.abs(logits).max()
 
-    address = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, "-m", "pjinfer.cli.main", "generate", *model, "--prompt", PROMPTS[0],
-                               "--coordinator", address, "--num-processes", "4", "--process-id", str(i)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
-    for p in procs:
+    for p in _cli(4, "generate", *model, "--prompt", PROMPTS[0]):
         out, err = p.communicate(timeout=300)
         lines = [line for line in err.splitlines() if not line.startswith("[Gloo]")]
         assert p.returncode != 0 and out == ""
@@ -254,11 +251,8 @@ def test_a_split_server_answers_as_one_process_and_ends_on_a_lost_process(q4_eng
     then process 1 is killed (its sockets close) or stopped (it stops answering: tensor_parallel.Watch) under load,
     and every request in flight gets a 503 error object and process 0 exits non-zero within 60 s with one line
     naming process 1."""
-    port, address = free_port(), f"127.0.0.1:{free_port()}"
-    env = dict(os.environ, PJINFER_HOST_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "pjinfer.cli.main", "serve", "--port", str(port), "--coordinator",
-                               address, "--num-processes", "2", "--process-id", str(i)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    port = free_port()
+    procs = _cli(2, "serve", "--port", str(port), stdout=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, procs[0])
@@ -299,13 +293,8 @@ def test_a_process_that_stops_answering_ends_the_other_in_one_line(stopped, name
     beats, before JAX's own health check would abort it with a C++ stack trace."""
     from pjinfer.runtime.tensor_parallel import SILENT_S
 
-    address = f"127.0.0.1:{free_port()}"
-    env = dict(os.environ, PJINFER_HOST_THREADS="1")
     # Greedy counting goes on past what the survivor's wait needs (it ends in no end-of-text token first).
-    procs = [subprocess.Popen([sys.executable, "-m", "pjinfer.cli.main", "generate", "--prompt", "1, 2, 3, 4,",
-                               "--max-new-tokens", "4000", "--coordinator", address,
-                               "--num-processes", "2", "--process-id", str(i)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    procs = _cli(2, "generate", "--prompt", "1, 2, 3, 4,", "--max-new-tokens", "4000")
     survivor = procs[1 - stopped]
     try:
         assert procs[0].stdout.read(1), procs[0].stderr.read()     # decoding: the first text has come

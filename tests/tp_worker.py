@@ -3,10 +3,10 @@ local sockets through jax.distributed and gloo).
 
     python tests/tp_worker.py COORDINATOR N I TOKENS [--model PATH --weights gguf] PROMPT [PROMPT ...]
 
-Process I of N loads the model (default: the default model, --weights q4_1) split N ways, generates TOKENS greedy tokens for each
-prompt, takes the logits of the first prompt's first token at position 0 and scores the first prompt with its first
-24 new tokens. Process 0 prints one JSON line: {"ids": [[...] per prompt], "logits": [...], "logp": [...]}.
-N 0: one process, the host decode unsplit (the reference)."""
+Process I of N loads the model (default: the default model, --weights q4_1) split N ways, generates TOKENS greedy
+tokens for each prompt, takes the logits of the first prompt's first token at position 0 and scores the first prompt
+with its first 24 new tokens. Process 0 prints one JSON line: {"ids": [[...] per prompt], "logits": [...],
+"logp": [...]}. N 0: one process, the host decode unsplit (the reference)."""
 import argparse
 import json
 
