@@ -34,9 +34,14 @@ def _xla_twin(engine: Engine) -> Engine:
     return twin
 
 
+def _jitted_step(engine: Engine):
+    """engine's one-token decode step, jitted: (state, token, pos, cache) -> (logits, cache)."""
+    return jax.jit(lambda state, *args: nnx.merge(engine.graphdef, state).decode(*args))
+
+
 def _step_logits(engine: Engine, prompt, tokens):
     """Logits of each decode step feeding `tokens` after the prompt (prefill by XLA in both)."""
-    step = jax.jit(lambda state, *args: nnx.merge(engine.graphdef, state).decode(*args))
+    step = _jitted_step(engine)
     _, cache = engine.prefill(prompt, cache_len=engine.plan(len(prompt), len(tokens) + 1)[1])
     out = []
     for i, t in enumerate(tokens):
@@ -182,7 +187,7 @@ def test_calibrate_and_q4_1_bundle_bad_input_get_one_line(tmp_path, capsys):
 @pytest.mark.real_model
 def test_real_model_host_decode_equals_xla_with_the_same_thresholds():
     """The default model, thresholds of the calibrated magnitudes (about 20-40% of each input skipped): each decode
-    step, run by the host and by XLA on the same cache (fed XLA's greedy tokens, then fixed ones), agrees to float
+    step, run by the host and by XLA on the same cache (fed the host's greedy tokens, then fixed ones), agrees to float
     rounding in most steps, and picks the same token in all but at most one. The others differ: within a step each
     path writes its own float16 k and v, a value the two compute a hair apart can round to neighbouring float16
     steps, and an input within that of its threshold lands on different sides in a later layer (measured: up to
@@ -196,15 +201,15 @@ def test_real_model_host_decode_equals_xla_with_the_same_thresholds():
     host = Engine(config, weights, tokenizer, weights_format="q4_1", thresholds=thresholds)
     xla = _xla_twin(host)
     prompt = tokenizer.encode("The capital of France is", add_special=False)
-    tokens = xla.generate(prompt, max_new_tokens=12, stop_ids=[])
-    assert len(host.generate(prompt, max_new_tokens=12, stop_ids=[])) == 12
-    model, reference = nnx.merge(host.graphdef, host.state), nnx.merge(xla.graphdef, xla.state)
+    tokens = host.generate(prompt, max_new_tokens=12, stop_ids=[])
+    assert len(tokens) == 12
+    step, reference = _jitted_step(host), _jitted_step(xla)
     feed = [*tokens[:-1], 11, 260, 314, 1000]
-    _, cache = xla.prefill(prompt, cache_len=xla.plan(len(prompt), len(feed) + 1)[1])
+    _, cache = host.prefill(prompt, cache_len=host.plan(len(prompt), len(feed) + 1)[1])
     exact = same_pick = 0
     for i, t in enumerate(feed):
-        got, _ = model.decode(jnp.int32(t), len(prompt) + i, cache)
-        want, cache = reference.decode(jnp.int32(t), len(prompt) + i, cache)
+        got, _ = step(host.state, jnp.int32(t), jnp.int32(len(prompt) + i), cache)
+        want, cache = reference(xla.state, jnp.int32(t), jnp.int32(len(prompt) + i), cache)
         got, want = np.asarray(got), np.asarray(want)
         np.testing.assert_allclose(got, want, atol=0.25 * np.abs(want).max())
         close = np.allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
