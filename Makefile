@@ -7,7 +7,7 @@ LLAMA_VOCAB := $(VENV)/share/llama-vocab
 LLAMA_CPP_PYTHON := 0.3.36
 export NUMBA_THREADING_LAYER ?= workqueue
 
-.PHONY: setup run run-tp bench-tp test test-fast fuzz mutants bench peers bench-peer bench-powerinfer bench-quants bench-long bench-serve soak bench-scale bench-pallas perplexity bundle clean
+.PHONY: setup run run-tp bench-tp test test-fast gpu-wheels gpu-check fuzz mutants bench peers bench-peer bench-powerinfer bench-quants bench-long bench-serve soak bench-scale bench-pallas perplexity bundle clean
 
 # Idempotent: re-runs pip only when pyproject.toml changed.
 setup: $(STAMP) $(LLAMA_VOCAB)/.stamp
@@ -163,6 +163,21 @@ bench-scale: $(PEER_STAMP)
 # The Pallas kernels against XLA's dense products on a Llama-7B layer: needs JAX on a GPU (pip install -e .[cuda12]).
 bench-pallas: setup
 	$(PY) -m pallas_kernels.bench --shapes 7b
+
+# The checks that need a GPU, as one script that fits the device machine's 15-minute loan. That machine has JAX
+# with CUDA, Flax and Numba, but no network and no room for the model's wheel: the Pallas kernel tests run compiled
+# (Triton), then the kernels against XLA's dense products. Here, once: `make gpu-wheels` (the pure-Python packages
+# it lacks, into .whl); there, with .whl carried: `make gpu-check PY=python3` (its python3 holds JAX with CUDA).
+GPU_WHEELS := gguf==0.19.0
+GPU_SITE := /tmp/pjinfer-gpu-site
+gpu-wheels: setup
+	rm -rf .whl && $(PY) -m pip download --quiet --no-deps --only-binary=:all: -d .whl $(GPU_WHEELS)
+gpu-check:
+	@test -n "$$(ls .whl/*.whl 2>/dev/null)" || { echo "make gpu-check: no wheels in .whl (run make gpu-wheels here, and carry .whl)"; exit 2; }
+	$(PY) -m pip install --quiet --no-index --no-deps --no-compile --target $(GPU_SITE) .whl/*.whl
+	PYTHONPATH=$(GPU_SITE) $(PY) -c "import jax, sys; jax.default_backend() == 'gpu' or sys.exit('make gpu-check: JAX sees no GPU here (' + jax.default_backend() + ')')"
+	PYTHONPATH=$(GPU_SITE) $(PY) -m pytest -q -p no:cacheprovider -m "gpu and not real_model" -k "not which_rule"
+	PYTHONPATH=$(GPU_SITE) $(PY) -m pallas_kernels.bench --shapes 7b --calls 200 --pairs 5
 
 comma := ,
 space := $(subst ,, )
