@@ -166,7 +166,8 @@ bench-pallas: setup
 
 # The checks that need a GPU, as one script that fits the device machine's 15-minute loan. That machine has JAX
 # with CUDA, Flax and Numba, but no network and no room for the model's wheel: the Pallas kernel tests run compiled
-# (Triton), then the kernels against XLA's dense products. Here, once: `make gpu-wheels` (the pure-Python packages
+# (Triton), then the kernels against XLA's dense products. Only those two test files are collected: the others
+# import packages that machine lacks (the server's, pexpect). Here, once: `make gpu-wheels` (the pure-Python package
 # it lacks, into .whl); there, with .whl carried: `make gpu-check PY=python3` (its python3 holds JAX with CUDA).
 GPU_WHEELS := gguf==0.19.0
 GPU_SITE := /tmp/pjinfer-gpu-site
@@ -176,7 +177,8 @@ gpu-check:
 	@test -n "$$(ls .whl/*.whl 2>/dev/null)" || { echo "make gpu-check: no wheels in .whl (run make gpu-wheels here, and carry .whl)"; exit 2; }
 	$(PY) -m pip install --quiet --no-index --no-deps --no-compile --target $(GPU_SITE) .whl/*.whl
 	PYTHONPATH=$(GPU_SITE) $(PY) -c "import jax, sys; jax.default_backend() == 'gpu' or sys.exit('make gpu-check: JAX sees no GPU here (' + jax.default_backend() + ')')"
-	PYTHONPATH=$(GPU_SITE) $(PY) -m pytest -q -p no:cacheprovider -m "gpu and not real_model" -k "not which_rule"
+	PYTHONPATH=$(GPU_SITE) $(PY) -m pytest -q -p no:cacheprovider tests/test_pallas_kernels.py \
+		tests/test_pallas_thresholds.py -m "gpu and not real_model" -k "not which_rule"
 	PYTHONPATH=$(GPU_SITE) $(PY) -m pallas_kernels.bench --shapes 7b --calls 200 --pairs 5
 
 comma := ,
