@@ -121,18 +121,20 @@ def main(argv=None) -> int:
         coordinator, n, i = args.worker
         print(json.dumps(worker(args.model, coordinator, int(n), int(i), args.tokens, args.runs)), flush=True)
         return 0
-    print("| processes | decode tok/s | collectives ms a step | peak RSS minus floor, MB a process (max) "
+    print("| processes | decode tok/s | collectives ms a step | peak RSS minus floor, MB a process: largest (range) "
           "| of unsplit |")
     print("|---|---|---|---|---|")
     unsplit = None
     for n in (int(v) for v in args.processes.split(",")):
         rows = run(args.model, n, args.tokens, args.runs)
-        first, peak = rows[0], max(r["peak_minus_floor_mb"] for r in rows)
+        first, peaks = rows[0], [r["peak_minus_floor_mb"] for r in rows]
+        peak = max(peaks)
         unsplit = peak if n == 0 else unsplit
         coll = f"{first['collectives_ms']:.2f}" if n else "-"
         rates = f"{first['decode_tok_s']:.1f} ({min(first['rates']):.1f}-{max(first['rates']):.1f})"
         share = f"{peak / unsplit:.3f}" if unsplit else "-"
-        print(f"| {n or '1, unsplit'} | {rates} | {coll} | {peak:.0f} | {share} |", flush=True)
+        spread = f" ({min(peaks):.0f}-{peak:.0f})" if len(peaks) > 1 else ""
+        print(f"| {n or '1, unsplit'} | {rates} | {coll} | {peak:.0f}{spread} | {share} |", flush=True)
     return 0
 
 
