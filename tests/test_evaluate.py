@@ -53,7 +53,7 @@ def test_metrics_and_stderr():
 
 def test_score_sequences_with_a_fake_scorer_sums_the_continuation():
     # logp of token t = -t / 100: the continuation's sum depends only on its own tokens
-    def scorer(tokens):
+    def scorer(tokens, lengths):
         return -tokens[:, 1:].astype(np.float64) / 100, None
     seqs = [([5, 6, 7], [10, 20]), ([1], [30]), ([2] * 40, [1, 2, 3])]
     out = ev.score_sequences(scorer, seqs, max_len=64, batch_rows=2)
@@ -61,8 +61,8 @@ def test_score_sequences_with_a_fake_scorer_sums_the_continuation():
 
 
 def test_left_truncation_keeps_the_continuation():
-    def scorer(tokens):
-        assert tokens.shape[1] <= 16
+    def scorer(tokens, lengths):
+        assert tokens.shape[1] <= 16 and lengths[0] == 16 and not lengths[1:].any()   # the rest: padding rows
         return -tokens[:, 1:].astype(np.float64), None
     out = ev.score_sequences(scorer, [(list(range(1, 30)), [7, 8])], max_len=16)
     assert out[0][0] == -15.0
@@ -92,7 +92,7 @@ def test_shared_context_one_token_choices_match_full_scoring(engine):
     max_len = engine.config.max_seq_len
     full = ev.score_sequences(ev.engine_scorer(engine), pairs, max_len=max_len, batch_rows=16)
     grouped = ev.score_sequences(ev.engine_scorer(engine), pairs, max_len=max_len, batch_rows=16,
-                                 last_scorer=ev.engine_last_scorer(engine))
+                                 last_scorer=engine.last_logprobs)
     np.testing.assert_allclose([ll for ll, _ in grouped], [ll for ll, _ in full], atol=1e-4)
 
 

@@ -123,7 +123,8 @@ def unsplit(q4_engine):
     model = e.graph.merge(e.state)
     logits = jax.jit(lambda t: model.decode(t, 0, KVCache.create(model.config, 1, 256))[0])(np.int32(ids[0][0]))
     out = [e.generate(p, max_new_tokens=TOKENS, stop_ids=[]) for p in ids]
-    return {"ids": out, "logits": np.asarray(logits), "logp": e.token_logprobs(np.array([ids[0] + out[0][:24]]))[0]}
+    return {"ids": out, "logits": np.asarray(logits), "logp": e.token_logprobs(np.array([ids[0] + out[0][:24]]))[0],
+            "last": e.last_logprobs(np.array([ids[0]]), [len(ids[0])])[0]}
 
 
 @pytest.mark.real_model
@@ -140,6 +141,11 @@ def test_split_runs_give_the_unsplit_greedy_ids_and_logits(n, unsplit):
     # test_real_model bounds host against XLA logits by 2^-12 of the largest (about 20 here); a log-softmax moves
     # at most twice its logits' largest error.
     np.testing.assert_allclose(got["logp"], unsplit["logp"], rtol=0, atol=2 * 2.0 ** -12 * np.abs(want).max())
+    # The distribution after the prompt (one-token choices: eval's shared contexts), from a padded row; the
+    # padding row beside it is skipped, not scored.
+    last = np.array(got["last"])
+    np.testing.assert_allclose(last[0], unsplit["last"], rtol=0, atol=2 * 2.0 ** -12 * np.abs(want).max())
+    assert not last[1].any()
 
 
 @pytest.mark.real_model

@@ -5,8 +5,9 @@ local sockets through jax.distributed and gloo).
 
 Process I of N loads the model (default: the default model, --weights q4_1) split N ways, generates TOKENS greedy
 tokens for each prompt, takes the logits of the first prompt's first token at position 0 and scores the first prompt
-with its first 24 new tokens. Process 0 prints one JSON line: {"ids": [[...] per prompt], "logits": [...],
-"logp": [...]}. N 0: one process, the host decode unsplit (the reference)."""
+with its first 24 new tokens, and takes the log-probabilities after the first prompt (a padded row of 32 tokens
+beside a padding row). Process 0 prints one JSON line: {"ids": [[...] per prompt], "logits": [...], "logp": [...],
+"last": [[...], [...]]}. N 0: one process, the host decode unsplit (the reference)."""
 import argparse
 import json
 
@@ -43,8 +44,12 @@ def main() -> None:
 
     logits = np.asarray(first_logits(engine.state, np.int32(ids[0][0])))
     logp = engine.token_logprobs(np.array([ids[0] + out[0][:24]]))   # scoring: decode steps when split
+    rows = np.zeros((2, 32), np.int32)
+    rows[0, :len(ids[0])] = ids[0]
+    last = engine.last_logprobs(rows, [len(ids[0]), 0])
     if i == 0:
-        print(json.dumps({"ids": out, "logits": logits.tolist(), "logp": logp[0].tolist()}), flush=True)
+        print(json.dumps({"ids": out, "logits": logits.tolist(), "logp": logp[0].tolist(), "last": last.tolist()}),
+              flush=True)
 
 
 if __name__ == "__main__":

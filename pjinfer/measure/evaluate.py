@@ -21,14 +21,10 @@ from __future__ import annotations
 
 import math
 import time
-from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from pjinfer.config import ConfigError
 from pjinfer.load.loader import model_identity
@@ -61,27 +57,12 @@ def _rows_for(padded_len: int, batch_rows: int, token_budget: int) -> int:
     return 1 << (rows.bit_length() - 1)      # a power of two: a fixed row count per padded length
 
 
-@partial(jax.jit, static_argnames=("graphdef",))
-def _last_logprobs(graphdef, state, tokens, lengths):
-    """tokens [B, T], lengths [B] -> log p(next token | tokens[b, :lengths[b]]) over the vocabulary, [B, V]."""
-    model = nnx.merge(graphdef, state)
-    hidden = model.forward_sequence(tokens)
-    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    return jax.nn.log_softmax(model.logits(last).astype(jnp.float32), axis=-1)
-
-
-def engine_last_scorer(engine):
-    """tokens [B, T], lengths [B] -> next-token log-probabilities [B, V] after each row's real tokens."""
-    return lambda tokens, lengths: np.asarray(_last_logprobs(engine.graphdef, engine.state,
-                                                             jnp.asarray(tokens, jnp.int32),
-                                                             jnp.asarray(lengths, jnp.int32)))
-
-
 def engine_scorer(engine, *, greedy: bool = False):
-    """tokens [B, T] -> (logp [B, T-1], is_greedy [B, T-1] or None)."""
+    """tokens [B, T], lengths [B] (each row's real tokens; 0: a padding row) -> (logp [B, T-1], is_greedy
+    [B, T-1] or None)."""
     if not greedy:
-        return lambda tokens: (engine.token_logprobs(tokens), None)
-    return lambda tokens: engine.token_logprobs(tokens, with_greedy=True)
+        return lambda tokens, lengths: (engine.token_logprobs(tokens, lengths=lengths), None)
+    return lambda tokens, lengths: engine.token_logprobs(tokens, with_greedy=True, lengths=lengths)
 
 
 def score_sequences(scorer, seqs: list[tuple[list[int], list[int]]], *, max_len: int,
@@ -89,7 +70,8 @@ def score_sequences(scorer, seqs: list[tuple[list[int], list[int]]], *, max_len:
                     progress=None, last_scorer=None) -> list[tuple[float, bool]]:
     """For each (context ids, continuation ids): (summed log-prob of the continuation, all greedy).
 
-    `scorer(tokens [B, T] int32) -> (logp [B, T-1], is_greedy [B, T-1] or None)`.
+    `scorer(tokens [B, T] int32, lengths [B]) -> (logp [B, T-1], is_greedy [B, T-1] or None)`, lengths each
+    row's real tokens (0: a padding row, whose figures are not read).
     `last_scorer(tokens [B, T], lengths [B]) -> next-token logp [B, V]`, when given, scores at once the
     one-token continuations that share a context (MMLU's " A".." D"): one forward pass per context.
     """
@@ -139,10 +121,10 @@ def score_sequences(scorer, seqs: list[tuple[list[int], list[int]]], *, max_len:
         padded = min(bucket(len(full[order[done]]), MIN_LEN_BUCKET), max_len)
         rows = _rows_for(padded, batch_rows, token_budget)
         idx = order[done:done + rows]
-        tokens = np.zeros((rows, padded), np.int32)
+        tokens, lengths = np.zeros((rows, padded), np.int32), np.zeros(rows, np.int32)
         for r, i in enumerate(idx):
-            tokens[r, :len(full[i])] = full[i]
-        logp, greedy = scorer(tokens)
+            tokens[r, :len(full[i])], lengths[r] = full[i], len(full[i])
+        logp, greedy = scorer(tokens, lengths)
         for r, i in enumerate(idx):
             end, n = len(full[i]) - 1, len(seqs[i][1])      # logp[t-1] scores token t
             out[i] = (float(np.sum(logp[r, end - n:end], dtype=np.float64)),
@@ -248,7 +230,7 @@ def evaluate(engine, task_names, *, limit: int | None = None, num_fewshot: int |
         scores = score_sequences(engine_scorer(engine, greedy=generative), pairs, max_len=max_len,
                                  batch_rows=batch_rows, token_budget=token_budget,
                                  progress=progress_factory(name, len(pairs), " seq"),
-                                 last_scorer=engine_last_scorer(engine))
+                                 last_scorer=engine.last_logprobs)
         if generative:
             metrics = lambada_metrics(scores)
         else:

@@ -227,19 +227,47 @@ class Engine:
             one.release(0)
 
     # ------------------------------------------------------------ scoring
-    def token_logprobs(self, tokens: np.ndarray, *, with_greedy: bool = False):
+    def token_logprobs(self, tokens: np.ndarray, *, with_greedy: bool = False, lengths=None):
         """tokens [B, T] -> log-probabilities [B, T-1] of each token after the first given the ones before;
-        with_greedy also returns whether each of those tokens is the model's argmax there."""
-        tokens = np.asarray(tokens, np.int32)
-        if tokens.shape[1] > self.config.max_seq_len:
-            raise ConfigError(f"{tokens.shape[1]} tokens exceed the model's context of {self.config.max_seq_len}")
-        if self.backend.parallel:   # decode steps only: one sequence at a time
-            cache_len = gen.bucket(tokens.shape[1], gen.MIN_CACHE_BUCKET)
-            rows = [gen.stepped_logprobs(self.graph, self.state, row[None], cache_len=cache_len) for row in tokens]
-            logp, greedy = (np.concatenate([np.asarray(r[k]) for r in rows]) for k in (0, 1))
+        with_greedy also returns whether each of those tokens is the model's argmax there. lengths [B]: how many
+        of each row's tokens are real (default: all T); the figures past them are undefined, and a tensor-parallel
+        engine skips them (a row of length 0 costs nothing)."""
+        tokens = self._check_len(tokens)
+        if self.backend.parallel:
+            lengths = np.full(len(tokens), tokens.shape[1]) if lengths is None else np.asarray(lengths)
+            logp, greedy, _ = self._stepped(tokens, lengths - 1)
         else:
             logp, greedy = gen.token_logprobs(self.graph, self.state, jnp.asarray(tokens))
         return (np.asarray(logp), np.asarray(greedy)) if with_greedy else np.asarray(logp)
+
+    def last_logprobs(self, tokens: np.ndarray, lengths) -> np.ndarray:
+        """tokens [B, T], lengths [B] (each at least 1) -> log-probabilities [B, vocab] of the token after each
+        row's first lengths[b] tokens."""
+        tokens = self._check_len(tokens)
+        if self.backend.parallel:
+            return self._stepped(tokens, np.asarray(lengths))[2]
+        return np.asarray(gen.last_logprobs(self.graph, self.state, jnp.asarray(tokens),
+                                            jnp.asarray(lengths, jnp.int32)))
+
+    def _check_len(self, tokens) -> np.ndarray:
+        tokens = np.asarray(tokens, np.int32)
+        if tokens.shape[1] > self.config.max_seq_len:
+            raise ConfigError(f"{tokens.shape[1]} tokens exceed the model's context of {self.config.max_seq_len}")
+        return tokens
+
+    def _stepped(self, tokens: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """generate.stepped_logprobs row by row, steps[b] decode steps for row b (decode steps only: one sequence
+        at a time; a row of no steps costs nothing and reads zeros): (logp [B, T-1], greedy, last [B, vocab])."""
+        b, t = tokens.shape
+        cache_len = gen.bucket(t, gen.MIN_CACHE_BUCKET)
+        out = (np.zeros((b, t - 1), np.float32), np.zeros((b, t - 1), bool),
+               np.zeros((b, self.config.vocab_size), np.float32))
+        for r in np.flatnonzero(steps > 0):
+            got = gen.stepped_logprobs(self.graph, self.state, tokens[r][None], np.int32(steps[r]),
+                                       cache_len=cache_len)
+            for into, row in zip(out, got):
+                into[r] = np.asarray(row[0])
+        return out
 
     def perplexity(self, ids, *, windows: int, window_len: int) -> tuple[float, int]:
         """llama.cpp's protocol: `windows` consecutive windows of window_len+1 tokens from the start;

@@ -96,21 +96,28 @@ def decode_chunk(graph, state, token, pos, cache, key, params, recent, stop_ids,
 
 
 @partial(jax.jit, static_argnames=("graph", "cache_len"))
-def stepped_logprobs(graph, state, tokens, *, cache_len):
-    """token_logprobs of one sequence [1, T] through T - 1 one-token decode steps into a cache of cache_len: for a
-    model whose only path is the decode step (tensor parallel)."""
+def stepped_logprobs(graph, state, tokens, steps, *, cache_len):
+    """Scoring through one-token decode steps, for a model whose only path is the decode step (tensor parallel):
+    tokens [1, T] (T >= 2), the first `steps` of them decoded (1 <= steps <= T <= cache_len). Returns
+    token_logprobs' pair for the sequence ([1, T-1], set for the tokens 1..steps, 0 and False after) and the
+    log-probabilities over the vocabulary after the last step, [1, vocab] (last_logprobs')."""
     model = graph.merge(state)
     n = tokens.shape[1] - 1
 
     def step(t, carry):
-        cache, logp, greedy = carry
+        cache, logp, greedy, _ = carry
         logits, cache = model.decode(tokens[0, t], t, cache)
         lp = jax.nn.log_softmax(logits.astype(jnp.float32))
-        return cache, logp.at[t].set(lp[tokens[0, t + 1]]), greedy.at[t].set(jnp.argmax(lp) == tokens[0, t + 1])
+        i = jnp.minimum(t, n - 1)            # t == n (the last token decoded) has no next token to score
+        target, scored = tokens[0, i + 1], t < n
+        logp = logp.at[i].set(jnp.where(scored, lp[target], logp[i]))
+        greedy = greedy.at[i].set(jnp.where(scored, jnp.argmax(lp) == target, greedy[i]))
+        return cache, logp, greedy, lp
 
-    carry = (KVCache.create(model.config, 1, cache_len), jnp.zeros(n, jnp.float32), jnp.zeros(n, bool))
-    _, logp, greedy = jax.lax.fori_loop(0, n, step, carry)
-    return logp[None], greedy[None]
+    carry = (KVCache.create(model.config, 1, cache_len), jnp.zeros(n, jnp.float32), jnp.zeros(n, bool),
+             jnp.zeros(model.config.vocab_size, jnp.float32))
+    _, logp, greedy, last = jax.lax.fori_loop(0, steps, step, carry)
+    return logp[None], greedy[None], last[None]
 
 
 @partial(jax.jit, static_argnames=("graph",))
@@ -122,3 +129,12 @@ def token_logprobs(graph, state, tokens):
     logp = jax.nn.log_softmax(model.logits(hidden[:, :-1]).astype(jnp.float32), axis=-1)
     target = tokens[:, 1:]
     return jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0], jnp.argmax(logp, axis=-1) == target
+
+
+@partial(jax.jit, static_argnames=("graph",))
+def last_logprobs(graph, state, tokens, lengths):
+    """tokens [B, T], lengths [B] -> log p(next token | tokens[b, :lengths[b]]) over the vocabulary, [B, V]."""
+    model = graph.merge(state)
+    hidden = model.forward_sequence(tokens)
+    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    return jax.nn.log_softmax(model.logits(last).astype(jnp.float32), axis=-1)
