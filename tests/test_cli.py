@@ -159,7 +159,7 @@ def test_bench_measures_a_bundle_against_the_dense_engine_of_its_weights(capsys,
     """--weights auto: the dense engine runs the file's q4_1; a predictor bundle runs float32, so bench adds the
     float32 dense engine it is measured against (it used to end in KeyError 'dense')."""
     code, out, err = run_cli(capsys, "bench", "--bundle", str(small_bundle.path), "--prompt-len", "16",
-                             "--new-tokens", "8", "--runs", "3")
+                             "--new-tokens", "8", "--runs", "1")
     assert code == 0, err
     assert [line.split()[0] for line in out.splitlines()[2:5]] == ["dense-q4_1", "dense", "sparse"]
     lines = out.splitlines()

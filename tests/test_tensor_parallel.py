@@ -4,6 +4,7 @@ against the unsplit host decode. The default model's 3 KV heads split unevenly o
 padded heads run too."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -177,6 +178,26 @@ def test_chat_over_two_processes_replies_as_one_process_does(q4_engine):
     assert [p.returncode for p in procs] == [0, 0], err0[-2000:] + err1[-2000:]
     replies = [line.removeprefix("> ").strip() for line in out0.splitlines()[1:]]
     assert replies[:2] == want and out1 == ""
+
+
+@pytest.mark.real_model
+def test_a_second_run_s_processes_all_read_process_0_s_executables(tmp_path):
+    """JAX writes a split run's executables from process 0 alone; from the second run on, process 1 reads them from
+    the persistent cache too (compile_cache.read_by_every_process) and gives the same text. Only the seed's split,
+    which runs on each process's own device, stays its own."""
+    def run() -> tuple[str, list]:
+        procs = _cli(2, "generate", "--prompt", PROMPTS[0], "--max-new-tokens", "8",
+                     env=dict(os.environ, PJINFER_HOST_THREADS="1", XDG_CACHE_HOME=str(tmp_path)))
+        outs = [p.communicate(timeout=300) for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+        counts = [re.search(r"\((\d+) executables, (\d+) from the disk cache\)", err) for _, err in outs]
+        return outs[0][0], [(int(c[1]), int(c[2])) for c in counts]
+
+    text, ((_, read0), (_, read1)) = run()
+    assert read0 == read1 == 0
+    again, ((built0, read0), (built1, read1)) = run()
+    assert again == text
+    assert read0 == built0 and built1 - read1 <= 1
 
 
 # pexpect forks this (JAX-threaded) process and execs at once in the child, which is safe; the warning is not.

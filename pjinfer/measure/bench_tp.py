@@ -8,8 +8,9 @@ the head's all-gather, on vectors of the model's sizes). On one machine the N pr
 memory bandwidth: this measures what the split costs, not how it scales across hosts.
 
 Every run starts with an empty compilation cache, so every process of every N compiles its executables, as a
-first run does: JAX's persistent cache serves process 0 alone on CPUs (its key holds per-process options, and only
-process 0 writes), so processes 1..N-1 compile on every run, and compiling adds to a process's peak.
+first run does (compiling adds to a process's peak). With --warm a first run of the same N fills the cache and the
+second is measured, as every later run goes: process 0 writes the executables and every process reads them
+(compile_cache.read_by_every_process).
 """
 from __future__ import annotations
 
@@ -91,21 +92,23 @@ def worker(model: str, coordinator: str, n: int, index: int, tokens: int, runs: 
     return out
 
 
-def run(model: str, n: int, tokens: int, runs: int) -> list[dict]:
-    """Every process's figures for an N-process run (N 0: one unsplit process)."""
-    address = f"127.0.0.1:{free_port()}"
+def run(model: str, n: int, tokens: int, runs: int, warm: bool = False) -> list[dict]:
+    """Every process's figures for an N-process run (N 0: one unsplit process), from an empty compilation cache,
+    or with warm, from the cache a first such run filled (the module docstring)."""
     given = ["--model", model] if model else []
-    with tempfile.TemporaryDirectory(prefix="pjinfer-bench-tp-") as cache:   # compiled anew: the module docstring
+    with tempfile.TemporaryDirectory(prefix="pjinfer-bench-tp-") as cache:
         env = dict(os.environ, PJINFER_HOST_THREADS=str(max(1, usable_cores() // max(n, 1))),
                    PJINFER_COMPILE_CACHE=cache)
-        procs = [subprocess.Popen([sys.executable, "-m", "pjinfer.measure.bench_tp", "--worker", address, str(n),
-                                   str(i), *given, "--tokens", str(tokens), "--runs", str(runs)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-                 for i in range(max(n, 1))]
-        outs = [p.communicate() for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        if p.returncode:
-            raise RuntimeError(f"a worker failed:\n{err[-3000:]}")
+        for _ in range(1 + warm):
+            address = f"127.0.0.1:{free_port()}"
+            procs = [subprocess.Popen([sys.executable, "-m", "pjinfer.measure.bench_tp", "--worker", address,
+                                       str(n), str(i), *given, "--tokens", str(tokens), "--runs", str(runs)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                     for i in range(max(n, 1))]
+            outs = [p.communicate() for p in procs]
+            for p, (_, err) in zip(procs, outs):
+                if p.returncode:
+                    raise RuntimeError(f"a worker failed:\n{err[-3000:]}")
     return [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
 
 
@@ -115,6 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--processes", default="0,1,2,4", help="comma-separated N (0: unsplit)")
     p.add_argument("--tokens", type=int, default=40)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--warm", action="store_true", help="measure a second run, its executables read from the cache")
     p.add_argument("--worker", nargs=3, metavar=("COORDINATOR", "N", "I"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -126,7 +130,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     unsplit = None
     for n in (int(v) for v in args.processes.split(",")):
-        rows = run(args.model, n, args.tokens, args.runs)
+        rows = run(args.model, n, args.tokens, args.runs, args.warm)
         first, peaks = rows[0], [r["peak_minus_floor_mb"] for r in rows]
         peak = max(peaks)
         unsplit = peak if n == 0 else unsplit

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
+import platform
 import sys
 import time
 from pathlib import Path
 
 import jax
+from jax._src import cache_key
 from numba.core import event
 
 _TRACE = "/jax/core/compile/jaxpr_trace_duration"
@@ -31,6 +34,45 @@ def enable_compilation_cache(path: Path | None = None) -> Path:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # every executable, small ones too
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+def read_by_every_process() -> None:
+    """In a multi-process run on CPUs (tensor parallel), let every process read the executables that process 0
+    writes to the persistent cache. JAX writes them from process 0 alone and means the others to read them on later
+    runs, but two parts of its cache key differ from process to process on CPUs, so processes 1..N-1 never find
+    them and compile on every run:
+    - the devices' topology fingerprint, which on CPUs describes the process's own device, its index included. For
+      device sets that are all CPUs, the key hashes the devices' kinds (JAX's own fallback for a backend without a
+      topology) and this host's CPU, so a cache shared with other hosts is read only where the CPU is the same;
+    - the mode of XLA's GPU caches (process 0 updates, the others read): on CPUs those caches are not kept.
+    Call it once JAX's backend is up. Other device sets keep JAX's key. Where JAX's key functions are not the
+    ones this replaces, it does nothing (tests/test_tensor_parallel.py then fails: the followers compile)."""
+    jax_hash = getattr(cache_key, "_hash_accelerator_config", None)
+    by_kinds = getattr(cache_key, "_hash_devices", None)
+    if jax.default_backend() != "cpu" or jax_hash is None or by_kinds is None or hasattr(jax_hash, "by_cpu"):
+        return
+    jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
+
+    def by_cpu(hash_obj, devices):
+        if any(d.platform != "cpu" for d in devices.flat):
+            return jax_hash(hash_obj, devices)
+        by_kinds(hash_obj, devices)
+        hash_obj.update(_host_cpu().encode())
+
+    by_cpu.by_cpu = True
+    cache_key._hash_accelerator_config = by_cpu
+
+
+@functools.cache
+def _host_cpu() -> str:
+    """What identifies this host's CPU for the code XLA generates: its model and instruction-set flags (Linux's
+    /proc/cpuinfo), else the machine's name."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return platform.machine() + platform.processor()
+    return "\n".join(sorted({line for line in lines if line.startswith(("vendor_id", "model name", "flags"))}))
 
 
 _trimming = False

@@ -41,6 +41,7 @@ from cpu_offload.blocks import TYPES
 from cpu_offload.qtensor import QTensor, aligned_empty
 from cpu_offload.shard_decode import ShardDecoder
 from pjinfer.config import ConfigError
+from pjinfer.runtime.compile_cache import read_by_every_process
 from pjinfer.runtime.model import KVCache, Norm, to_xla
 
 AXIS = "tp"
@@ -90,11 +91,13 @@ class Processes:
         return cls(coordinator, count, index)
 
     def start(self) -> None:
-        """Join the others (blocks until all N have): JAX's distributed runtime, gloo collectives on CPUs."""
+        """Join the others (blocks until all N have): JAX's distributed runtime, gloo collectives on CPUs. Every
+        process reads process 0's executables from the persistent cache (compile_cache.read_by_every_process)."""
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(self.coordinator, num_processes=self.count, process_id=self.index,
                                    initialization_timeout=120, heartbeat_timeout_seconds=HEARTBEAT_S,
                                    shutdown_timeout_seconds=SHUTDOWN_S)
+        read_by_every_process()
         if self.count > 1:
             Watch(jax._src.distributed.global_state.client, self.index, self.count).start()
 
