@@ -109,7 +109,8 @@ def decode_steps(model, tokens, cache_len=16, reference=None):
     step = lambda m: jax.jit(lambda s, t, p, c, g=nnx.graphdef(m): nnx.merge(g, s).decode(t, p, c))  # noqa: E731
     mine, theirs = step(model), None if reference is None else step(reference)
     state = nnx.state(model)
-    cache = KVCache.create(model.config, 1, cache_len)
+    # Committed as the steps' outputs are: an uncommitted first cache is another signature, a second compile.
+    cache = jax.device_put(KVCache.create(model.config, 1, cache_len), jax.devices()[0])
     jaxpr = str(jax.make_jaxpr(mine)(state, jnp.int32(tokens[0]), jnp.int32(0), cache))
     out = []
     for pos, token in enumerate(tokens):
