@@ -236,9 +236,8 @@ def test_real_model_gathered_decode_equals_the_xla_threshold_path(engine, tmp_pa
     set_thresholds(reference, thresholds)
     c = engine.config
     shape = (1, 16, c.n_kv_heads, c.head_dim)
-    cache = jax.device_put(KVCache(k=[jnp.zeros(shape, jnp.float32) for _ in range(c.n_layers)],
-                                   v=[jnp.zeros(shape, jnp.float32) for _ in range(c.n_layers)]),
-                           jax.devices()[0])   # committed as the steps' outputs are: one compile, not two
+    cache = KVCache(k=[jnp.zeros(shape, jnp.float32) for _ in range(c.n_layers)],
+                    v=[jnp.zeros(shape, jnp.float32) for _ in range(c.n_layers)])
     step = lambda m: jax.jit(lambda s, t, p, cache, g=nnx.graphdef(m): nnx.merge(g, s).decode(t, p, cache))  # noqa: E731
     mine, theirs = step(model), step(reference)
     tokens = engine.tokenizer.encode("The capital of France is", add_special=False) + [11, 260, 314]
