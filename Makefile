@@ -7,7 +7,7 @@ LLAMA_VOCAB := $(VENV)/share/llama-vocab
 LLAMA_CPP_PYTHON := 0.3.36
 export NUMBA_THREADING_LAYER ?= workqueue
 
-.PHONY: setup run run-tp bench-tp test test-fast gpu-wheels gpu-check fuzz mutants bench peers bench-peer bench-powerinfer bench-quants bench-long bench-serve soak bench-scale bench-pallas perplexity bundle clean
+.PHONY: setup run run-tp bench-tp test test-fast gpu-wheels gpu-check gpu-check-dry-run fuzz mutants bench peers bench-peer bench-powerinfer bench-quants bench-long bench-serve soak bench-scale bench-pallas perplexity bundle clean
 
 # Idempotent: re-runs pip only when pyproject.toml changed.
 setup: $(STAMP) $(LLAMA_VOCAB)/.stamp
@@ -166,20 +166,28 @@ bench-pallas: setup
 
 # The checks that need a GPU, as one script that fits the device machine's 15-minute loan. That machine has JAX
 # with CUDA, Flax and Numba, but no network and no room for the model's wheel: the Pallas kernel tests run compiled
-# (Triton), then the kernels against XLA's dense products. Only those two test files are collected: the others
-# import packages that machine lacks (the server's, pexpect). Here, once: `make gpu-wheels` (the pure-Python package
-# it lacks, into .whl); there, with .whl carried: `make gpu-check PY=python3` (its python3 holds JAX with CUDA).
-GPU_WHEELS := gguf==0.19.0
+# (Triton); then the hybrid against the layer split on a random Llama-2-7B geometry (pjinfer.measure.bench_hybrid,
+# synthetic activations: speed, never accuracy); then the kernels against XLA's dense products. Its tables go to
+# GPU_OUT. Only the kernel test files are collected: the others import packages that machine lacks (the server's,
+# pexpect). Here, once: `make gpu-wheels` (the pure-Python packages it lacks, into .whl); there, with .whl carried:
+# `make gpu-check PY=python3` (its python3 holds JAX with CUDA). `make gpu-check-dry-run` runs the bench's command on
+# a small geometry in interpret mode, on any machine (the tests run it too).
+GPU_WHEELS := gguf==0.19.0 PuLP==3.3.2
 GPU_SITE := /tmp/pjinfer-gpu-site
+GPU_OUT ?= out/gpu-check
 gpu-wheels: setup
 	rm -rf .whl && $(PY) -m pip download --quiet --no-deps --only-binary=:all: -d .whl $(GPU_WHEELS)
 gpu-check:
 	@test -n "$$(ls .whl/*.whl 2>/dev/null)" || { echo "make gpu-check: no wheels in .whl (run make gpu-wheels here, and carry .whl)"; exit 2; }
 	$(PY) -m pip install --quiet --no-index --no-deps --no-compile --target $(GPU_SITE) .whl/*.whl
 	PYTHONPATH=$(GPU_SITE) $(PY) -c "import jax, sys; jax.default_backend() == 'gpu' or sys.exit('make gpu-check: JAX sees no GPU here (' + jax.default_backend() + ')')"
-	PYTHONPATH=$(GPU_SITE) $(PY) -m pytest -q -p no:cacheprovider tests/test_pallas_kernels.py \
+	PYTHONPATH=$(GPU_SITE) $(PY) -m pytest -q -p no:cacheprovider tests/test_pallas_kernels.py tests/test_pallas_q4.py \
 		tests/test_pallas_thresholds.py -m "gpu and not real_model" -k "not which_rule"
-	PYTHONPATH=$(GPU_SITE) $(PY) -m pallas_kernels.bench --shapes 7b --calls 200 --pairs 5
+	mkdir -p $(GPU_OUT)
+	PYTHONPATH=$(GPU_SITE) $(PY) -m pjinfer.measure.bench_hybrid --geometry 7b --out $(GPU_OUT)/hybrid.md
+	PYTHONPATH=$(GPU_SITE) $(PY) -m pallas_kernels.bench --shapes 7b --calls 100 --pairs 3 | tee $(GPU_OUT)/kernels.txt
+gpu-check-dry-run: setup
+	$(PY) -m pjinfer.measure.bench_hybrid --dry-run --tokens 4 --pairs 1 --out $(GPU_OUT)/hybrid-dry-run.md
 
 comma := ,
 space := $(subst ,, )

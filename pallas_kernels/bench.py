@@ -6,6 +6,8 @@ on any machine, to check the command, never to time it.
   threshold leaves, in increasing order), against ``jnp.dot(x, w_t)`` over every row: the product the XLA
   threshold path runs (pjinfer.runtime.gathered.masked_product).
 - hot_ffn: a share of the FFN's neurons active, against the dense gate, up and down products.
+- q4_hot_ffn (Q4_0 planes, ReGLU) likewise against the dense products through q4_matvec; q4_matvec's Pallas kernel
+  against its XLA form.
 
 Each case first checks the kernel against a float64 reference, then runs ``--pairs`` pairs, kernel and dense
 alternated, each side timed as ``--calls`` calls inside one jitted loop (no Python dispatch per call). Reported:
@@ -27,7 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from cpu_offload.blocks import Q4_0
 from pallas_kernels import gather, gather_matvec, hot_ffn
+from pallas_kernels.q4_rows import dequantize, planes_from_blocks, q4_hot_ffn, q4_matvec
 
 SHAPES = {  # name -> (d, d_ff, q/k/v outputs): Llama-2-7B's layer, SmolLM2-135M's
     "7b": (4096, 11008, 3 * 4096),
@@ -104,6 +108,7 @@ def main(argv=None) -> None:
     ap.add_argument("--calls", type=int, default=50, help="back-to-back calls per timing (default: 50)")
     ap.add_argument("--interpret", action="store_true", help="interpret mode (any machine; checks, not timings)")
     ap.add_argument("--sweep", action="store_true", help="gather_matvec's block sizes and splits, then the cases")
+    ap.add_argument("--sweep-q4", action="store_true", help="only q4_hot_ffn's and q4_matvec's block sizes")
     args = ap.parse_args(argv)
     if args.pairs < 1 or args.calls < 1:
         ap.error("--pairs and --calls must be at least 1")
@@ -117,10 +122,13 @@ def main(argv=None) -> None:
     print(f"copy rate (a * 2, read + written): {copy_rate(args.calls) / 1e9:.0f} GB/s")
     rng = np.random.default_rng(0)
     matrices = {"qkv": (d, n_qkv), "o": (d, d), "gate+up": (d, 2 * f), "down": (f, d)}
+    if args.sweep_q4:
+        return sweep_q4(d, f, rng, args)
     if args.sweep:
         sweep(matrices, rng, args)
-    with tqdm(total=len(matrices) * len(MATVEC_SHARES) + len(FFN_SHARES), desc="cases", unit="case") as bar:
-        lines = matvec_cases(matrices, rng, args, bar) + ffn_cases(d, f, rng, args, bar)
+    with tqdm(total=len(matrices) * len(MATVEC_SHARES) + 2 * len(FFN_SHARES) + 1, desc="cases", unit="case") as bar:
+        lines = matvec_cases(matrices, rng, args, bar) + ffn_cases(d, f, rng, args, bar) + \
+            q4_cases(d, f, rng, args, bar)
     print("matrix  active kernel us  dense us   dense/kernel (range)  kernel GB/s  dense GB/s")
     print("\n".join(lines))
 
@@ -171,6 +179,46 @@ def ffn_cases(d, f, rng, args, bar) -> list[str]:
     return lines
 
 
+def q4_planes(rng, rows: int, cols: int):
+    """Random Q4_0 weights as q4_rows' planes (uniform nibbles, scales about 1/sqrt(cols)): (device planes, float64)."""
+    blocks = np.frombuffer(rng.bytes(rows * cols // 32 * 18), np.uint8).reshape(rows, cols // 32, 18).copy()
+    blocks[..., :2] = (rng.uniform(0.5, 1.5, (rows, cols // 32, 1)) / 8 / np.sqrt(cols)).astype(np.float16).view(
+        np.uint8)
+    p = planes_from_blocks(blocks.reshape(rows, -1), Q4_0)
+    return jax.device_put(p), dequantize(p)
+
+
+def q4_cases(d, f, rng, args, bar) -> list[str]:
+    """Q4_0 planes: q4_hot_ffn (ReGLU) at each of FFN_SHARES against the dense gate, up and down through q4_matvec
+    (XLA's); then q4_matvec's Pallas kernel against XLA's on the gate's rows. Weight bytes: 0.625 a weight."""
+    kernel = jax.jit(lambda x, g, u, dn, ids, c: q4_hot_ffn(x, g, u, dn, ids, c, activation="reglu",
+                                                            interpret=args.interpret))
+    xla = lambda x, w: q4_matvec(x, w, impl="xla", interpret=args.interpret)
+    dense = jax.jit(lambda x, g, u, dn: xla(jax.nn.relu(xla(x, g)) * xla(x, u), dn))
+    (g, g64), (u, u64), (dn_t, dn_t64) = (q4_planes(rng, f, d) for _ in range(3))
+    dn, _ = q4_planes(rng, d, f)
+    x = rng.standard_normal(d, dtype=np.float32)
+    x_d = jnp.asarray(x)
+    row_bytes = d // 2 + 4 * (d // 32)
+    lines = []
+    for share in FFN_SHARES:
+        ids, count = active_ids(rng, f, share)
+        ids_d, c_d = jnp.asarray(ids), jnp.int32(count)
+        rows = ids[:count]
+        gate, up = g64[rows] @ x, u64[rows] @ x
+        want = (np.maximum(gate, 0) * up) @ dn_t64[rows]
+        check(kernel(x_d, g, u, dn_t, ids_d, c_d), want, 1e-4 * np.abs(want).max(), "q4_hot_ffn")
+        tk, td, ratios = pairs(kernel, dense, (x_d, g, u, dn_t, ids_d, c_d), (x_d, g, u, dn), args.pairs, args.calls)
+        lines.append(row("q4 ffn", share, 3 * count * row_bytes, 3 * f * row_bytes, tk, td, ratios))
+        bar.update()
+    pallas = jax.jit(lambda x, w: q4_matvec(x, w, impl="pallas", interpret=args.interpret))
+    check(pallas(x_d, g), g64 @ x, 1e-4 * np.abs(g64 @ x).max(), "q4_matvec")
+    tk, td, ratios = pairs(pallas, jax.jit(xla), (x_d, g), (x_d, g), args.pairs, args.calls)
+    lines.append(row("q4 gemv", 1.0, f * row_bytes, f * row_bytes, tk, td, ratios) + "  (kernel: Pallas, dense: XLA)")
+    bar.update()
+    return lines
+
+
 SWEEP = {"block_k": (16, 32, 64), "block_d": (128, 256), "n_split": (1, 4, 16, 64)}
 
 
@@ -198,6 +246,36 @@ def sweep(matrices, rng, args) -> None:
         print(f"{name:8s} default (32, {bd0}, {ns0}) {1e6 * default:7.1f} us; fastest {best} "
               f"{1e6 * times[best]:7.1f} us = {4 * int(count) * n_out / times[best] / 1e9:.0f} GB/s")
         print("    " + "  ".join(f"{k}:{1e6 * t:.0f}" for k, t in sorted(times.items())))
+
+
+SWEEP_Q4 = {"block_k": (16, 32, 64), "block_d": (128, 256, 512), "n_split": (None, 16, 64)}
+SWEEP_Q4_GEMV = {"block_r": (16, 32, 64), "block_d": (128, 256, 512)}
+
+
+def sweep_q4(d, f, rng, args) -> None:
+    """q4_hot_ffn (ReGLU, half the neurons active) over SWEEP_Q4, and q4_matvec's Pallas kernel on the gate's rows
+    over SWEEP_Q4_GEMV: us per call (median of three looped timings) and the weight bytes read per second."""
+    (g, _), (u, _), (dn_t, _) = (q4_planes(rng, f, d) for _ in range(3))
+    x = jnp.asarray(rng.standard_normal(d, dtype=np.float32))
+    ids, count = active_ids(rng, f, 0.5)
+    ids, count = jnp.asarray(ids), jnp.int32(count)
+    row_bytes = d // 2 + 4 * (d // 32)
+    cases = [("q4_hot_ffn 50%", SWEEP_Q4, 3 * int(count) * row_bytes,
+              lambda kw: looped(lambda x, *a: q4_hot_ffn(x, *a, activation="reglu", interpret=args.interpret, **kw),
+                                args.calls), (x, g, u, dn_t, ids, count)),
+             ("q4_matvec", SWEEP_Q4_GEMV, f * row_bytes,
+              lambda kw: looped(lambda x, w: q4_matvec(x, w, interpret=args.interpret, **kw), args.calls), (x, g))]
+    for name, grid, nbytes, make, fargs in cases:
+        times = {}
+        for combo in tqdm(list(itertools.product(*grid.values())), desc=name, unit="config", leave=False):
+            kw = {k: v for k, v in zip(grid, combo) if v is not None}
+            fn = make(kw)
+            fn(*fargs).block_until_ready()
+            times[combo] = np.median([timed(fn, fargs, args.calls) for _ in range(3)])
+        best = min(times, key=times.get)
+        print(f"{name}: {dict(zip(grid, best))} fastest, {1e6 * times[best]:.1f} us = "
+              f"{nbytes / times[best] / 1e9:.0f} GB/s")
+        print("    " + "  ".join(f"{k}:{1e6 * t:.0f}" for k, t in sorted(times.items(), key=lambda kv: kv[1])))
 
 
 if __name__ == "__main__":

@@ -414,6 +414,8 @@ def test_bench_command_checks_and_times_every_case(capsys):
         with pytest.raises(SystemExit, match="compiled kernels need a GPU and JAX here runs on cpu"):
             bench.main(["--shapes", "smollm2"])
     bench.main(["--shapes", "smollm2", "--pairs", "1", "--calls", "1", "--interpret"])
-    rows = [line.split()[:2] for line in capsys.readouterr().out.splitlines() if "x (" in line]
+    rows = [r[:3] if r[0] == "q4" else r[:2]
+            for r in (line.split() for line in capsys.readouterr().out.splitlines() if "x (" in line)]
     want = [[name, f"{share:.0%}"] for name in ("qkv", "o", "gate+up", "down") for share in bench.MATVEC_SHARES]
-    assert rows == want + [["ffn", f"{share:.0%}"] for share in bench.FFN_SHARES]
+    want += [["ffn", f"{share:.0%}"] for share in bench.FFN_SHARES]
+    assert rows == want + [["q4", "ffn", f"{share:.0%}"] for share in bench.FFN_SHARES] + [["q4", "gemv", "100%"]]
