@@ -30,6 +30,7 @@ from .cold_handler import (H_ACT, H_D, H_ID, H_MAGIC, H_NLAYERS, H_RUNTIME, H_TA
                            T_GATE, T_NCOLD, T_SCALES, T_UP, T_WIDTH, TARGET_NAME, cold_ffn_locked, register, retire)
 from .contract import COLD_WEIGHTS, ConfigError
 from .ffi import RUNTIME_ADDR as _RUNTIME_ADDR
+from .host_call import BRIDGES, on_host
 from .kernels import act_code as _act_code
 
 _HEADERS: list[np.ndarray] = []  # every header ever made; never freed (executables may hold their address)
@@ -53,14 +54,19 @@ class ColdFFN:
       cold_ids: optional per-layer int arrays: the dense neuron id of each cold row (kept for cold_position).
       weights: "float32" keeps the rows as given; "int8" stores them as int8 with a float32 scale per block of
         64 (int8.quantize): 17/64 of the bytes to read.
+      bridge: "ffi" calls the FFI target from the step (JAX on the CPU); "callback" goes through
+        host_call.on_host (any platform; the same results bit for bit).
     """
 
     def __init__(self, w_up: Sequence[np.ndarray], w_down_t: Sequence[np.ndarray],
                  w_gate: Sequence[np.ndarray] | None = None, b_up: Sequence[np.ndarray] | None = None, *,
                  activation: str = "swiglu", cold_ids: Sequence[np.ndarray] | None = None,
-                 weights: str = "float32"):
+                 weights: str = "float32", bridge: str = "ffi"):
         if weights not in COLD_WEIGHTS:
             raise ConfigError(f"weights must be one of {COLD_WEIGHTS}, got {weights!r}")
+        if bridge not in BRIDGES:
+            raise ConfigError(f"bridge must be one of {BRIDGES}, got {bridge!r}")
+        self.bridge = bridge
         code = _act_code(activation)           # a ConfigError for an unknown name
         gated = ACTIVATIONS[activation].gated
         n_layers = len(w_up)
@@ -128,14 +134,14 @@ class ColdFFN:
 
     @classmethod
     def from_dense(cls, w_up, w_down_t, cold_ids, w_gate=None, b_up=None, *, activation="swiglu",
-                   weights="float32") -> "ColdFFN":
+                   weights="float32", bridge="ffi") -> "ColdFFN":
         """Compact the cold rows out of dense per-layer weights: cold row j of layer l = dense row cold_ids[l][j]."""
         pick = lambda ws, l: None if ws is None else np.ascontiguousarray(np.asarray(ws[l])[cold_ids[l]], np.float32)
         n = len(w_up)
         return cls([pick(w_up, l) for l in range(n)], [pick(w_down_t, l) for l in range(n)],
                    None if w_gate is None else [pick(w_gate, l) for l in range(n)],
                    None if b_up is None else [pick(b_up, l) for l in range(n)],
-                   activation=activation, cold_ids=[np.asarray(c) for c in cold_ids], weights=weights)
+                   activation=activation, cold_ids=[np.asarray(c) for c in cold_ids], weights=weights, bridge=bridge)
 
     def cold_position(self, layer: int, d_ff: int | None = None) -> np.ndarray:
         """int32 [d_ff]: compacted cold row of each dense neuron of a layer, -1 where the neuron is not cold."""
@@ -170,13 +176,20 @@ class ColdFFN:
             raise ConfigError(f"count must have shape {batch}, got {count.shape}")
         if layer.shape not in ((), batch):
             raise ConfigError(f"layer must be a scalar or have shape {batch}, got {layer.shape}")
+        args = (layer, x, ids, count)
+        if out_init is not None:
+            out_init = jnp.asarray(out_init, jnp.float32)
+            if out_init.shape != x.shape:
+                raise ConfigError(f"out_init must have shape {x.shape}, got {out_init.shape}")
+            args += (out_init,)
+        return (self._call if self.bridge == "ffi" else on_host(self._call))(*args)
+
+    def _call(self, layer, x, ids, count, out_init=None):
+        """The FFI call of __call__, its arguments checked."""
         result = jax.ShapeDtypeStruct(x.shape, jnp.float32)
         if out_init is None:
             call = jax.ffi.ffi_call(TARGET_NAME, result, vmap_method="broadcast_all")
             return call(layer, x, ids, count, table=np.int64(self.table))
-        out_init = jnp.asarray(out_init, jnp.float32)
-        if out_init.shape != x.shape:
-            raise ConfigError(f"out_init must have shape {x.shape}, got {out_init.shape}")
         call = jax.ffi.ffi_call(TARGET_NAME, result, vmap_method="broadcast_all", input_output_aliases={4: 0})
         return call(layer, x, ids, count, out_init, table=np.int64(self.table))
 
@@ -192,8 +205,13 @@ class ColdFFN:
             raise ConfigError(f"x must be [N, {self.d}], got {x.shape}")
         if mask.shape != (x.shape[0], self.n_cold[int(layer)]):
             raise ConfigError(f"mask must be [{x.shape[0]}, {self.n_cold[int(layer)]}], got {mask.shape}")
+        layer = jnp.asarray(layer, jnp.int32)
+        return (self._masked if self.bridge == "ffi" else on_host(self._masked))(layer, x, mask)
+
+    def _masked(self, layer, x, mask):
+        """The FFI call of masked, its arguments checked."""
         call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct(x.shape, jnp.float32))
-        return call(jnp.asarray(layer, jnp.int32), x, mask, table=np.int64(self.table))
+        return call(layer, x, mask, table=np.int64(self.table))
 
     def numpy_call(self, layer: int, x, ids, count, out=None, max_threads=None) -> np.ndarray:
         """The same computation called directly from Python (under the bridge lock), for tests and tools."""

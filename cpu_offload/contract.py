@@ -17,3 +17,7 @@ THRESHOLD_INPUTS = ("attn_in", "o_in", "ffn_in", "down_in")
 
 # How a predictor bundle's cold rows are stored in host memory (cpu_offload.bridge).
 COLD_WEIGHTS = ("float32", "int8")
+
+# How a jitted step reaches the host kernels (cpu_offload.host_call): XLA FFI targets called directly (JAX on the
+# CPU), or the same targets through jax.pure_callback (any platform).
+BRIDGES = ("ffi", "callback")

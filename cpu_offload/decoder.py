@@ -25,6 +25,7 @@ from .contract import ConfigError
 from . import ffi, int8, kernels, tables, team
 from .blocks import FORMATS, INT8
 from .ffi import RUNTIME_ADDR
+from .host_call import BRIDGES, on_host
 from .host_decode import (F_BLOCKS, F_INT8, H_ACT, H_D, H_EPS, H_FF, H_FORMAT, H_HD, H_HEAD, H_HEAD_KIND, H_HEAD_SCALES,
                           H_HEADS, H_INV_FREQ, H_KV, H_MAGIC, H_MAXLEN, H_NLAYERS, H_RUNTIME, H_SCRATCH, H_STAGE,
                           H_TABLE, H_TASK, H_TEAM, H_VOCAB, H_WIDTH, L_ATTN_NORM, L_FFN_NORM, L_QKV_BIAS, L_WIDTH,
@@ -98,14 +99,20 @@ class HostDecoder:
     config: pjinfer.runtime.model's ModelConfig. weights: canonical float32 weights, or what quantize_weights returns
     (the matrices then read in place: numpy arrays, or jax CPU arrays through zero-copy views, kept alive here).
     fmt: how the weights are stored, a key of blocks.FORMATS: its row names the block types the layer matrices
-    and the output head are kept in (any other head: int8, as the GGUF keeps it at 8 bits too, Q8_0)."""
+    and the output head are kept in (any other head: int8, as the GGUF keeps it at 8 bits too, Q8_0).
+    bridge: "ffi" calls the FFI target from the step (JAX on the CPU); "callback" goes through host_call.on_host
+    (any platform, the same results bit for bit; layer()'s caches then travel to the host and back each call)."""
 
     target = TARGET_NAME    # the FFI target layer() and head() call (a subclass with its own handler names its own)
     # What a subclass that keeps host_decode's header and layer table (and adds its own slots) changes: the layer
     # matrices stored in the table, the header's width and magic, the team's stage function and the handler.
     matrices, header_width, magic, stage, handler = MATRICES, H_WIDTH, MAGIC, stage_cfunc, handler_cfunc
+    bridge = "ffi"   # a subclass with its own constructor calls the target directly
 
-    def __init__(self, config, weights: dict, fmt: str = "int8"):
+    def __init__(self, config, weights: dict, fmt: str = "int8", bridge: str = "ffi"):
+        if bridge not in BRIDGES:
+            raise ConfigError(f"bridge must be one of {BRIDGES}, got {bridge!r}")
+        self.bridge = bridge
         c = config
         weights = quantize_weights(config, weights, fmt, matrices=self.matrices)
         self.config = c
@@ -185,15 +192,23 @@ class HostDecoder:
             raise ConfigError(f"x must hold one token's {self.config.d_model} features, got shape {x.shape}")
         if k_cache.dtype != jnp.float16 or v_cache.dtype != jnp.float16:
             raise ConfigError(f"host decode caches must be float16, got {k_cache.dtype} and {v_cache.dtype}")
+        args = (jnp.int32(layer), jnp.asarray(pos, jnp.int32), x.astype(jnp.float32), k_cache, v_cache)
+        return (self._layer_call if self.bridge == "ffi" else on_host(self._layer_call))(*args)
+
+    def _layer_call(self, layer, pos, x, k_cache, v_cache):
+        """The FFI call of layer(), its arguments checked."""
         result = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, jnp.float16),
                   jax.ShapeDtypeStruct(v_cache.shape, jnp.float16))
         call = jax.ffi.ffi_call(self.target, result, input_output_aliases={3: 1, 4: 2})
-        return call(jnp.int32(layer), jnp.asarray(pos, jnp.int32), x.astype(jnp.float32), k_cache, v_cache,
-                    table=np.int64(self.table))
+        return call(layer, pos, x, k_cache, v_cache, table=np.int64(self.table))
 
     def head(self, hidden):
         """hidden [d] -> logits [vocab] from the output head."""
         if hidden.shape != (self.config.d_model,):
             raise ConfigError(f"hidden must be [{self.config.d_model}], got {hidden.shape}")
+        return (self._head_call if self.bridge == "ffi" else on_host(self._head_call))(hidden.astype(jnp.float32))
+
+    def _head_call(self, hidden):
+        """The FFI call of head(), its argument checked."""
         call = jax.ffi.ffi_call(self.target, jax.ShapeDtypeStruct((self.config.vocab_size,), jnp.float32))
-        return call(hidden.astype(jnp.float32), table=np.int64(self.table))
+        return call(hidden, table=np.int64(self.table))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from cpu_offload.contract import COLD_WEIGHTS, THRESHOLD_INPUTS, ConfigError  # noqa: F401  (shared with the kernels)
+from cpu_offload.contract import BRIDGES, COLD_WEIGHTS, THRESHOLD_INPUTS, ConfigError  # noqa: F401  (shared with the kernels)
 
 ARCHITECTURES = ("llama", "opt")
 # Gated FFNs compute act(gate) * up (drelu: relu(gate) * relu(up)); "relu" is OPT's plain fc1 + ReLU.

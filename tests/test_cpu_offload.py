@@ -492,3 +492,4 @@ def test_concurrent_calls_from_threads():
     for t in threads:
         t.join()
     assert not errors, errors
+

@@ -219,6 +219,31 @@ def test_host_decode_equals_xla_on_the_same_values(activation, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "q4_1"])
+def test_callback_bridge_decodes_as_the_ffi_bridge_bit_for_bit(fmt):
+    """The host decode through host_call.on_host (forced on the CPU), against the FFI target called directly, on the
+    same weights: every step's logits and the final caches are the same bits (layers and head through the bridge,
+    the caches travelling to the host and back)."""
+    from pjinfer.runtime import host as pjinfer_host
+    from pjinfer.runtime.model import Transformer
+
+    config = tiny_config(activation="reglu", d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=192)
+    weights = random_weights(config, seed=int(np.random.default_rng().integers(1 << 30)))
+    models = []
+    for bridge in ("ffi", "callback"):
+        host = decoder.HostDecoder(config, weights, fmt, bridge=bridge)
+        model = Transformer(config, host.dequantized(weights))
+        pjinfer_host.attach(model, host)
+        models.append(model)
+    tokens = np.random.default_rng().integers(0, config.vocab_size, 6)
+    (want, want_cache), (got, got_cache) = (_decode(m, tokens, 8) for m in models)
+    np.testing.assert_array_equal(got, want)
+    for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="bridge must be one of"):
+        decoder.HostDecoder(config, weights, fmt, bridge="auto")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q4_1"])
 def test_last_cache_slot_and_positions_past_the_cache(fmt):
     config = tiny_config(d_model=64, n_heads=2, n_kv_heads=1, head_dim=32, d_ff=128)
     model, reference, host = _models(config, fmt=fmt)

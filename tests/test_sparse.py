@@ -178,17 +178,37 @@ def test_bad_placement_and_backend():
     check_platform("cpu", "a placement with cold neurons", "a threshold bundle")     # runs
 
 
-def test_cold_neurons_are_refused_where_jax_runs_on_a_gpu(monkeypatch):
+def test_cold_neurons_go_through_the_callback_where_jax_runs_on_a_gpu(monkeypatch):
     """The host bridge's FFI target is registered for the CPU: a step compiled for a GPU has no handler (a device
-    check found the raw "No FFI handler registered for pjinfer_cold_ffn on a platform CUDA"). sparsify refuses a
-    placement with cold neurons there in one line; an all-hot placement never calls the bridge and runs."""
+    check found the raw "No FFI handler registered for pjinfer_cold_ffn on a platform CUDA"). There sparsify's
+    "auto" bridge is the callback (cpu_offload.host_call); "ffi" is refused in one line; an all-hot placement never
+    calls the bridge and runs whatever was asked."""
     import jax
 
     config = tiny_config()
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    with pytest.raises(ConfigError, match="a placement with cold neurons runs on the host .* JAX here runs on gpu"):
-        sparsify(Transformer(config, random_weights(config)), placements(config)["mixed"], None)
-    sparsify(Transformer(config, random_weights(config)), np.ones((config.n_layers, config.d_ff), bool), None)
+    with pytest.raises(ConfigError, match="--bridge ffi calls the host's FFI targets.* JAX here runs on gpu"):
+        sparsify(Transformer(config, random_weights(config)), placements(config)["mixed"], None, bridge="ffi")
+    assert sparsify(Transformer(config, random_weights(config)), placements(config)["mixed"], None).bridge == "callback"
+    sparsify(Transformer(config, random_weights(config)), np.ones((config.n_layers, config.d_ff), bool), None,
+             bridge="ffi")
+
+
+@pytest.mark.parametrize("arch,activation", [("llama", "reglu"), ("opt", "relu")])
+def test_the_callback_bridge_decodes_and_scores_as_the_ffi_bridge(arch, activation):
+    """--bridge callback forced on the CPU: the same decode steps and sequence logits, bit for bit, as the FFI
+    target called from the step, with predictors skipping about half the neurons."""
+    config = tiny_config(arch, activation)
+    weights = random_weights(config, seed=int(np.random.default_rng().integers(1 << 30)))
+    models = []
+    for bridge in ("ffi", "callback"):
+        model = Transformer(config, weights)
+        predictors = [Predictor(config.d_model, config.d_ff, 8, rngs=nnx.Rngs(l)) for l in range(config.n_layers)]
+        assert sparsify(model, placements(config, seed=3)["mixed"], predictors, bridge=bridge).bridge == bridge
+        models.append(model)
+    tokens = np.random.default_rng().integers(0, config.vocab_size, 5)
+    np.testing.assert_array_equal(decode_steps(models[1], tokens)[0], decode_steps(models[0], tokens)[0])
+    np.testing.assert_array_equal(logits(models[1], tokens), logits(models[0], tokens))
 
 
 def test_bad_bundles_are_clear_errors(engine, tmp_path, capsys):
@@ -334,3 +354,40 @@ def test_real_model_pallas_interpret_decode_step(engine, small_bundle):
     scale = np.abs(out["xla"]).max()
     np.testing.assert_allclose(out["pallas-interpret"], out["xla"], rtol=1e-3, atol=5e-3 * scale)
     assert (np.abs(out["pallas-interpret"] - out["xla"]) > 1e-3 * scale).mean() < 1e-3
+
+
+def test_command_line_bridge_runs_a_predictor_bundle_either_way(tmp_path, capsys, monkeypatch):
+    """A tiny GGUF and a predictor bundle with a mixed placement: `generate --bridge callback` gives the tokens
+    `--bridge ffi` gives; a bridge without a bundle, or ffi where JAX runs on a GPU, is one line before loading."""
+    import json
+
+    from pjinfer.load import loader
+    from pjinfer.load.bundle import Bundle, model_record
+    from pjinfer.load.powerinfer import predictor_state
+    from tests.support.cli import assert_clean_error, run_cli
+    from tests.support.gguf_files import write_tiny_gguf
+
+    config = tiny_config(activation="reglu", tie_embeddings=True)
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, config, random_weights(config, seed=31))
+    loaded, _, _ = loader.load(path)
+    rng = np.random.default_rng(32)
+    bundle = Bundle.create(tmp_path / "b", model=model_record(loaded, path))
+    bundle.save_stage("predictors", {str(l): predictor_state(rng.standard_normal((4, config.d_model)).astype(np.float32),
+                                                             rng.standard_normal((config.d_ff, 4)).astype(np.float32),
+                                                             0.0) for l in range(config.n_layers)},
+                      {"ranks": [4] * config.n_layers})
+    bundle.save_stage("placement", {"hot": placements(config, seed=4)["mixed"]}, {})
+    generate = ("generate", "--model", str(path), "--prompt", "the the", "--max-new-tokens", "5", "--json")
+    ids = {}
+    for bridge in ("ffi", "callback"):
+        code, text, err = run_cli(capsys, *generate, "--bundle", str(bundle.path), "--bridge", bridge)
+        assert code == 0, err
+        result = json.loads(text)
+        assert result["sparse"] is True and len(result["token_ids"]) == 5
+        ids[bridge] = result["token_ids"]
+    assert ids["callback"] == ids["ffi"]
+    assert_clean_error(run_cli(capsys, *generate, "--bridge", "callback"), "--bridge callback applies to a sparse bundle")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert_clean_error(run_cli(capsys, *generate, "--bundle", str(bundle.path), "--bridge", "ffi"),
+                       "--bridge ffi calls the host's FFI targets, registered for the CPU, and JAX here runs on gpu")

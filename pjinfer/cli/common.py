@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from pjinfer.arguments import positive_int
-from pjinfer.config import COLD_WEIGHTS, HOT_BACKENDS, SPARSE_RULES, WEIGHT_CHOICES, ConfigError
+from pjinfer.config import BRIDGES, COLD_WEIGHTS, HOT_BACKENDS, SPARSE_RULES, WEIGHT_CHOICES, ConfigError
 
 
 def port(text: str) -> int:
@@ -39,6 +39,10 @@ def sparse_options(p):
                    "xla (CPU default), compiled Pallas kernels (GPU), Pallas interpret mode")
     p.add_argument("--cold-weights", default="float32", choices=COLD_WEIGHTS,
                    help="cold rows in host memory as float32, or int8 with a scale per block of 64 (17/64 the bytes)")
+    p.add_argument("--bridge", default="auto", choices=("auto", *BRIDGES),
+                   help="predictors: how the step reaches the cold rows' host kernels. ffi: XLA FFI targets (JAX on "
+                   "the CPU); callback: jax.pure_callback (any platform, the same numbers); auto (default): ffi on "
+                   "the CPU, else callback")
 
 
 def weight_options(p, many=False):
@@ -102,7 +106,7 @@ def say(*parts):
 
 def plan(args, bundle=None, weights=None):
     """How the model of --model runs (pjinfer.runtime.backends.resolve): --weights (or `weights`), and with
-    `bundle` its rule and --sparse-rule, --hot-backend, --cold-weights. Every setting, the bundle (made for this
+    `bundle` its rule and --sparse-rule, --hot-backend, --cold-weights, --bridge. Every setting, the bundle (made for this
     model, holding the stages its rule reads) and the platform are checked here, before any weight is read.
     Subcommands without --weights run float32."""
     from pjinfer.runtime import backends
@@ -110,7 +114,8 @@ def plan(args, bundle=None, weights=None):
     return backends.resolve(backends.Request(
         args.model, weights=weights or getattr(args, "weights", "float32"), bundle=bundle,
         sparse_rule=getattr(args, "sparse_rule", "auto"), hot_backend=getattr(args, "hot_backend", "xla"),
-        cold_weights=getattr(args, "cold_weights", "float32"), dense=getattr(args, "dense", False),
+        cold_weights=getattr(args, "cold_weights", "float32"), bridge=getattr(args, "bridge", "auto"),
+        dense=getattr(args, "dense", False),
         parallel=getattr(args, "parallel", False)))
 
 

@@ -38,6 +38,7 @@ import jax
 from cpu_offload.blocks import BY_NAME
 from cpu_offload.decoder import HostDecoder, quantize_weights
 from cpu_offload.ffi import check_platform
+from cpu_offload.host_call import bridge_for
 from cpu_offload.qtensor import is_quantized
 from cpu_offload.sparse_decode import SparseHostDecoder
 from pjinfer.config import (COLD_WEIGHTS, HOT_BACKENDS, SPARSE_RULES, WEIGHT_CHOICES, WEIGHT_FORMATS,
@@ -167,13 +168,14 @@ def check_bundle_stages(bundle, rule: str) -> None:
 @dataclasses.dataclass(frozen=True)
 class Request:
     """What a user asked for (the CLI's --model, --weights, --bundle, --sparse-rule, --hot-backend,
-    --cold-weights). model None: the embedded default model."""
+    --cold-weights, --bridge). model None: the embedded default model."""
     model: str | os.PathLike | None = None
     weights: str = "auto"
     bundle: str | os.PathLike | None = None
     sparse_rule: str = "auto"
     hot_backend: str = "xla"
     cold_weights: str = "float32"
+    bridge: str = "auto"   # how a predictor bundle's step reaches its cold rows (cpu_offload.host_call.bridge_for)
     dense: bool = False   # a PowerInfer file without its predictors (--dense)
     parallel: bool = False   # split over the processes jax.distributed joined (tensor_parallel.Processes)
 
@@ -205,7 +207,7 @@ def resolve(request: Request) -> Plan:
     rule = None
     if r.bundle is None:
         for flag, value, default in (("--sparse-rule", r.sparse_rule, "auto"), ("--hot-backend", r.hot_backend, "xla"),
-                                     ("--cold-weights", r.cold_weights, "float32")):
+                                     ("--cold-weights", r.cold_weights, "float32"), ("--bridge", r.bridge, "auto")):
             if value != default:
                 raise ConfigError(f"{flag} {value} applies to a sparse bundle; give --bundle DIR")
     else:
@@ -218,6 +220,7 @@ def resolve(request: Request) -> Plan:
         rule = bundle_rule(r.bundle, r.sparse_rule)
         if r.weights != "auto":   # the settings before the stages: what cannot run says so first
             select(r.weights, rule, r.hot_backend, r.cold_weights)
+        bridge_for(r.bridge, jax.default_backend())
         check_bundle_stages(r.bundle, rule)
     neuron_rows, has_predictors = file_layout(r.model)
     if r.dense and not neuron_rows:

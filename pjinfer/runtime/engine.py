@@ -66,14 +66,15 @@ class Engine:
 
     @classmethod
     def load(cls, path=None, *, bundle=None, hot_backend: str = "xla", cold_weights: str = "float32",
-             weights: str = "auto", sparse_rule: str = "auto", dense: bool = False, progress=None,
+             bridge: str = "auto", weights: str = "auto", sparse_rule: str = "auto", dense: bool = False, progress=None,
              compile_cache: bool = True, parallel: bool = False) -> "Engine":
         """The model at `path` (default: the embedded SmolLM2-135M), ready to generate: the plan
         pjinfer.runtime.backends.resolve makes of these settings (from_plan). dense: a PowerInfer file computes
         every neuron (by default its own predictors pick them). parallel: split over the processes
         jax.distributed joined (pjinfer.runtime.tensor_parallel.Processes.start)."""
         request = backends.Request(path, weights=weights, bundle=bundle, sparse_rule=sparse_rule,
-                                   hot_backend=hot_backend, cold_weights=cold_weights, dense=dense, parallel=parallel)
+                                   hot_backend=hot_backend, cold_weights=cold_weights, bridge=bridge, dense=dense,
+                                   parallel=parallel)
         return cls.from_plan(backends.resolve(request), progress=progress, compile_cache=compile_cache)
 
     @classmethod
@@ -113,19 +114,19 @@ class Engine:
         if bundle is not None:
             engine.bundle = bundle
         elif plan.rule == backends.PREDICTORS and r.bundle is not None:
-            engine.use_bundle(r.bundle, hot_backend=r.hot_backend, cold_weights=r.cold_weights)
+            engine.use_bundle(r.bundle, hot_backend=r.hot_backend, cold_weights=r.cold_weights, bridge=r.bridge)
         engine.load_seconds = time.perf_counter() - start
         return engine
 
-    def use_bundle(self, path, *, hot_backend: str = "xla", cold_weights: str = "float32") -> None:
+    def use_bundle(self, path, *, hot_backend: str = "xla", cold_weights: str = "float32", bridge: str = "auto") -> None:
         """Run sparse from now on: the bundle's predictors pick active neurons, its placement splits
-        them into hot (accelerator) and cold (host memory, Numba) rows."""
+        them into hot (accelerator) and cold (host memory, Numba) rows, reached through `bridge`."""
         backend = backends.select(self.weights_format, backends.PREDICTORS, hot_backend, cold_weights)
         bundle = Bundle.open(path, source=self.source)
         predictors = bundle.predictors(self.config)
         hot = bundle.placement(self.config)
         model = nnx.merge(self.graphdef, self.state)
-        sparse.sparsify(model, hot, predictors, hot_backend=hot_backend, cold_weights=cold_weights)
+        sparse.sparsify(model, hot, predictors, hot_backend=hot_backend, cold_weights=cold_weights, bridge=bridge)
         self.graphdef, self.state = nnx.split(model)
         self.bundle, self.backend, self.hot_backend = bundle, backend, hot_backend
 

@@ -6,7 +6,8 @@ Per token and layer:
                          (compiled on a GPU; on a CPU-only machine XLA runs the same gather-and-reduce,
                          or the Pallas kernel in interpret mode when asked, for testing)
     active & cold     -> cold rows in host memory, computed by Numba threads (cpu_offload.ColdFFN,
-                         an XLA FFI call inside the same jitted step)
+                         an XLA FFI call inside the same jitted step; where JAX runs on a GPU, the same call
+                         through jax.pure_callback: cpu_offload.host_call)
     merged            -> hot part + cold part (+ the down bias) on the accelerator
 
 Every token is computed this way, prompt tokens included, so prefill, decode and scoring share one
@@ -28,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from cpu_offload.bridge import ColdFFN
-from cpu_offload.ffi import check_platform
+from cpu_offload.host_call import bridge_for
 from pjinfer.config import HOT_BACKENDS, ConfigError
 from pjinfer.runtime.gathered import PALLAS_BACKENDS, pallas_interpret
 from pjinfer.runtime.model import FFN, Transformer, neurons, value
@@ -114,19 +115,20 @@ class SparseFFN(nnx.Module):
 
 
 def sparsify(model: Transformer, hot: np.ndarray, predictors: list | None, *, hot_backend: str = "xla",
-             oracle: bool = False, cold_weights: str = "float32") -> ColdFFN:
+             oracle: bool = False, cold_weights: str = "float32", bridge: str = "auto") -> ColdFFN:
     """Swap every layer's FFN for a SparseFFN in place. hot: bool [L, F] placement. predictors: one per
     layer, or None for every-neuron-active; oracle=True uses each layer's exact activity instead.
     cold_weights: "float32", or "int8" (cold rows quantized per block of 64, dequantized inside the Numba kernels).
+    bridge: how the step reaches the cold rows' kernels (cpu_offload.host_call.bridge_for: "auto" is the FFI target
+    where JAX runs on the CPU, a callback elsewhere; "ffi" elsewhere is refused in one line).
     Returns the ColdFFN holding the cold rows in host memory (the model keeps a reference)."""
     config = model.config
     if hot_backend in PALLAS_BACKENDS:
         pallas_interpret(hot_backend)   # "pallas" needs a GPU: one clear error here, not a failed compile later
     if hot.shape != (config.n_layers, config.d_ff):
         raise ConfigError(f"placement shape {hot.shape} does not match the model ({config.n_layers}, {config.d_ff})")
-    if not hot.all():
-        check_platform(jax.default_backend(), "a placement with cold neurons",
-                       "a threshold bundle with --hot-backend pallas keeps every weight on the accelerator")
+    # An all-hot placement never calls the bridge: it runs on any platform whatever was asked.
+    bridge = bridge_for(bridge, jax.default_backend()) if not hot.all() else "ffi"
     host = lambda p: None if p is None else np.asarray(p[...])
     ffns = [layer.ffn for layer in model.layers]
     cold = ColdFFN.from_dense(
@@ -134,7 +136,7 @@ def sparsify(model: Transformer, hot: np.ndarray, predictors: list | None, *, ho
         w_gate=[host(f.w_gate) for f in ffns] if config.gated else None,
         b_up=None if ffns[0].b_up is None else [host(f.b_up) for f in ffns],
         cold_ids=[np.flatnonzero(~hot[l]) for l in range(config.n_layers)], activation=config.activation,
-        weights=cold_weights)
+        weights=cold_weights, bridge=bridge)
     for l, layer in enumerate(model.layers):
         predictor = layer.ffn if oracle else (None if predictors is None else predictors[l])
         layer.ffn = SparseFFN(layer.ffn, layer=l, hot=hot[l], predictor=predictor, cold=cold,
