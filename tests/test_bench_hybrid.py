@@ -10,6 +10,7 @@ import pytest
 from pjinfer.measure import bench_hybrid
 from pjinfer.measure.hybrid_engines import (GEOMETRIES, Hybrid, LayerSplit, RandomModel, device_attention, draw,
                                             firing_probabilities, id_lists, planes, table_index)
+from tests.conftest import INTERPRET
 
 pytestmark = pytest.mark.gpu   # the Pallas kernels run compiled where JAX has a GPU, interpret mode elsewhere
 
@@ -58,10 +59,10 @@ def test_every_engine_computes_the_same_model(tiny):
 
     def hybrid(hot, trace):
         return Hybrid(model, hot, trace, max_len, attn, embed, head, predictor_rank=4, threads=2,
-                      interpret=True).run(steps)
+                      interpret=INTERPRET).run(steps)
 
-    dense = LayerSplit(model, g.layers, max_len, attn, embed, head, interpret=True).run(steps)
-    split = LayerSplit(model, 1, max_len, attn, embed, head, interpret=True).run(steps)
+    dense = LayerSplit(model, g.layers, max_len, attn, embed, head, interpret=INTERPRET).run(steps)
+    split = LayerSplit(model, 1, max_len, attn, embed, head, interpret=INTERPRET).run(steps)
     scale = np.abs(dense).max()
     assert np.isfinite(dense).all() and scale > 0
     np.testing.assert_allclose(split, dense, rtol=0, atol=2e-3 * scale)

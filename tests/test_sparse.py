@@ -391,3 +391,35 @@ def test_command_line_bridge_runs_a_predictor_bundle_either_way(tmp_path, capsys
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert_clean_error(run_cli(capsys, *generate, "--bundle", str(bundle.path), "--bridge", "ffi"),
                        "--bridge ffi calls the host's FFI targets, registered for the CPU, and JAX here runs on gpu")
+
+
+def test_the_placement_is_honoured_in_memory():
+    """An ILP placement within a budget: the hot rows are device arrays of exactly the hot neurons, the cold rows
+    live only in host memory (numpy arrays of exactly the cold neurons, held by the ColdFFN), and the model's
+    device arrays are the dense model's minus its FFN rows plus the hot rows, which fit the ILP's budget."""
+    from pjinfer.offline.policy import Hardware, solve
+
+    config = tiny_config(activation="reglu")
+    model = Transformer(config, random_weights(config, seed=41))
+    L, F, d = config.n_layers, config.d_ff, config.d_model
+    neuron_bytes = 4 * 3 * d
+    budget = neuron_bytes * (L * F // 3)
+    # No synchronisation term: this tiny model's neurons would never pay for one.
+    placement = solve(np.random.default_rng(42).random((L, F)), neuron_bytes, budget, batch=8,
+                      hardware=Hardware(sync_seconds=0.0))
+    assert 0 < placement.hot.sum() < L * F
+    cold = sparsify(model, placement.hot, predictors=None)
+    device = jax.devices()[0]
+    hot_bytes = 0
+    for l, layer in enumerate(model.layers):
+        n_hot = int(placement.hot[l].sum())
+        for p in (layer.ffn.w_gate, layer.ffn.w_up, layer.ffn.w_down_t):
+            a = p[...]
+            assert isinstance(a, jax.Array) and a.shape == (n_hot, d)
+            assert a.devices() == {device} and a.sharding.memory_kind == device.default_memory().kind
+            hot_bytes += a.nbytes
+        for rows in (cold.w_gate[l], cold.w_up[l], cold.w_down_t[l]):
+            assert type(rows) is np.ndarray and rows.shape == (F - n_hot, d)
+    assert hot_bytes == placement.bytes_used <= budget
+    floats = [a for a in jax.tree_util.tree_leaves(nnx.state(model)) if jnp.issubdtype(a.dtype, jnp.floating)]
+    assert sum(a.nbytes for a in floats) == 4 * config.n_params - L * F * neuron_bytes + hot_bytes
