@@ -30,7 +30,7 @@ from .cold_handler import (H_ACT, H_D, H_ID, H_MAGIC, H_NLAYERS, H_RUNTIME, H_TA
                            T_GATE, T_NCOLD, T_SCALES, T_UP, T_WIDTH, TARGET_NAME, cold_ffn_locked, register, retire)
 from .contract import COLD_WEIGHTS, ConfigError
 from .ffi import RUNTIME_ADDR as _RUNTIME_ADDR
-from .host_call import BRIDGES, on_host
+from .host_call import check_bridge, through
 from .kernels import act_code as _act_code
 
 _HEADERS: list[np.ndarray] = []  # every header ever made; never freed (executables may hold their address)
@@ -64,9 +64,7 @@ class ColdFFN:
                  weights: str = "float32", bridge: str = "ffi"):
         if weights not in COLD_WEIGHTS:
             raise ConfigError(f"weights must be one of {COLD_WEIGHTS}, got {weights!r}")
-        if bridge not in BRIDGES:
-            raise ConfigError(f"bridge must be one of {BRIDGES}, got {bridge!r}")
-        self.bridge = bridge
+        self.bridge = check_bridge(bridge)
         code = _act_code(activation)           # a ConfigError for an unknown name
         gated = ACTIVATIONS[activation].gated
         n_layers = len(w_up)
@@ -182,7 +180,7 @@ class ColdFFN:
             if out_init.shape != x.shape:
                 raise ConfigError(f"out_init must have shape {x.shape}, got {out_init.shape}")
             args += (out_init,)
-        return (self._call if self.bridge == "ffi" else on_host(self._call))(*args)
+        return through(self.bridge, self._call)(*args)
 
     def _call(self, layer, x, ids, count, out_init=None):
         """The FFI call of __call__, its arguments checked."""
@@ -206,7 +204,7 @@ class ColdFFN:
         if mask.shape != (x.shape[0], self.n_cold[int(layer)]):
             raise ConfigError(f"mask must be [{x.shape[0]}, {self.n_cold[int(layer)]}], got {mask.shape}")
         layer = jnp.asarray(layer, jnp.int32)
-        return (self._masked if self.bridge == "ffi" else on_host(self._masked))(layer, x, mask)
+        return through(self.bridge, self._masked)(layer, x, mask)
 
     def _masked(self, layer, x, mask):
         """The FFI call of masked, its arguments checked."""

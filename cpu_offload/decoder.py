@@ -25,7 +25,7 @@ from .contract import ConfigError
 from . import ffi, int8, kernels, tables, team
 from .blocks import FORMATS, INT8
 from .ffi import RUNTIME_ADDR
-from .host_call import BRIDGES, on_host
+from .host_call import check_bridge, through
 from .host_decode import (F_BLOCKS, F_INT8, H_ACT, H_D, H_EPS, H_FF, H_FORMAT, H_HD, H_HEAD, H_HEAD_KIND, H_HEAD_SCALES,
                           H_HEADS, H_INV_FREQ, H_KV, H_MAGIC, H_MAXLEN, H_NLAYERS, H_RUNTIME, H_SCRATCH, H_STAGE,
                           H_TABLE, H_TASK, H_TEAM, H_VOCAB, H_WIDTH, L_ATTN_NORM, L_FFN_NORM, L_QKV_BIAS, L_WIDTH,
@@ -110,9 +110,7 @@ class HostDecoder:
     bridge = "ffi"   # a subclass with its own constructor calls the target directly
 
     def __init__(self, config, weights: dict, fmt: str = "int8", bridge: str = "ffi"):
-        if bridge not in BRIDGES:
-            raise ConfigError(f"bridge must be one of {BRIDGES}, got {bridge!r}")
-        self.bridge = bridge
+        self.bridge = check_bridge(bridge)
         c = config
         weights = quantize_weights(config, weights, fmt, matrices=self.matrices)
         self.config = c
@@ -193,7 +191,7 @@ class HostDecoder:
         if k_cache.dtype != jnp.float16 or v_cache.dtype != jnp.float16:
             raise ConfigError(f"host decode caches must be float16, got {k_cache.dtype} and {v_cache.dtype}")
         args = (jnp.int32(layer), jnp.asarray(pos, jnp.int32), x.astype(jnp.float32), k_cache, v_cache)
-        return (self._layer_call if self.bridge == "ffi" else on_host(self._layer_call))(*args)
+        return through(self.bridge, self._layer_call)(*args)
 
     def _layer_call(self, layer, pos, x, k_cache, v_cache):
         """The FFI call of layer(), its arguments checked."""
@@ -206,7 +204,7 @@ class HostDecoder:
         """hidden [d] -> logits [vocab] from the output head."""
         if hidden.shape != (self.config.d_model,):
             raise ConfigError(f"hidden must be [{self.config.d_model}], got {hidden.shape}")
-        return (self._head_call if self.bridge == "ffi" else on_host(self._head_call))(hidden.astype(jnp.float32))
+        return through(self.bridge, self._head_call)(hidden.astype(jnp.float32))
 
     def _head_call(self, hidden):
         """The FFI call of head(), its argument checked."""

@@ -40,6 +40,18 @@ def bridge_for(asked: str, platform: str) -> str:
     return asked
 
 
+def check_bridge(bridge: str) -> str:
+    """bridge, when it is one of BRIDGES; else a ConfigError in one line."""
+    if bridge not in BRIDGES:
+        raise ConfigError(f"bridge must be one of {BRIDGES}, got {bridge!r}")
+    return bridge
+
+
+def through(bridge: str, fn):
+    """fn as a step calls it over `bridge`: fn itself ("ffi"), or on_host(fn) ("callback")."""
+    return fn if bridge == "ffi" else on_host(fn)
+
+
 def on_host(fn):
     """fn (a function of arrays, returning an array or a tuple of them) made callable inside jit on any platform,
     computed on the CPU device (module docstring). The result's shapes are fn's under jax.eval_shape. Batched by
