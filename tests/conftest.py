@@ -87,6 +87,15 @@ def q4_dot_tolerance(blocks: np.ndarray, cols: int, x: np.ndarray) -> np.ndarray
     return (cols // 32 + 8) * 2.0 ** -23 * (np.abs(x) @ w.T) + 1e-30
 
 
+def jitted(model, f):
+    """f(model, *args) compiled once as one jit (eager JAX compiles every operation apart): call it with args."""
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    step = jax.jit(lambda state, *args: f(nnx.merge(graphdef, state), *args))
+    return lambda *args: step(state, *args)
+
+
 def random_weights(config: ModelConfig, seed: int = 0) -> dict:
     """Canonical weights (see pjinfer/runtime/model.py) drawn at a scale that keeps activations O(1)."""
     rng = np.random.default_rng(seed)

@@ -188,7 +188,8 @@ def _decode(model, tokens, cache_len):
 
     graphdef, state = nnx.split(model)
     step = jax.jit(lambda s, t, p, c: nnx.merge(graphdef, s).decode(t, p, c), donate_argnums=(3,))
-    cache = KVCache.create(model.config, 1, cache_len)
+    # Committed as the steps' outputs are: an uncommitted first cache is another signature, a second compile.
+    cache = jax.device_put(KVCache.create(model.config, 1, cache_len), jax.devices()[0])
     out = []
     for pos, token in enumerate(tokens):
         logits, cache = step(state, jnp.int32(token), jnp.int32(pos), cache)

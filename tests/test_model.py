@@ -10,14 +10,18 @@ from pjinfer.runtime.compile_cache import CompileStats
 from pjinfer.runtime.engine import Engine
 from pjinfer.runtime.model import KVCache, Transformer
 from pjinfer.runtime.sampling import Sampling
-from tests.conftest import random_weights, tiny_config
+from tests.conftest import jitted, random_weights, tiny_config
 
 FAMILIES = [("llama", "swiglu"), ("llama", "geglu"), ("llama", "reglu"), ("llama", "drelu"), ("opt", "relu")]
 
 
+def _logits(model, ids, pos, cache):
+    hidden, cache = model(ids, pos, cache)
+    return model.logits(hidden[0]), cache
+
+
 def full_logits(model, ids):
-    hidden, _ = model(jnp.asarray(ids)[None], 0, KVCache.create(model.config, 1, len(ids)))
-    return np.asarray(model.logits(hidden[0]))
+    return np.asarray(jitted(model, _logits)(jnp.asarray(ids)[None], 0, KVCache.create(model.config, 1, len(ids)))[0])
 
 
 @pytest.mark.slow
@@ -29,12 +33,12 @@ def test_cached_decode_matches_full_forward(arch, activation):
     model = Transformer(config, random_weights(config, seed=1))
     ids = np.random.default_rng(2).integers(0, config.vocab_size, 11)
     expected = full_logits(model, ids)
-    cache = KVCache.create(config, 1, 32)
-    hidden, cache = model(jnp.asarray(ids[:5])[None], 0, cache)
-    got = [np.asarray(model.logits(hidden[0]))]
+    step = jitted(model, _logits)
+    logits, cache = step(jnp.asarray(ids[:5])[None], 0, KVCache.create(config, 1, 32))
+    got = [np.asarray(logits)]
     for pos in range(5, 11):
-        hidden, cache = model(jnp.asarray(ids[pos:pos + 1])[None], pos, cache)
-        got.append(np.asarray(model.logits(hidden[0])))
+        logits, cache = step(jnp.asarray(ids[pos:pos + 1])[None], jnp.int32(pos), cache)
+        got.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(got), expected, rtol=1e-4, atol=1e-4)
 
 

@@ -18,7 +18,7 @@ from pjinfer.runtime import host
 from pjinfer.runtime.model import KVCache, Transformer, embedding_rows
 from pjinfer.runtime.predicted import PredictedFFN, attach_powerinfer
 from pjinfer.runtime.sampling import Sampling, recent_ids
-from tests.conftest import random_weights, tiny_config
+from tests.conftest import jitted, random_weights, tiny_config
 from tests.support.gguf_files import write_spm_vocab, write_tiny_gguf
 from tests.support.powerinfer_files import powerinfer_predictors, write_powerinfer
 
@@ -60,12 +60,6 @@ def xla_step(model, token, pos, cache):
         ks.append(k)
         vs.append(v)
     return model.logits(model.final_norm(x)[0, 0]), KVCache(k=ks, v=vs), jnp.stack(sets)
-
-
-def jitted(model, f):
-    graphdef, state = nnx.split(model)
-    step = jax.jit(lambda state, *args: f(nnx.merge(graphdef, state), *args))
-    return lambda *args: step(state, *args)
 
 
 # Two cases in the unit tier (make test-fast); the others, 8-9 s each, with the slow ones (make test runs all).

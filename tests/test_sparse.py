@@ -12,7 +12,7 @@ from pjinfer.config import ConfigError
 from pjinfer.runtime.engine import Engine
 from pjinfer.runtime.model import KVCache, Transformer
 from pjinfer.runtime.sparse import SparseFFN, sparsify
-from tests.conftest import int8_values, random_weights, tiny_config
+from tests.conftest import int8_values, jitted, random_weights, tiny_config
 from train.predictor import Predictor
 
 FAMILIES = [("llama", "swiglu"), ("llama", "geglu"), ("llama", "reglu"), ("llama", "drelu"), ("opt", "relu")]
@@ -281,7 +281,8 @@ def test_sparse_layers_equal_the_masked_model_on_the_same_inputs(sparse_engine, 
     assert all(isinstance(layer.ffn, SparseFFN) for layer in model.layers)
     hot = np.asarray(sparse_engine.bundle.load_stage("placement")["hot"])
     assert 0.2 < hot.mean() < 0.45 and hot.any(axis=1).all() and (~hot).any(axis=1).all()  # both paths run
-    _, inputs = model.forward_sequence(jnp.asarray([wiki_window], jnp.int32), capture=True)
+    capture = jitted(model, lambda m, tokens: m.forward_sequence(tokens, capture=True))
+    _, inputs = capture(jnp.asarray([wiki_window], jnp.int32))
     for l, (layer, ref_layer, x) in enumerate(zip(model.layers, reference.layers, inputs)):
         x = x.reshape(-1, x.shape[-1])
         want = np.asarray(ref_layer.ffn(x))
@@ -327,7 +328,8 @@ def test_sparse_greedy_generate_follows_the_masked_model(sparse_engine, masked_r
     got = sparse_engine.generate(prompt, max_new_tokens=8, stop_ids=[])
     assert len(got) == 8
     reference = nnx.merge(masked_reference.graphdef, masked_reference.state)
-    logits = np.asarray(reference.logits(reference.forward_sequence(jnp.asarray([prompt + got]))[0]))
+    score = jitted(reference, lambda m, tokens: m.logits(m.forward_sequence(tokens)[0]))
+    logits = np.asarray(score(jnp.asarray([prompt + got])))
     logits = logits[len(prompt) - 1:-1]
     picked, best = logits[np.arange(8), got], logits.max(-1)
     rank = (logits > picked[:, None]).sum(-1)
