@@ -7,7 +7,7 @@ LLAMA_VOCAB := $(VENV)/share/llama-vocab
 LLAMA_CPP_PYTHON := 0.3.36
 export NUMBA_THREADING_LAYER ?= workqueue
 
-.PHONY: setup run run-tp bench-tp test test-fast gpu-wheels gpu-check gpu-check-dry-run fuzz mutants bench peers bench-peer bench-powerinfer bench-quants bench-long bench-serve soak bench-scale bench-pallas perplexity bundle clean
+.PHONY: setup run run-tp bench-tp test test-fast test-profile gpu-wheels gpu-check gpu-check-dry-run fuzz mutants bench peers bench-peer bench-powerinfer bench-quants bench-long bench-serve soak bench-scale bench-pallas perplexity bundle clean
 
 # Idempotent: re-runs pip only when pyproject.toml changed.
 setup: $(STAMP) $(LLAMA_VOCAB)/.stamp
@@ -52,6 +52,11 @@ test: setup
 # The unit tier (tests/conftest.py): no real model, nothing slow; a few minutes on 2 cores.
 test-fast: setup
 	$(PY) -m pytest -q -m unit -n 2 --durations=10
+
+# The whole suite with tests/support/timing.py: each test's wall time, JAX compiles and Numba compiles, the longest
+# printed at the end and every row written to test-times.json (docs/performance.md, "Where make test's time goes").
+test-profile: setup
+	$(PY) -m pytest -q -p tests.support.timing
 
 # The hostile-GGUF fuzz test with many more cases than `make test` runs (FUZZ_EXAMPLES), fresh ones each run.
 FUZZ_EXAMPLES ?= 50000
