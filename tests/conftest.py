@@ -8,6 +8,7 @@ import tempfile
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from cpu_offload.blocks import INT8, Q4_1, TYPES
 from pjinfer.config import ModelConfig
@@ -89,11 +90,14 @@ def q4_dot_tolerance(blocks: np.ndarray, cols: int, x: np.ndarray) -> np.ndarray
 
 def jitted(model, f):
     """f(model, *args) compiled once as one jit (eager JAX compiles every operation apart): call it with args."""
-    from flax import nnx
-
     graphdef, state = nnx.split(model)
     step = jax.jit(lambda state, *args: f(nnx.merge(graphdef, state), *args))
     return lambda *args: step(state, *args)
+
+
+def jitted_logits(model):
+    """tokens [B, T] -> logits [B, T, vocab] of one jitted forward pass of the model (float32 attention, no cache)."""
+    return jitted(model, lambda m, tokens: m.logits(m.forward_sequence(tokens)))
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> dict:

@@ -19,7 +19,7 @@ from pjinfer.config import ConfigError, ModelConfig
 from pjinfer.load import loader
 from pjinfer.runtime.engine import Engine
 from pjinfer.runtime.model import Transformer
-from tests.conftest import jitted
+from tests.conftest import jitted_logits
 
 VOCAB, D, LAYERS, HEADS, KV_HEADS, FF, MAX_POS = 128, 64, 2, 4, 2, 96, 64
 HD = D // HEADS
@@ -136,8 +136,7 @@ def write_checkpoint(path, raw: dict, tensors: dict):
 
 def forward_logits(config: ModelConfig, weights: dict, ids) -> np.ndarray:
     """Full-vocab logits [T, vocab] of one sequence, from one forward pass (float32 attention, no cache)."""
-    forward = jitted(Transformer(config, weights), lambda m, ids: m.logits(m.forward_sequence(ids)))
-    return np.asarray(forward(jnp.asarray(ids, jnp.int32)[None]))[0]
+    return np.asarray(jitted_logits(Transformer(config, weights))(jnp.asarray(ids, jnp.int32)[None]))[0]
 
 
 def random_ids(seed: int) -> np.ndarray:

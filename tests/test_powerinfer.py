@@ -12,7 +12,7 @@ from pjinfer.load import loader
 from pjinfer.load.bundle import Bundle
 from pjinfer.load.gguf_file import GGUFFile
 from pjinfer.offline.powerinfer import run_import
-from tests.conftest import jitted, random_weights, tiny_config
+from tests.conftest import jitted_logits, random_weights, tiny_config
 from tests.support.gguf_files import write_tiny_gguf
 from tests.support.powerinfer_files import RANK, placement_tensors, powerinfer_predictors, write_gpu_index, write_powerinfer
 
@@ -122,8 +122,7 @@ def test_bundle_runs_the_sparse_engine_as_the_masked_dense_model(tmp_path, tiny)
     model, reference = nnx.merge(sparse.graphdef, sparse.state), nnx.merge(dense.graphdef, dense.state)
     assert all(isinstance(layer.ffn, SparseFFN) for layer in model.layers)
     f1, f2 = [w.astype(np.float32) for w in fc1], [w.astype(np.float32) for w in fc2]
-    forward = lambda m, tokens: m.logits(m.forward_sequence(tokens))   # noqa: E731
-    sparse_forward, dense_forward = jitted(model, forward), jitted(reference, forward)
+    sparse_forward, dense_forward = jitted_logits(model), jitted_logits(reference)
     for tokens in (jnp.asarray([[64]]), jnp.asarray([[5, 17, 42, 7, 99, 3]])):   # one token, and many
         got = sparse_forward(tokens)
         want, density = masked_reference(reference, f1, f2, tokens, 0.0)

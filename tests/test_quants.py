@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cpu_offload import blocks, quants
-from tests.conftest import jitted, random_weights, tiny_config
+from tests.conftest import jitted_logits, random_weights, tiny_config
 from tests.support.gguf_files import write_tiny_gguf
 
 jax = pytest.importorskip("jax")
@@ -189,7 +189,7 @@ def test_decode_step_in_the_files_own_blocks_equals_float32_on_gguf_values(tmp_p
     ids = jnp.asarray(tokens[None])
 
     def score(m):
-        return np.asarray(jitted(m, lambda m: m.logits(m.forward_sequence(ids)))())[0]
+        return np.asarray(jitted_logits(m)(ids))[0]
 
     np.testing.assert_allclose(score(Transformer(config, stored)), score(Transformer(config, values)),
                                rtol=1e-4, atol=1e-4 * np.abs(want).max())
