@@ -47,7 +47,7 @@ run-tp: setup
 		--max-new-tokens 48 & done; wait
 
 test: setup
-	$(PY) -m pytest -q --durations=20
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20
 
 # The unit tier (tests/conftest.py): no real model, nothing slow; a few minutes on 2 cores.
 test-fast: setup

@@ -26,12 +26,15 @@ def pytest_configure(config):
     """A private XDG_CACHE_HOME for the session: command-line tests run `pjinfer.cli.main` in this process, and
     the CLI turns on JAX's persistent compilation cache (pjinfer/runtime/compile_cache.py) for the rest of the process; this
     keeps those executables (and the CLI subprocesses') out of the user's ~/.cache and keeps one run's cache
-    from speeding up or otherwise affecting the next."""
+    from speeding up or otherwise affecting the next. Under pytest-xdist the workers inherit the controller's
+    directory, so an executable one worker compiled is read from disk by the other; the controller removes it."""
     global _CACHE_HOME
-    _CACHE_HOME = tempfile.mkdtemp(prefix="pjinfer-tests-cache-")
-    os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
     if ON_GPU:   # XLA's float32 products on a GPU default to TF32: the references compare in full float32
         jax.config.update("jax_default_matmul_precision", "highest")
+    if hasattr(config, "workerinput"):   # a pytest-xdist worker: the controller made the directory and owns it
+        return
+    _CACHE_HOME = tempfile.mkdtemp(prefix="pjinfer-tests-cache-")
+    os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
 
 
 # Test tiers (pytest markers, registered in pyproject.toml): `real_model` for tests that load the default model
