@@ -290,6 +290,45 @@ def test_a_busy_port_is_one_line_and_exit_2_before_loading(capsys):
     assert err == f"pjinfer: error: port {port} is in use\n" and time.monotonic() - start < 5
 
 
+def test_a_lost_process_is_named_to_the_job_decoding_the_job_waiting_and_a_later_request(q4_engine):
+    """A tensor-parallel server that loses a process (Scheduler._lost, called by the Watch or on a collective's
+    error) tells every job it will not finish which process stopped: the one decoding, the one still waiting for a
+    place, and a request that arrives after. (A waiting job once got a bare "the server is shutting down".)"""
+    import queue
+
+    from pjinfer.runtime.tensor_parallel import Lost
+    from pjinfer.serve.scheduler import Job, Scheduler, SchedulerClosed
+
+    line = "tensor parallel: process 1 of the 2 in this run stopped (Socket closed)"
+    scheduler = Scheduler(q4_engine, max_active=1, max_queue=2)
+    scheduler.stop = lambda: None          # the server's SIGTERM to itself: no server here
+    events = {name: queue.Queue() for name in ("decoding", "waiting")}
+    ids = q4_engine.tokenizer.encode("Once upon a time")
+    jobs = {name: Job(ids, 400, Sampling(), events[name].put, stop_ids=(), name=name) for name in events}
+    scheduler.submit(jobs["decoding"])
+    assert events["decoding"].get(timeout=120)[0] == "text"
+    scheduler.submit(jobs["waiting"])
+    assert scheduler.waiting == 1
+    assert scheduler._lost(Lost(line))
+    scheduler.join(timeout=60)
+    assert not scheduler._thread.is_alive()
+    told = {name: _drain(q) for name, q in events.items()}
+    want = ("error", f"the server is shutting down: {line}")
+    assert told == {"decoding": [want], "waiting": [want]}
+    with pytest.raises(SchedulerClosed, match="process 1 of the 2 in this run stopped"):
+        scheduler.submit(Job(ids, 4, Sampling(), lambda event: None))
+
+
+def _drain(events) -> list[tuple]:
+    """The events a job was sent after its text."""
+    out = []
+    while not events.empty():
+        event = events.get_nowait()
+        if event[0] != "text":
+            out.append(event)
+    return out
+
+
 def test_unset_sampling_fields_take_llama_server_defaults(served, q4_engine):
     """No temperature etc.: the text is what the engine samples with temperature 0.8, top-k 40, top-p 0.95 and
     min-p 0.05 under the same seed, and not what it samples with the bare Sampling (temperature 1, no filters)."""

@@ -112,7 +112,7 @@ class Scheduler:
         max_queue jobs already wait for one."""
         with self._arrived:
             if self._closing.is_set():
-                raise SchedulerClosed("the server is shutting down")
+                raise SchedulerClosed(self._closing_line())
             # The places free in the batch count too: jobs that wait only for the prefill running now to end
             # (a burst arriving at once) do not fill the queue.
             if len(self._waiting) >= self.max_queue + self.max_active - len(self._active):
@@ -222,7 +222,7 @@ class Scheduler:
         for entry in list(self._active):
             self._active.remove(entry)
             entry.job.finished = time.perf_counter()
-            entry.job.emit(("error", f"the server is shutting down: {line}"))
+            entry.job.emit(("error", self._closing_line()))
         self._end_all()
         self.stop()
         return True
@@ -274,4 +274,8 @@ class Scheduler:
         with self._arrived:
             waiting, self._waiting = list(self._waiting), collections.deque()
         for job in waiting:
-            job.emit(("error", "the server is shutting down"))
+            job.emit(("error", self._closing_line()))
+
+    def _closing_line(self) -> str:
+        """What a job that will not run is told: the line that ended a tensor-parallel server, where one did."""
+        return "the server is shutting down" + (f": {self.fatal}" if self.fatal else "")
