@@ -55,6 +55,7 @@ test-fast: setup
 
 # The whole suite with tests/support/timing.py: each test's wall time, JAX compiles and Numba compiles, the longest
 # printed at the end and every row written to test-times.json (docs/performance.md, "Where make test's time goes").
+# One process, not make test's two workers: the plugin keeps its rows in the process that runs the tests.
 test-profile: setup
 	$(PY) -m pytest -q -p tests.support.timing
 
