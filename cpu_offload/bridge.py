@@ -9,8 +9,9 @@
 and ids outside [0, n_cold(l)) are skipped, so a layer with no cold neuron returns zeros. ``layer`` may be traced;
 ``jax.vmap`` works. The masked form reads each row once for all N tokens.
 
-Each call is the XLA FFI target ``pjinfer_cold_ffn`` (handler: cpu_offload/cold_handler.py), whose one attribute is
-the index of this object's header in cpu_offload.tables; the weights are reached by address, never passed as operands. Keep the
+Each call is the XLA FFI target ``pjinfer_cold_ffn`` (``pjinfer_cold_ffn_int8`` for int8 rows; handlers:
+cpu_offload/cold_handler.py), whose one attribute is the index of this object's header in cpu_offload.tables; the
+weights are reached by address, never passed as operands. Keep the
 ColdFFN alive until every result computed from it is ready and do not mutate its arrays meanwhile; after
 ``close()`` an executable that still refers to it fails with "ColdFFN was closed" instead of reading freed memory
 (headers are never freed). The header, layer table and lifetime rules: cpu_offload/README.md.
@@ -26,8 +27,8 @@ import numpy as np
 
 from . import int8, kernels, tables
 from .activation import ACTIVATIONS
-from .cold_handler import (H_ACT, H_D, H_ID, H_MAGIC, H_NLAYERS, H_RUNTIME, H_TABLE, MAGIC_ALIVE, T_BIAS, T_DOWN,
-                           T_GATE, T_NCOLD, T_SCALES, T_UP, T_WIDTH, TARGET_NAME, cold_ffn_locked, register, retire)
+from .cold_handler import (H_ACT, H_D, H_ID, H_INT8, H_MAGIC, H_NLAYERS, H_RUNTIME, H_TABLE, MAGIC_ALIVE, T_BIAS,
+                           T_DOWN, T_GATE, T_NCOLD, T_SCALES, T_UP, T_WIDTH, cold_ffn_locked, register, retire)
 from .contract import COLD_WEIGHTS, ConfigError
 from .ffi import RUNTIME_ADDR as _RUNTIME_ADDR
 from .host_call import check_bridge, through
@@ -120,15 +121,15 @@ class ColdFFN:
         self.cold_ids = None if cold_ids is None else [np.asarray(c, np.int64) for c in cold_ids]
         self._table = table
         header = np.zeros(8, np.int64)
-        header[[H_NLAYERS, H_D, H_ACT, H_TABLE, H_RUNTIME, H_ID]] = [
-            n_layers, d, code, table.ctypes.data, _RUNTIME_ADDR, next(_ids)]
+        header[[H_NLAYERS, H_D, H_ACT, H_TABLE, H_RUNTIME, H_ID, H_INT8]] = [
+            n_layers, d, code, table.ctypes.data, _RUNTIME_ADDR, next(_ids), int(weights == "int8")]
         header[H_MAGIC] = MAGIC_ALIVE
         _HEADERS.append(header)
         self._header = header
         self.address = int(header.ctypes.data)
         self.table = tables.register_table(self.address)  # the value of the "table" attribute (cpu_offload.tables)
         self.closed = False
-        register()
+        self.target = register(int8_rows=weights == "int8")   # the FFI target's name
 
     @classmethod
     def from_dense(cls, w_up, w_down_t, cold_ids, w_gate=None, b_up=None, *, activation="swiglu",
@@ -186,9 +187,9 @@ class ColdFFN:
         """The FFI call of __call__, its arguments checked."""
         result = jax.ShapeDtypeStruct(x.shape, jnp.float32)
         if out_init is None:
-            call = jax.ffi.ffi_call(TARGET_NAME, result, vmap_method="broadcast_all")
+            call = jax.ffi.ffi_call(self.target, result, vmap_method="broadcast_all")
             return call(layer, x, ids, count, table=np.int64(self.table))
-        call = jax.ffi.ffi_call(TARGET_NAME, result, vmap_method="broadcast_all", input_output_aliases={4: 0})
+        call = jax.ffi.ffi_call(self.target, result, vmap_method="broadcast_all", input_output_aliases={4: 0})
         return call(layer, x, ids, count, out_init, table=np.int64(self.table))
 
     def masked(self, layer, x, mask):
@@ -208,7 +209,7 @@ class ColdFFN:
 
     def _masked(self, layer, x, mask):
         """The FFI call of masked, its arguments checked."""
-        call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct(x.shape, jnp.float32))
+        call = jax.ffi.ffi_call(self.target, jax.ShapeDtypeStruct(x.shape, jnp.float32))
         return call(layer, x, mask, table=np.int64(self.table))
 
     def numpy_call(self, layer: int, x, ids, count, out=None, max_threads=None) -> np.ndarray:

@@ -1,12 +1,15 @@
-"""The FFI handler behind cpu_offload.bridge.ColdFFN: the XLA FFI target ``pjinfer_cold_ffn``, a Numba cfunc.
+"""The FFI handlers behind cpu_offload.bridge.ColdFFN: the XLA FFI targets ``pjinfer_cold_ffn`` (float32 rows) and
+``pjinfer_cold_ffn_int8`` (int8 rows), Numba cfuncs. Each is compiled with its own row type's kernels only and
+loaded when the first ColdFFN of that type is built (``register``), so a process compiles what it runs.
 
 Operands: layer int32 [] or [...], x float32 [..., d], ids int32 [..., K], count int32 [...], and optionally the
 result's storage aliased to it; or (the masked form) layer int32 [], x float32 [N, d], mask bool [N, n_cold]. One
 float32 result shaped like x. One attribute, ``table``: the address of a ColdFFN header (int64[8]: magic,
-n_layers, d, activation code, layer table address, runtime block address, instance id); the layer table holds,
-per layer, the cold row count and the addresses of w_gate, w_up, w_down_t, b_up and the int8 scales (0 where
-absent; non-zero scales mean int8 rows). Every violation (counts, dtypes, shapes, layer range, a closed or foreign
-header) returns an XLA_FFI_Error naming it. Executions hold the process-wide lock of cpu_offload.ffi.
+n_layers, d, activation code, layer table address, runtime block address, instance id, 1 for int8 rows else 0);
+the layer table holds, per layer, the cold row count and the addresses of w_gate, w_up, w_down_t, b_up and the
+int8 scales (0 where absent). Every violation (counts, dtypes, shapes, layer range, a closed or foreign header, a
+header of the other row type) returns an XLA_FFI_Error naming it. Executions hold the process-wide lock of
+cpu_offload.ffi.
 """
 from __future__ import annotations
 
@@ -26,13 +29,13 @@ from numba import carray, njit  # noqa: E402
 
 from .cfuncs import HANDLER, DeferredCFunc  # noqa: E402
 
-TARGET_NAME = "pjinfer_cold_ffn"
+TARGETS = {False: "pjinfer_cold_ffn", True: "pjinfer_cold_ffn_int8"}   # by int8 rows
 
 
 # Header and layer table slots (int64 words).
 MAGIC_ALIVE = 0x706A636F6C64_0001  # "pjcold" + 1
 MAGIC_DEAD = 0x706A636F6C64_DEAD
-H_MAGIC, H_NLAYERS, H_D, H_ACT, H_TABLE, H_RUNTIME, H_ID = range(7)
+H_MAGIC, H_NLAYERS, H_D, H_ACT, H_TABLE, H_RUNTIME, H_ID, H_INT8 = range(8)
 T_NCOLD, T_GATE, T_UP, T_DOWN, T_BIAS, T_SCALES = range(6)
 T_WIDTH = 8
 
@@ -69,31 +72,35 @@ def _rows_i8(c, d, gate_p, up_p, down_p):
             carray(ptr_i8(up_p), (c, d)), carray(ptr_i8(down_p), (c, d)))
 
 
+# From here on, `int8` is None in the float32 rows' handler and 1 in the int8 rows' one. Numba drops a branch on
+# `int8 is None` before it types the function, so each handler compiles its own row type's kernels only (a branch
+# on a value would compile both).
+
 @njit(**NOJIT)
-def _run_layer(header, layer, x, ids, count, out, nt):
+def _run_layer(header, layer, x, ids, count, out, nt, int8):
     c, gate_p, up_p, down_p, bias_p, scales_p = _layer_table(header, layer)
     d = x.shape[0]
     b_up, scales = _extras(c, d, up_p, bias_p, scales_p)
     code = load_i64(header + 8 * H_ACT)
-    if scales_p != 0:  # int8 rows
-        w_gate, w_up, w_down_t = _rows_i8(c, d, gate_p, up_p, down_p)
+    if int8 is None:
+        w_gate, w_up, w_down_t = _rows_f32(c, d, gate_p, up_p, down_p)
         kernels.cold_ffn_nt(x, w_gate, w_up, w_down_t, b_up, scales, ids, count, code, out, nt)
     else:
-        w_gate, w_up, w_down_t = _rows_f32(c, d, gate_p, up_p, down_p)
+        w_gate, w_up, w_down_t = _rows_i8(c, d, gate_p, up_p, down_p)
         kernels.cold_ffn_nt(x, w_gate, w_up, w_down_t, b_up, scales, ids, count, code, out, nt)
 
 
 @njit(**NOJIT)
-def _run_layer_masked(header, layer, xs, mask, outs, nt):
+def _run_layer_masked(header, layer, xs, mask, outs, nt, int8):
     c, gate_p, up_p, down_p, bias_p, scales_p = _layer_table(header, layer)
     d = xs.shape[1]
     b_up, scales = _extras(c, d, up_p, bias_p, scales_p)
     code = load_i64(header + 8 * H_ACT)
-    if scales_p != 0:  # int8 rows
-        w_gate, w_up, w_down_t = _rows_i8(c, d, gate_p, up_p, down_p)
+    if int8 is None:
+        w_gate, w_up, w_down_t = _rows_f32(c, d, gate_p, up_p, down_p)
         kernels.cold_ffn_masked_nt(xs, w_gate, w_up, w_down_t, b_up, scales, mask, code, outs, nt)
     else:
-        w_gate, w_up, w_down_t = _rows_f32(c, d, gate_p, up_p, down_p)
+        w_gate, w_up, w_down_t = _rows_i8(c, d, gate_p, up_p, down_p)
         kernels.cold_ffn_masked_nt(xs, w_gate, w_up, w_down_t, b_up, scales, mask, code, outs, nt)
 
 
@@ -112,7 +119,20 @@ def _header_error(api, header):
 
 
 @njit(**NOJIT)
-def _execute(frame, api):
+def _rows_error(api, header, int8):
+    """An XLA_FFI_Error* when the ColdFFN's rows are not this handler's type, else 0."""
+    if int8 is None:
+        if load_i64(header + 8 * H_INT8) != 0:
+            return make_error(api, ERRC_INVALID_ARGUMENT,
+                               cstr("pjinfer_cold_ffn: this ColdFFN's rows are int8: call pjinfer_cold_ffn_int8"))
+    elif load_i64(header + 8 * H_INT8) != 1:
+        return make_error(api, ERRC_INVALID_ARGUMENT,
+                           cstr("pjinfer_cold_ffn_int8: this ColdFFN's rows are float32: call pjinfer_cold_ffn"))
+    return 0
+
+
+@njit(**NOJIT)
+def _execute(frame, api, int8):
     # Two call forms, one result f32 [..., d]:
     # - lists: layer i32 [] or [...], x f32 [..., d], ids i32 [..., K], count i32 [...], and optionally a 5th
     #   operand, the result's storage (input_output_aliases, see ColdFFN.__call__'s out_init; its content is
@@ -124,10 +144,12 @@ def _execute(frame, api):
                            cstr("pjinfer_cold_ffn: expected 3, 4 or 5 operands and 1 result"))
     header = tables.find_table(frame)
     err = _header_error(api, header)
+    if err == 0:
+        err = _rows_error(api, header, int8)
     if err != 0:
         return err
     if nargs == 3:
-        return _execute_masked(frame, api, header)
+        return _execute_masked(frame, api, header, int8)
     args = load_i64(frame + CF_ARGS)
     b_layer = load_i64(args)
     b_x = load_i64(args + 8)
@@ -170,14 +192,14 @@ def _execute(frame, api):
     nt = load_i64(runtime + 8 * R_THREADS)
     for b in range(nb):
         layer = layers[b] if n_layer == nb else layers[0]
-        _run_layer(header, layer, xs[b], idss[b], counts[b], outs[b], nt)
+        _run_layer(header, layer, xs[b], idss[b], counts[b], outs[b], nt, int8)
     store_i64(runtime + 8 * R_EXECUTES, load_i64(runtime + 8 * R_EXECUTES) + 1)
     unlock(runtime)
     return 0
 
 
 @njit(**NOJIT)
-def _execute_masked(frame, api, header):
+def _execute_masked(frame, api, header, int8):
     args = load_i64(frame + CF_ARGS)
     b_layer = load_i64(args)
     b_x = load_i64(args + 8)
@@ -208,7 +230,7 @@ def _execute_masked(frame, api, header):
     if load_i64(header + 8 * H_MAGIC) != MAGIC_ALIVE:
         unlock(runtime)
         return _header_error(api, header)
-    _run_layer_masked(header, layer, xs, mask, outs, load_i64(runtime + 8 * R_BATCH_THREADS))
+    _run_layer_masked(header, layer, xs, mask, outs, load_i64(runtime + 8 * R_BATCH_THREADS), int8)
     store_i64(runtime + 8 * R_EXECUTES, load_i64(runtime + 8 * R_EXECUTES) + 1)
     unlock(runtime)
     return 0
@@ -235,19 +257,37 @@ _RUNTIME[R_BATCH_THREADS] = (_default_threads() if os.environ.get("PJINFER_COLD_
                              else numba.config.NUMBA_NUM_THREADS)
 
 
+@njit(**NOJIT)
+def _execute_f32(frame, api):
+    return _execute(frame, api, None)
+
+
+@njit(**NOJIT)
+def _execute_int8(frame, api):
+    return _execute(frame, api, 1)
+
+
 def _handler_py(frame):
-    return ffi.serve(frame, _execute)
+    return ffi.serve(frame, _execute_f32)
+
+
+def _handler_int8_py(frame):
+    return ffi.serve(frame, _execute_int8)
 
 
 ffi.purge_stale_cache("cold_handler", activation, kernels, ffi, tables, vector_ir)
 
 # XLA_FFI_Error* handler(XLA_FFI_CallFrame*): pointers travel as pointer-sized integers (same registers on LP64).
 _handler = DeferredCFunc(HANDLER, _handler_py)
+_handler_int8 = DeferredCFunc(HANDLER, _handler_int8_py)
 
 
-def register() -> None:
-    """Register the FFI target with XLA (CPU platform) once per process; called by ColdFFN."""
-    ffi.register(TARGET_NAME, _handler)
+def register(int8_rows: bool) -> str:
+    """Register the FFI target of float32 or int8 rows with XLA (CPU platform) once per process, its handler
+    loaded or compiled then; returns the target's name. Called by ColdFFN."""
+    name = TARGETS[bool(int8_rows)]
+    ffi.register(name, _handler_int8 if int8_rows else _handler)
+    return name
 
 
 def set_num_threads(n: int) -> None:

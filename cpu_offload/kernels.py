@@ -330,7 +330,9 @@ def cold_ffn_masked_nt(xs, w_gate, w_up, w_down_t, b_up, scales, mask, act_code,
     rows = 3 if w_gate.shape[0] > 0 else 2
     nt = min(max_threads, nb)
     if nt <= 1 or nb * w_up.shape[0] * xs.shape[1] * rows < SERIAL_FLOATS:
-        _masked_range(xs, w_gate, w_up, w_down_t, b_up, scales, mask, act_code, outs, 0, nb)
+        # lo as an int64, not the literal 0: the parallel form's calls type it so, and a literal would make a second
+        # specialization of _masked_range, compiled apart
+        _masked_range(xs, w_gate, w_up, w_down_t, b_up, scales, mask, act_code, outs, np.int64(0), nb)
     else:
         _masked_parallel(xs, w_gate, w_up, w_down_t, b_up, scales, mask, act_code, outs, nt)
 

@@ -310,19 +310,20 @@ def test_a_new_process_loads_every_handler_from_numbas_cache():
 
     for m, names in ((host_decode, ("handler_cfunc", "stage_cfunc")), (sparse_decode, ("_handler", "_stage")),
                      (batched_decode, ("_handler", "_stage")), (predicted_decode, ("_handler", "_stage")),
-                     (cold_handler, ("_handler",))):
+                     (cold_handler, ("_handler", "_handler_int8"))):
         for name in names:
             getattr(m, name).made()
     code = """
 from cpu_offload import batched_decode, cold_handler, host_decode, predicted_decode, sparse_decode
 funcs = {"host_decode.handler_cfunc": host_decode.handler_cfunc, "host_decode.stage_cfunc": host_decode.stage_cfunc}
 for m in (sparse_decode, batched_decode, predicted_decode, cold_handler):
-    funcs.update({f"{m.__name__}.{n}": getattr(m, n) for n in ("_handler", "_stage") if hasattr(m, n)})
+    funcs.update({f"{m.__name__}.{n}": getattr(m, n) for n in ("_handler", "_handler_int8", "_stage")
+                  if hasattr(m, n)})
 print(sorted(name for name, f in funcs.items() if f.cache_hits != 1), len(funcs))
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split("\n")[-2] == "[] 9", result.stdout
+    assert result.stdout.split("\n")[-2] == "[] 10", result.stdout
 
 
 def test_each_decoders_handler_refuses_another_decoders_table_and_a_wrong_call_naming_itself():

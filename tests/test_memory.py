@@ -284,7 +284,8 @@ from pjinfer.runtime.engine import Engine
 
 funcs = {"host_decode.handler_cfunc": host_decode.handler_cfunc, "host_decode.stage_cfunc": host_decode.stage_cfunc}
 for m in (sparse_decode, batched_decode, predicted_decode, cold_handler):
-    funcs.update({f"{m.__name__}.{n}": getattr(m, n) for n in ("_handler", "_stage") if hasattr(m, n)})
+    funcs.update({f"{m.__name__}.{n}": getattr(m, n) for n in ("_handler", "_handler_int8", "_stage")
+                  if hasattr(m, n)})
 loaded = lambda: sorted(name for name, f in funcs.items() if f.loaded)
 at_import = loaded()
 engine = Engine.load(sys.argv[1], compile_cache=False)
@@ -304,4 +305,4 @@ def test_a_powerinfer_generate_loads_only_its_own_handlers(tmp_path):
                             timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == (
-        "[] ['cpu_offload.predicted_decode._handler', 'cpu_offload.predicted_decode._stage'] False 9"), result.stdout
+        "[] ['cpu_offload.predicted_decode._handler', 'cpu_offload.predicted_decode._stage'] False 10"), result.stdout
