@@ -1,9 +1,12 @@
 """Shared fixtures: the real default model (loaded once per session) and tiny random models."""
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -164,18 +167,30 @@ class SmallBundle:
         from pjinfer.load.bundle import Bundle
 
         self.path = path
-        self.lines = {"profile": [], "train": [], "solve": []}
-        stages.run_profile(engine, path, **self.PROFILE, out=self.lines["profile"].append)
-        stages.run_train(engine, path, **self.TRAIN, out=self.lines["train"].append)
-        stages.run_solve(engine, path, device_memory=policy.parse_bytes(self.DEVICE_MEMORY), kv_tokens=2048,
-                          batch=64, hardware=policy.Hardware(), out=self.lines["solve"].append)
+        built = path / "lines.json"   # written last: the bundle is whole
+        if built.exists():
+            self.lines = json.loads(built.read_text())
+        else:
+            self.lines = {"profile": [], "train": [], "solve": []}
+            stages.run_profile(engine, path, **self.PROFILE, out=self.lines["profile"].append)
+            stages.run_train(engine, path, **self.TRAIN, out=self.lines["train"].append)
+            stages.run_solve(engine, path, device_memory=policy.parse_bytes(self.DEVICE_MEMORY), kv_tokens=2048,
+                              batch=64, hardware=policy.Hardware(), out=self.lines["solve"].append)
+            built.write_text(json.dumps(self.lines))
         self.bundle = Bundle.open(path, source=engine.source)
 
 
 @pytest.fixture(scope="session")
 def small_bundle(engine, tmp_path_factory):
-    """The real model's SmallBundle, shared by the profile, offline and sparse tests."""
-    return SmallBundle(engine, tmp_path_factory.mktemp("small-bundle") / "b")
+    """The real model's SmallBundle, shared by the profile, offline, sparse and CLI tests. Under pytest-xdist it
+    is built once a run: the first worker to ask builds it in the run's shared directory (the controller's
+    XDG_CACHE_HOME, pytest_configure) while holding a lock, and the others wait for it and open it."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return SmallBundle(engine, tmp_path_factory.mktemp("small-bundle") / "b")
+    shared = Path(os.environ["XDG_CACHE_HOME"])
+    with open(shared / "small-bundle.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file is closed
+        return SmallBundle(engine, shared / "small-bundle")
 
 
 @pytest.fixture(scope="session")
