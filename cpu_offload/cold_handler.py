@@ -50,58 +50,25 @@ def _layer_table(header, layer):
             load_i64(table + 8 * T_DOWN), load_i64(table + 8 * T_BIAS), load_i64(table + 8 * T_SCALES))
 
 
+# `int8` is None in the float32 rows' handler and 1 in the int8 rows' one. Numba drops a branch on `int8 is None`
+# before it types a function, so each handler compiles its own row type's kernels only (a branch on a value would
+# compile both).
+
 @njit(**NOJIT)
-def _extras(c, d, up_p, bias_p, scales_p):
-    """b_up [c] or [0], scales [3, c, blocks] or [0, c, blocks] (a non-null pointer stands in for the empty
-    arrays)."""
+def _layer(header, layer, d, int8):
+    """(w_gate, w_up, w_down_t, b_up, scales, activation code) of a layer as the kernels take them: w_gate [0, d],
+    b_up [0] and scales [0, c, blocks] where absent (a non-null pointer stands in for the empty arrays)."""
+    c, gate_p, up_p, down_p, bias_p, scales_p = _layer_table(header, layer)
     b_up = carray(ptr_f32(bias_p if bias_p != 0 else up_p), (c if bias_p != 0 else 0,))
     scales = carray(ptr_f32(scales_p if scales_p != 0 else up_p),
                     (3 if scales_p != 0 else 0, c, (d + kernels.QBLOCK - 1) // kernels.QBLOCK))
-    return b_up, scales
-
-
-@njit(**NOJIT)
-def _rows_f32(c, d, gate_p, up_p, down_p):
-    return (carray(ptr_f32(gate_p if gate_p != 0 else up_p), (c if gate_p != 0 else 0, d)),
-            carray(ptr_f32(up_p), (c, d)), carray(ptr_f32(down_p), (c, d)))
-
-
-@njit(**NOJIT)
-def _rows_i8(c, d, gate_p, up_p, down_p):
-    return (carray(ptr_i8(gate_p if gate_p != 0 else up_p), (c if gate_p != 0 else 0, d)),
-            carray(ptr_i8(up_p), (c, d)), carray(ptr_i8(down_p), (c, d)))
-
-
-# From here on, `int8` is None in the float32 rows' handler and 1 in the int8 rows' one. Numba drops a branch on
-# `int8 is None` before it types the function, so each handler compiles its own row type's kernels only (a branch
-# on a value would compile both).
-
-@njit(**NOJIT)
-def _run_layer(header, layer, x, ids, count, out, nt, int8):
-    c, gate_p, up_p, down_p, bias_p, scales_p = _layer_table(header, layer)
-    d = x.shape[0]
-    b_up, scales = _extras(c, d, up_p, bias_p, scales_p)
+    gate_p, n_gate = (gate_p, c) if gate_p != 0 else (up_p, 0)
     code = load_i64(header + 8 * H_ACT)
     if int8 is None:
-        w_gate, w_up, w_down_t = _rows_f32(c, d, gate_p, up_p, down_p)
-        kernels.cold_ffn_nt(x, w_gate, w_up, w_down_t, b_up, scales, ids, count, code, out, nt)
-    else:
-        w_gate, w_up, w_down_t = _rows_i8(c, d, gate_p, up_p, down_p)
-        kernels.cold_ffn_nt(x, w_gate, w_up, w_down_t, b_up, scales, ids, count, code, out, nt)
-
-
-@njit(**NOJIT)
-def _run_layer_masked(header, layer, xs, mask, outs, nt, int8):
-    c, gate_p, up_p, down_p, bias_p, scales_p = _layer_table(header, layer)
-    d = xs.shape[1]
-    b_up, scales = _extras(c, d, up_p, bias_p, scales_p)
-    code = load_i64(header + 8 * H_ACT)
-    if int8 is None:
-        w_gate, w_up, w_down_t = _rows_f32(c, d, gate_p, up_p, down_p)
-        kernels.cold_ffn_masked_nt(xs, w_gate, w_up, w_down_t, b_up, scales, mask, code, outs, nt)
-    else:
-        w_gate, w_up, w_down_t = _rows_i8(c, d, gate_p, up_p, down_p)
-        kernels.cold_ffn_masked_nt(xs, w_gate, w_up, w_down_t, b_up, scales, mask, code, outs, nt)
+        return (carray(ptr_f32(gate_p), (n_gate, d)), carray(ptr_f32(up_p), (c, d)), carray(ptr_f32(down_p), (c, d)),
+                b_up, scales, code)
+    return (carray(ptr_i8(gate_p), (n_gate, d)), carray(ptr_i8(up_p), (c, d)), carray(ptr_i8(down_p), (c, d)),
+            b_up, scales, code)
 
 
 @njit(**NOJIT)
@@ -192,7 +159,8 @@ def _execute(frame, api, int8):
     nt = load_i64(runtime + 8 * R_THREADS)
     for b in range(nb):
         layer = layers[b] if n_layer == nb else layers[0]
-        _run_layer(header, layer, xs[b], idss[b], counts[b], outs[b], nt, int8)
+        w_gate, w_up, w_down_t, b_up, scales, code = _layer(header, layer, d, int8)
+        kernels.cold_ffn_nt(xs[b], w_gate, w_up, w_down_t, b_up, scales, idss[b], counts[b], code, outs[b], nt)
     store_i64(runtime + 8 * R_EXECUTES, load_i64(runtime + 8 * R_EXECUTES) + 1)
     unlock(runtime)
     return 0
@@ -230,7 +198,9 @@ def _execute_masked(frame, api, header, int8):
     if load_i64(header + 8 * H_MAGIC) != MAGIC_ALIVE:
         unlock(runtime)
         return _header_error(api, header)
-    _run_layer_masked(header, layer, xs, mask, outs, load_i64(runtime + 8 * R_BATCH_THREADS), int8)
+    w_gate, w_up, w_down_t, b_up, scales, code = _layer(header, layer, d, int8)
+    kernels.cold_ffn_masked_nt(xs, w_gate, w_up, w_down_t, b_up, scales, mask, code, outs,
+                               load_i64(runtime + 8 * R_BATCH_THREADS))
     store_i64(runtime + 8 * R_EXECUTES, load_i64(runtime + 8 * R_EXECUTES) + 1)
     unlock(runtime)
     return 0

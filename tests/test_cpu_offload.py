@@ -11,6 +11,7 @@ from cpu_offload import bridge, cold_handler, ffi, int8, kernels
 from tests.conftest import int8_values
 
 jax = pytest.importorskip("jax")
+jnp = jax.numpy
 
 ACTS = ["swiglu", "geglu", "reglu", "drelu", "relu"]
 
@@ -423,8 +424,7 @@ def test_int8_cold_ffn_through_the_bridge(activation):
         assert np.abs(got - exact).max() <= 0.02 * max(1.0, np.abs(exact).max())
     with pytest.raises(ValueError, match="weights must be one of"):
         bridge.ColdFFN(*args, activation=activation, weights="int4")
-    # Each row type has its own FFI target and handler, which refuses the other type's table in one line.
-    assert (f32.target, q8.target) == ("pjinfer_cold_ffn", "pjinfer_cold_ffn_int8")
+    assert (f32.target, q8.target) == ("pjinfer_cold_ffn", "pjinfer_cold_ffn_int8")   # each refuses the other's table
     for cold, other, rows in ((f32, q8, "float32"), (q8, f32, "int8")):
         call = jax.ffi.ffi_call(other.target, jax.ShapeDtypeStruct((d,), np.float32))
         with pytest.raises(Exception, match=f"{other.target}: this ColdFFN's rows are {rows}: call {cold.target}\\b"):
