@@ -80,7 +80,8 @@ class ColdFFN:
         d = int(np.shape(w_up[0])[1])
         self.activation, self.d, self.n_layers = activation, d, n_layers
         self.w_up, self.w_down_t = [], []
-        self.scales = [] if weights == "int8" else None
+        int8_rows = weights == "int8"
+        self.scales = [] if int8_rows else None
         self.w_gate = [] if gated else None
         self.b_up = [] if b_up is not None else None
         table = np.zeros((n_layers, T_WIDTH), np.int64)
@@ -95,7 +96,7 @@ class ColdFFN:
                 gate = _f32_rows(w_gate[l], d, "w_gate", l)
                 if gate.shape[0] != c:
                     raise ConfigError(f"layer {l}: w_gate has {gate.shape[0]} rows, w_up {c}")
-            if weights == "int8":
+            if int8_rows:
                 scales = np.ones((3, c, -(-d // kernels.QBLOCK)), np.float32)  # gate, up, down
                 if gated:
                     gate, scales[0] = int8.quantize(gate)
@@ -122,14 +123,14 @@ class ColdFFN:
         self._table = table
         header = np.zeros(8, np.int64)
         header[[H_NLAYERS, H_D, H_ACT, H_TABLE, H_RUNTIME, H_ID, H_INT8]] = [
-            n_layers, d, code, table.ctypes.data, _RUNTIME_ADDR, next(_ids), int(weights == "int8")]
+            n_layers, d, code, table.ctypes.data, _RUNTIME_ADDR, next(_ids), int(int8_rows)]
         header[H_MAGIC] = MAGIC_ALIVE
         _HEADERS.append(header)
         self._header = header
         self.address = int(header.ctypes.data)
         self.table = tables.register_table(self.address)  # the value of the "table" attribute (cpu_offload.tables)
         self.closed = False
-        self.target = register(int8_rows=weights == "int8")   # the FFI target's name
+        self.target = register(int8_rows)   # the FFI target's name
 
     @classmethod
     def from_dense(cls, w_up, w_down_t, cold_ids, w_gate=None, b_up=None, *, activation="swiglu",

@@ -29,9 +29,6 @@ from numba import carray, njit  # noqa: E402
 
 from .cfuncs import HANDLER, DeferredCFunc  # noqa: E402
 
-TARGETS = {False: "pjinfer_cold_ffn", True: "pjinfer_cold_ffn_int8"}   # by int8 rows
-
-
 # Header and layer table slots (int64 words).
 MAGIC_ALIVE = 0x706A636F6C64_0001  # "pjcold" + 1
 MAGIC_DEAD = 0x706A636F6C64_DEAD
@@ -250,13 +247,14 @@ ffi.purge_stale_cache("cold_handler", activation, kernels, ffi, tables, vector_i
 # XLA_FFI_Error* handler(XLA_FFI_CallFrame*): pointers travel as pointer-sized integers (same registers on LP64).
 _handler = DeferredCFunc(HANDLER, _handler_py)
 _handler_int8 = DeferredCFunc(HANDLER, _handler_int8_py)
+_TARGETS = {False: ("pjinfer_cold_ffn", _handler), True: ("pjinfer_cold_ffn_int8", _handler_int8)}   # by int8 rows
 
 
 def register(int8_rows: bool) -> str:
     """Register the FFI target of float32 or int8 rows with XLA (CPU platform) once per process, its handler
     loaded or compiled then; returns the target's name. Called by ColdFFN."""
-    name = TARGETS[bool(int8_rows)]
-    ffi.register(name, _handler_int8 if int8_rows else _handler)
+    name, handler = _TARGETS[bool(int8_rows)]
+    ffi.register(name, handler)
     return name
 
 
