@@ -28,7 +28,7 @@ from numba.core.codegen import get_host_cpu_features  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import blocks, ffi, kernels, vector_ir  # noqa: E402
-from .vector_ir import F32, I64, V16F, V16I8, V16I32, ZERO16, hsum, load, splat, strict, vector_intrinsic  # noqa: E402
+from .vector_ir import I64, V16F, V16I8, V16I32, ZERO16, half_splat, hsum, load, strict, vector_intrinsic  # noqa: E402
 from .kernels import prefetch_lines  # noqa: E402
 
 ffi.purge_stale_cache("q4", kernels, vector_ir, blocks)  # prefetch is compiled into this module's cached functions
@@ -101,10 +101,10 @@ def emit_rows_dot(builder, row, nb, xs, kind=blocks.Q4_1):
     with cgutils.for_range(builder, nb) as loop:
         b = loop.index
         p = builder.add(row, builder.mul(b, I64(blocks.TYPES[kind].nbytes)))
-        d = builder.fpext(load(builder, p, ir.HalfType(), 1), F32)
-        m = builder.fpext(load(builder, builder.add(p, I64(2)), ir.HalfType(), 1), F32) if kind == blocks.Q4_1 \
-            else builder.fmul(d, ir.Constant(F32, -8.0))
-        w_lo, w_hi = emit_weights(builder, splat(builder, d), splat(builder, m), builder.add(p, I64(NIBBLES_AT[kind])))
+        d = half_splat(builder, p)
+        m = half_splat(builder, builder.add(p, I64(2))) if kind == blocks.Q4_1 \
+            else builder.fmul(d, ir.Constant(V16F, [-8.0] * 16))
+        w_lo, w_hi = emit_weights(builder, d, m, builder.add(p, I64(NIBBLES_AT[kind])))
         off = builder.mul(b, I64(4 * BLOCK))   # bytes of the block's 32 input floats
         for t, x in enumerate(xs):
             at = builder.add(x, off)

@@ -84,7 +84,12 @@ class _Row:
         return self.b.load(_ptr(self.b, addr, ty), align=1)
 
     def f16(self, addr):
-        return self.b.fpext(self.scalar(addr, ir.HalfType()), _f32)
+        """The float16 at addr as float32 in 16 lanes (vector_ir.half_splat: no wait on an earlier value)."""
+        return vector_ir.half_splat(self.b, addr)
+
+    def times(self, v, scalar):
+        """v (16 lanes) times a float32 scalar, in every lane."""
+        return self.b.fmul(v, _splat(self.b, scalar, _v16f))
 
     def byte(self, addr, signed=False):
         v = self.scalar(addr, ir.IntType(8))
@@ -97,15 +102,14 @@ class _Row:
         b.store(b.call(self.fma, [w, xs, b.load(self.acc[slot])]), self.acc[slot])
 
     def affine(self, code, scale, bias, table=False):
-        """fma(float(code), scale, bias) on 16 lanes (code <16 x i32>, scale and bias float). With table (codes of
+        """fma(float(code), scale, bias) on 16 lanes (code <16 x i32>; scale, bias: 16 lanes). With table (codes of
         4 bits) and AVX-512, the lanes pick their values from the 16 possible ones (q4.pick): the same values in
         fewer operations. A 32-entry table for 5-bit codes (vpermi2ps) measured slower than converting, so those
         convert."""
         b = self.b
-        s, c = _splat(b, scale, _v16f), _splat(b, bias, _v16f)
         if table and q4.PERMUTE:
-            return q4.pick(b, s, c, code)
-        return b.call(self.fma, [b.uitofp(code, _v16f), s, c])
+            return q4.pick(b, scale, bias, code)
+        return b.call(self.fma, [b.uitofp(code, _v16f), scale, bias])
 
     def total(self):
         b = self.b
@@ -129,13 +133,13 @@ def _emit_small(row, kind, bp, x0):
     if kind == Q8_0:
         for half, xe in enumerate((x0, x1)):
             q = b.sitofp(b.load(_ptr(b, row.addr(bp, 2 + 16 * half), _v16b), align=1), _v16f)
-            row.add(b.fmul(q, _splat(b, d, _v16f)), xe, half)
+            row.add(b.fmul(q, d), xe, half)
         return
     qs = {Q4_0: 2, Q4_1: 4, Q5_0: 6, Q5_1: 8}[kind]
     if kind in (Q4_1, Q5_1):
         bias = row.f16(row.addr(bp, 2))
     else:
-        bias = b.fmul(d, ir.Constant(_f32, -8.0 if kind == Q4_0 else -16.0))
+        bias = b.fmul(d, ir.Constant(_v16f, [-8.0 if kind == Q4_0 else -16.0] * _V))
     qh = None
     if kind in (Q5_0, Q5_1):
         qh = _splat(b, row.scalar(row.addr(bp, qs - 4), _i32), _v16i)
@@ -160,8 +164,8 @@ def _emit_k45(row, kind, bp, x0):
         else:
             sc = b.or_(b.and_(sb[j + 4], _i32(15)), b.shl(b.lshr(sb[j - 4], _i32(6)), _i32(4)))
             mn = b.or_(b.lshr(sb[j + 4], _i32(4)), b.shl(b.lshr(sb[j], _i32(6)), _i32(4)))
-        scale = b.fmul(d, b.uitofp(sc, _f32))
-        bias = b.fneg(b.fmul(dmin, b.uitofp(mn, _f32)))
+        scale = row.times(d, b.uitofp(sc, _f32))
+        bias = b.fneg(row.times(dmin, b.uitofp(mn, _f32)))
         for g in range(2):
             code = _nibbles(row, row.addr(bp, qs + 32 * (j // 2) + 16 * g), 4 * (j % 2))
             if kind == Q5_K:
@@ -177,11 +181,11 @@ def _emit_q6_k(row, bp, x0):
     for n in range(2):
         for i in range(4):
             for g in range(2):
-                scale = b.fmul(d, b.sitofp(row.byte(row.addr(bp, 192 + 8 * n + 2 * i + g), signed=True), _f32))
+                scale = row.times(d, b.sitofp(row.byte(row.addr(bp, 192 + 8 * n + 2 * i + g), signed=True), _f32))
                 code = _nibbles(row, row.addr(bp, 64 * n + 32 * (i % 2) + 16 * g), 4 * (i // 2))
                 high = b.and_(b.lshr(row.bytes16(row.addr(bp, 128 + 32 * n + 16 * g)), _const(2 * i)), _const(3))
                 code = b.or_(code, b.shl(high, _const(4)))
-                bias = b.fmul(scale, ir.Constant(_f32, -32.0))
+                bias = b.fmul(scale, ir.Constant(_v16f, [-32.0] * _V))
                 row.add(row.affine(code, scale, bias), b.add(x0, _i64(128 * n + 32 * i + 16 * g)), g)
 
 

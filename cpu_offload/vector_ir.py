@@ -34,6 +34,17 @@ def load(builder, addr, ty, align):
     return builder.load(builder.inttoptr(addr, ty.as_pointer()), align=align)
 
 
+def half_splat(builder, addr):
+    """The float16 at an integer address, as float32 in 16 lanes: broadcast as float16, then converted
+    (vpbroadcastw, vcvtph2ps), so that no lane waits on an earlier value. A scalar load is put in with vpinsrw into
+    whatever register LLVM picks, and that waits for the register's last writer: in a row loop, an accumulator,
+    which chained every block to the previous block's FMAs."""
+    h = builder.bitcast(load(builder, addr, ir.IntType(16), 1), ir.HalfType())
+    one = builder.insert_element(ir.Constant(ir.VectorType(ir.HalfType(), 16), ir.Undefined), h, I32(0))
+    v = builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(I32, 16), [0] * 16))
+    return builder.fpext(v, V16F)
+
+
 def splat(builder, value):
     """A float32 broadcast to 16 lanes."""
     lane0 = ir.Constant(ir.VectorType(I32, 16), [0] * 16)
