@@ -4,12 +4,16 @@
 (b) kernel bandwidth for one SmolLM2-sized layer (d 576, C 1536, 768 active): GB/s of weight bytes touched
     (3 rows x d x 4 bytes per active neuron), 1 vs 2 threads, cache-hot (one layer repeated) and from DRAM
     (30 distinct layers in turn, 318 MB);
-(c) 30 such layers through the bridge in one jitted function (fori_loop over layers): ms per token.
+(c) 30 such layers through the bridge in one jitted function (fori_loop over layers): ms per token;
+(d) ``--gemv`` (alone): each block type's host GEMV (quants.gemv) on one thread over rows of 1536 columns, GB/s of
+    matrix bytes from cache (one 4 MB matrix again and again) and from DRAM (16 such matrices in turn), with the
+    ratio to Q4_1's and an MD5 of the output (equal across trees when the arithmetic is). Random bytes: speed only.
 Reports medians over repeats (the machine may be shared; the load average is printed).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import time
 from types import SimpleNamespace
@@ -21,7 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
-from . import bridge, cold_handler, kernels  # noqa: E402
+from . import blocks, bridge, cold_handler, kernels, quants  # noqa: E402
 
 
 def _median_time(fn, repeats: int, inner: int = 1) -> float:
@@ -38,8 +42,11 @@ def _median_time(fn, repeats: int, inner: int = 1) -> float:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repeats")
+    ap.add_argument("--gemv", action="store_true", help="only (d): each block type's GEMV on one thread")
     args = ap.parse_args(argv)
     reps = 5 if args.quick else 15
+    if args.gemv:
+        return gemv_table(reps)
 
     print(f"numba {numba.__version__} layer {numba.config.THREADING_LAYER} threads {numba.config.NUMBA_NUM_THREADS}"
           f" | jax {jax.__version__} | load average {os.getloadavg()}")
@@ -57,6 +64,31 @@ def main(argv=None) -> None:
     kernel_bandwidth(setup, reps)
     bridge_token(setup, reps)
     print(f"load average after: {os.getloadavg()}")
+
+
+def gemv_table(reps: int, cols: int = 1536, matrix_bytes: int = 4 << 20, matrices: int = 16) -> None:
+    """(d) See the module docstring."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(cols, dtype=np.float32)
+    print(f"(d) one thread, {cols} columns, {matrix_bytes >> 20} MB a matrix; GB/s from cache | from DRAM "
+          f"({matrices} matrices in turn)")
+    rates = {}
+    for t in blocks.TYPES.values():
+        if t.values is None:
+            continue
+        rows = matrix_bytes // t.row_bytes(cols)
+        # Bytes below 0x3c: every float16 scale is then finite and under 1 in magnitude, so the outputs are
+        # finite and their MD5 compares the arithmetic (no kernel's speed depends on the values).
+        mats = [rng.integers(0, 0x3C, (rows, t.row_bytes(cols)), dtype=np.uint8) for _ in range(matrices)]
+        y = np.zeros(rows, np.float32)
+        hot = _median_time(lambda: quants.gemv(t.code, mats[0], x, y, 0, rows), reps, 10)
+        digest = hashlib.md5(y.tobytes()).hexdigest()[:10]
+        dram = _median_time(lambda: [quants.gemv(t.code, m, x, y, 0, rows) for m in mats], reps) / matrices
+        rates[t.name] = (mats[0].nbytes / hot / 1e9, mats[0].nbytes / dram / 1e9, digest)
+    hot_q4_1, dram_q4_1, _ = rates["Q4_1"]
+    for name, (hot, dram, digest) in rates.items():
+        print(f"    {name:5} {hot:6.2f} | {dram:6.2f} GB/s | {hot / hot_q4_1:.2f}x, {dram / dram_q4_1:.2f}x Q4_1's "
+              f"| md5 {digest}")
 
 
 def call_overhead(setup, reps: int) -> None:
