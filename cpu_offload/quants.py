@@ -151,42 +151,72 @@ def _emit_small(row, kind, bp, x0):
         row.add(row.affine(code, d, bias, table=qh is None), xe, half)
 
 
+def _k45_scales(row, bp):
+    """A Q4_K / Q5_K block's eight (scale, min) pairs as two <8 x float> (d sc_j, dmin m_j), unpacked as llama.cpp's
+    get_scale_min_k4 in eight lanes at once: for j < 4, sc = q[j] & 63 and m = q[j + 4] & 63; for j >= 4,
+    sc = (q[j + 4] & 15) | (q[j - 4] >> 6) << 4 and m = q[j + 4] >> 4 | (q[j] >> 6) << 4 (q: the 12 bytes at
+    bp + 4). Each lane's products are the ones a scalar decode computes."""
+    b = row.b
+    v8i, v8f = ir.VectorType(_i32, 8), ir.VectorType(_f32, 8)
+    c8 = lambda vals: ir.Constant(v8i, list(vals))  # noqa: E731
+    q = row.bytes16(row.addr(bp, 4))            # bytes 4..19: the 12 scale bytes, then nibbles (unused)
+    lanes = lambda v, idx: b.shuffle_vector(v, v, c8(idx))  # noqa: E731
+    top = lambda idx: b.shl(b.lshr(lanes(q, idx), c8([6] * 8)), c8([4] * 8))  # noqa: E731
+    upper = c8([0] * 4 + [-1] * 4)              # lanes j >= 4 take the top bits
+    sc = b.or_(b.and_(lanes(q, [0, 1, 2, 3, 8, 9, 10, 11]), c8([63] * 4 + [15] * 4)),
+               b.and_(top([0, 1, 2, 3, 0, 1, 2, 3]), upper))
+    mn = b.or_(b.and_(b.lshr(lanes(q, [4, 5, 6, 7, 8, 9, 10, 11]), c8([0] * 4 + [4] * 4)), c8([63] * 8)),
+               b.and_(top([4, 5, 6, 7, 4, 5, 6, 7]), upper))
+    d8 = lambda at: b.shuffle_vector(*[row.f16(row.addr(bp, at))] * 2, c8(range(8)))  # noqa: E731
+    return b.fmul(d8(0), b.uitofp(sc, v8f)), b.fmul(d8(2), b.uitofp(mn, v8f))
+
+
 def _emit_k45(row, kind, bp, x0):
     """One Q4_K / Q5_K block of 256 at address bp: sub-block j = 2c + h holds the low (h = 0) or high nibbles of
-    bytes 32c..32c+31; its 6-bit scale and min are unpacked as llama.cpp's get_scale_min_k4."""
+    bytes 32c..32c+31, with scale and min from _k45_scales. A loop over c, not unrolled: the block unrolled kept
+    about 55 values on the stack (16 AVX2 registers for 16-lane vectors)."""
     b = row.b
-    d, dmin = row.f16(bp), row.f16(row.addr(bp, 2))
-    sb = [row.byte(row.addr(bp, 4 + i)) for i in range(12)]
+    v8f = ir.VectorType(_f32, 8)
+    table = [cgutils.alloca_once(b, v8f) for _ in range(2)]   # the entry block's: no stack growth per block
+    for slot, v in zip(table, _k45_scales(row, bp)):
+        b.store(v, slot)
     qs = 48 if kind == Q5_K else 16
-    for j in range(8):
-        if j < 4:
-            sc, mn = b.and_(sb[j], _i32(63)), b.and_(sb[j + 4], _i32(63))
-        else:
-            sc = b.or_(b.and_(sb[j + 4], _i32(15)), b.shl(b.lshr(sb[j - 4], _i32(6)), _i32(4)))
-            mn = b.or_(b.lshr(sb[j + 4], _i32(4)), b.shl(b.lshr(sb[j], _i32(6)), _i32(4)))
-        scale = row.times(d, b.uitofp(sc, _f32))
-        bias = b.fneg(row.times(dmin, b.uitofp(mn, _f32)))
-        for g in range(2):
-            code = _nibbles(row, row.addr(bp, qs + 32 * (j // 2) + 16 * g), 4 * (j % 2))
-            if kind == Q5_K:
-                high = b.and_(b.lshr(row.bytes16(row.addr(bp, 16 + 16 * g)), _const(j)), _const(1))
-                code = b.or_(code, b.shl(high, _const(4)))
-            row.add(row.affine(code, scale, bias, table=kind == Q4_K), b.add(x0, _i64(32 * j + 16 * g)), g)
+    with cgutils.for_range(b, _i64(4)) as loop:
+        c = loop.index
+        for h in range(2):
+            j = b.add(b.mul(c, _i64(2)), _i64(h))
+            scale, m = (_splat(b, b.load(b.gep(b.bitcast(t, _f32.as_pointer()), [j])), _v16f) for t in table)
+            for g in range(2):
+                code = _nibbles(row, b.add(row.addr(bp, qs + 16 * g), b.mul(c, _i64(32))), 4 * h)
+                if kind == Q5_K:
+                    shift = _splat(b, b.trunc(j, _i32), _v16i)
+                    high = b.and_(b.lshr(row.bytes16(row.addr(bp, 16 + 16 * g)), shift), _const(1))
+                    code = b.or_(code, b.shl(high, _const(4)))
+                row.add(row.affine(code, scale, b.fneg(m), table=kind == Q4_K),
+                        b.add(x0, b.add(b.mul(j, _i64(32)), _i64(16 * g))), g)
 
 
 def _emit_q6_k(row, bp, x0):
-    """One Q6_K block of 256 (layout in blocks.py)."""
+    """One Q6_K block of 256 (layout in blocks.py): its 16 scales d sc_k made in one vector, then a loop over the two
+    halves n, not unrolled (as _emit_k45)."""
     b = row.b
-    d = row.f16(row.addr(bp, 208))
-    for n in range(2):
+    table = cgutils.alloca_once(b, _v16f)
+    sc = b.sitofp(b.load(_ptr(b, row.addr(bp, 192), _v16b), align=1), _v16f)
+    b.store(b.fmul(row.f16(row.addr(bp, 208)), sc), table)
+    with cgutils.for_range(b, _i64(2)) as loop:
+        n = loop.index
         for i in range(4):
             for g in range(2):
-                scale = row.times(d, b.sitofp(row.byte(row.addr(bp, 192 + 8 * n + 2 * i + g), signed=True), _f32))
-                code = _nibbles(row, row.addr(bp, 64 * n + 32 * (i % 2) + 16 * g), 4 * (i // 2))
-                high = b.and_(b.lshr(row.bytes16(row.addr(bp, 128 + 32 * n + 16 * g)), _const(2 * i)), _const(3))
+                k = b.add(b.mul(n, _i64(8)), _i64(2 * i + g))
+                scale = _splat(b, b.load(b.gep(b.bitcast(table, _f32.as_pointer()), [k])), _v16f)
+                ql = b.add(row.addr(bp, 32 * (i % 2) + 16 * g), b.mul(n, _i64(64)))
+                code = _nibbles(row, ql, 4 * (i // 2))
+                qh = b.add(row.addr(bp, 128 + 16 * g), b.mul(n, _i64(32)))
+                high = b.and_(b.lshr(row.bytes16(qh), _const(2 * i)), _const(3))
                 code = b.or_(code, b.shl(high, _const(4)))
                 bias = b.fmul(scale, ir.Constant(_v16f, [-32.0] * _V))
-                row.add(row.affine(code, scale, bias), b.add(x0, _i64(128 * n + 32 * i + 16 * g)), g)
+                row.add(row.affine(code, scale, bias), b.add(x0, b.add(b.mul(n, _i64(128)), _i64(32 * i + 16 * g))),
+                        g)
 
 
 def emit_block(row, kind, bp, x0):
