@@ -119,8 +119,8 @@ bench-powerinfer: setup peers
 
 # llama.cpp through llama-cpp-python (built from source, ~12 min on 2 cores the first time; AVX2 because the native
 # AVX-512/AMX build crashed at generation on this machine kind): `--peer llama-cpp` drives its token loop from Python,
-# which loses much of llama.cpp's own rate, so it is no speed reference; bench-quants (llama.cpp's quantizer and
-# files), bench-long, bench-scale and tests/test_real_model.py use it.
+# which loses much of llama.cpp's own rate, so it is no speed reference; bench-long, bench-scale and
+# tests/test_real_model.py use it.
 LLAMA_CPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF \
 	-DGGML_AMX_INT8=OFF -DGGML_OPENMP=OFF
 PEER_STAMP := $(VENV)/.llama-cpp-stamp
@@ -128,17 +128,22 @@ $(PEER_STAMP): $(STAMP)
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PY) -m pip install --quiet llama-cpp-python==$(LLAMA_CPP_PYTHON)
 	touch $(PEER_STAMP)
 
-# The default model re-quantized by llama.cpp itself (Q4_K_M: a Q5_0/Q8_0/Q4_K/Q6_K mix at this size; Q8_0) into
-# out/quants, then each decoded in its own blocks (--weights gguf) against llama.cpp on the same file, after 16 and
-# after 512 prompt tokens, and its perplexity (wiki protocol) with the blocks and with float32.
+# The default model re-quantized by llama.cpp's own llama-quantize (Q4_K_M: a Q5_0/Q8_0/Q4_K/Q6_K mix at this size;
+# Q8_0) into out/quants, then each decoded in its own blocks (--weights gguf) against the native llama-bench on the
+# same file, after 16 and after 512 prompt tokens, and its perplexity (wiki protocol) with the blocks and with float32.
 QUANTS := out/quants
 QUANT_TYPES := Q4_K_M Q8_0
-bench-quants: $(PEER_STAMP)
-	$(PY) -m pjinfer.measure.peer --types $(subst $(space),$(comma),$(QUANT_TYPES)) --dir $(QUANTS)
+LLAMA_QUANTIZE := $(PEERS)/llama.cpp/build/bin/llama-quantize
+$(LLAMA_QUANTIZE): $(LLAMA_BENCH)
+	cd $(PEERS)/llama.cpp && $(NICE_BUILD) cmake --build build -j 2 --target llama-quantize >> build.log 2>&1
+bench-quants: setup $(LLAMA_QUANTIZE)
+	mkdir -p $(QUANTS)
 	$(PY) -c "from pjinfer.load import data; open('/tmp/pjinfer-wiki.txt','w').write(data.wiki_eval_text())"
 	for t in $(QUANT_TYPES); do f=$(QUANTS)/SmolLM2-135M-Instruct.$$t.gguf; \
-		$(VENV)/bin/pjinfer bench --peer llama-cpp --model $$f --prompt-len 16 --new-tokens 256 --runs 5 --weights gguf || exit 1; \
-		$(VENV)/bin/pjinfer bench --peer llama-cpp --model $$f --prompt-len 512 --new-tokens 128 --runs 3 --weights gguf || exit 1; \
+		test -f $$f || $(LLAMA_QUANTIZE) --allow-requantize "$$($(PY) -c 'from pjinfer.load.loader import \
+			default_model_path as p; print(p())')" $$f $$t 2 > $$f.log 2>&1 || exit 1; \
+		$(VENV)/bin/pjinfer bench --peer llama-bench --model $$f --prompt-len 16 --new-tokens 256 --runs 5 --weights gguf || exit 1; \
+		$(VENV)/bin/pjinfer bench --peer llama-bench --model $$f --prompt-len 512 --new-tokens 128 --runs 3 --weights gguf || exit 1; \
 		for w in gguf float32; do $(VENV)/bin/pjinfer perplexity --model $$f --weights $$w \
 			--text-file /tmp/pjinfer-wiki.txt --windows 4 --window-len 256 || exit 1; done; done
 
