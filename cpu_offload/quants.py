@@ -87,14 +87,6 @@ class _Row:
         """The float16 at addr as float32 in 16 lanes (vector_ir.half_splat: no wait on an earlier value)."""
         return vector_ir.half_splat(self.b, addr)
 
-    def times(self, v, scalar):
-        """v (16 lanes) times a float32 scalar, in every lane."""
-        return self.b.fmul(v, _splat(self.b, scalar, _v16f))
-
-    def byte(self, addr, signed=False):
-        v = self.scalar(addr, ir.IntType(8))
-        return self.b.sext(v, _i32) if signed else self.b.zext(v, _i32)
-
     def add(self, w, x_elem, slot):
         """acc[slot] += w * x[x_elem : x_elem + 16] (x_elem an i64 value: the element index)."""
         b = self.b
@@ -171,6 +163,11 @@ def _k45_scales(row, bp):
     return b.fmul(d8(0), b.uitofp(sc, v8f)), b.fmul(d8(2), b.uitofp(mn, v8f))
 
 
+def _stored_lane(b, slot, k):
+    """Lane k (an i64 known at run time) of the float32 vector stored at slot, in 16 lanes."""
+    return _splat(b, b.load(b.gep(b.bitcast(slot, _f32.as_pointer()), [k])), _v16f)
+
+
 def _emit_k45(row, kind, bp, x0):
     """One Q4_K / Q5_K block of 256 at address bp: sub-block j = 2c + h holds the low (h = 0) or high nibbles of
     bytes 32c..32c+31, with scale and min from _k45_scales. A loop over c, not unrolled: the block unrolled kept
@@ -185,7 +182,7 @@ def _emit_k45(row, kind, bp, x0):
         c = loop.index
         for h in range(2):
             j = b.add(b.mul(c, _i64(2)), _i64(h))
-            scale, m = (_splat(b, b.load(b.gep(b.bitcast(t, _f32.as_pointer()), [j])), _v16f) for t in table)
+            scale, m = (_stored_lane(b, t, j) for t in table)
             for g in range(2):
                 code = _nibbles(row, b.add(row.addr(bp, qs + 16 * g), b.mul(c, _i64(32))), 4 * h)
                 if kind == Q5_K:
@@ -208,7 +205,7 @@ def _emit_q6_k(row, bp, x0):
         for i in range(4):
             for g in range(2):
                 k = b.add(b.mul(n, _i64(8)), _i64(2 * i + g))
-                scale = _splat(b, b.load(b.gep(b.bitcast(table, _f32.as_pointer()), [k])), _v16f)
+                scale = _stored_lane(b, table, k)
                 ql = b.add(row.addr(bp, 32 * (i % 2) + 16 * g), b.mul(n, _i64(64)))
                 code = _nibbles(row, ql, 4 * (i // 2))
                 qh = b.add(row.addr(bp, 128 + 16 * g), b.mul(n, _i64(32)))
