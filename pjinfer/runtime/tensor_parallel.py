@@ -118,16 +118,21 @@ class Watch:
         self.answered = time.monotonic()          # when this process's last beat came back
         self.ended = threading.Event()
         self.exiting = threading.Lock()           # _exit runs once, whichever thread saw the silence first
+        self.beating = threading.Thread(target=self._beat, name="pjinfer-watch", daemon=True)
 
     def start(self) -> None:
         atexit.register(self.end)
-        threading.Thread(target=self._beat, name="pjinfer-watch", daemon=True).start()
+        self.beating.start()
         threading.Thread(target=self._judge, name="pjinfer-judge", daemon=True).start()
 
     def end(self) -> None:
-        """This process is done: the others stop watching it (called at exit)."""
+        """This process is done: the others stop watching it (called at exit). The beat's thread is let finish
+        its call into the store first: a daemon thread still inside a C++ call when the interpreter finalizes is
+        cancelled there, and the process aborts ("terminate called ...") after its last line."""
         if not self.ended.is_set():
             self.ended.set()
+            if self.beating is not threading.current_thread():
+                self.beating.join(timeout=2 * BEAT_S)
             try:
                 self.client.key_value_set(f"{self.PREFIX}{self.index}", "done", allow_overwrite=True)
             except Exception:  # the store is gone (process 0 ended first): nobody is left to watch
