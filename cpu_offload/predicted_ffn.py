@@ -38,13 +38,13 @@ from numba import njit, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from . import activation, blocks, ffi, kernels, quants  # noqa: E402
+from . import activation, blocks, ffi, kernels, quants, vector_ir  # noqa: E402
 from .contract import ConfigError  # noqa: E402
 from .activation import act  # noqa: E402
 from .blocks import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0  # noqa: E402
 from .kernels import prefetch_lines  # noqa: E402
 
-ffi.purge_stale_cache("predicted_ffn", activation, blocks, kernels, quants)
+ffi.purge_stale_cache("predicted_ffn", activation, blocks, kernels, quants, vector_ir)
 
 F32, F16 = 0, 1
 # ggml type number -> (name, weights per block, bytes per block): the float rows, then quants.py's block types.
@@ -58,8 +58,7 @@ KINDS_BLOCK = np.zeros(16, np.int64)   # weights per block by type number, as a 
 for _k, (_, _b, _) in KINDS.items():
     KINDS_BLOCK[_k] = _b
 
-_f32, _i64 = ir.FloatType(), ir.IntType(64)
-_v16f = ir.VectorType(_f32, 16)
+_i64, _v16f = vector_ir.I64, vector_ir.V16F
 _v16h = ir.VectorType(ir.HalfType(), 16)
 
 
@@ -77,11 +76,11 @@ class _AxpyRow(quants._Row):
 
     def __init__(self, builder, ya, a):
         super().__init__(builder, ya)
-        self.a16 = quants._splat(builder, a, _v16f)
+        self.a16 = vector_ir.splat(builder, a)
 
     def add(self, w, elem, slot):
         b = self.b
-        at = quants._ptr(b, b.add(self.xa, b.mul(elem, _i64(4))), _v16f)
+        at = vector_ir.pointer(b, b.add(self.xa, b.mul(elem, _i64(4))), _v16f)
         b.store(b.call(self.fma, [w, self.a16, b.load(at, align=4)]), at, align=4)
 
 
@@ -90,9 +89,9 @@ def _emit_float(row, kind, bp, x0):
     b = row.b
     for half in range(2):
         if kind == F16:
-            w = b.fpext(b.load(quants._ptr(b, row.addr(bp, 32 * half), _v16h), align=1), _v16f)
+            w = b.fpext(vector_ir.load(b, row.addr(bp, 32 * half), _v16h, 1), _v16f)
         else:
-            w = b.load(quants._ptr(b, row.addr(bp, 64 * half), _v16f), align=1)
+            w = vector_ir.load(b, row.addr(bp, 64 * half), _v16f, 1)
         row.add(w, b.add(x0, _i64(16 * half)), half)
 
 

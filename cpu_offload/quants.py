@@ -7,12 +7,13 @@ kernel too, so a Q4_1 matrix has one GEMV; its nibbles through vpermps are faste
 docs/performance.md), and so do ``row_dot``'s; every other type is walked here. ``emit_block`` reads
 Q4_0 and Q4_1 too (predicted_ffn's AXPY rows).
 
-How: a row is walked 16 weights at a time. ``_axpy16`` (LLVM vector IR: Numba's autovectorizer turns byte
-unpacking into byte-by-byte inserts, see q4.py) loads 16 bytes, extracts each weight's integer code as
-((b >> s) & m) | (((h >> hs) & hm) << hu) from one or two byte vectors, and accumulates
-(scale * code + bias) * x into 16 float32 lanes; ``_axpy16_bits`` takes the 5th bit from a uint32 (Q5_0, Q5_1),
-``_axpy16_i8`` reads signed bytes (Q8_0). The per-block scalars (f16 scales, K-quant 6-bit scales) are decoded
-in plain Numba around those calls. The lanes live in a 16-float scratch array and are summed once per row.
+How: each row's dot is one function of LLVM vector IR per type (``row_dot``: Numba's autovectorizer turns byte
+unpacking into byte-by-byte inserts, see q4.py). ``emit_block`` emits one block: 16 weights at a time it loads 16
+bytes, extracts each weight's integer code as ((b >> s) & m) | (((h >> hs) & hm) << hu) from one or two byte
+vectors (the fifth bit of Q5_0 and Q5_1 from a uint32, signed bytes for Q8_0), and accumulates
+(scale * code + bias) * x into two 16-lane float32 accumulators (``_Row``), summed once per row. The block's scales
+are 16-lane vectors too (``vector_ir.half_splat``; the K-quants' 6-bit scales decoded 8 lanes at a time), and the
+K-quants walk their sub-blocks in loops that fit the registers.
 Each weight is computed as (scale * q + bias) with scale and bias in float32, so a row's dot differs from the
 float64 dot of gguf's dequantized values by float32 rounding only (tests/test_quants.py).
 """
@@ -31,6 +32,7 @@ from . import ffi, kernels, q4, vector_ir  # noqa: E402
 from . import blocks  # noqa: E402
 from .blocks import GGUF_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0  # noqa: E402
 from .kernels import prefetch_lines  # noqa: E402
+from .vector_ir import F32, I32, I64, V16F, V16I32, V16I8, ints, load, splat  # noqa: E402
 
 ffi.purge_stale_cache("quants", kernels, blocks, q4, vector_ir)
 
@@ -43,24 +45,6 @@ _BLOCK = np.zeros(16, np.int64)
 for _k, _t in GGUF_TYPES.items():
     _BLOCK_BYTES[_k], _BLOCK[_k] = _t.nbytes, _t.block
 
-_f32, _i32, _i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
-_V = 16
-_v16f, _v16i = ir.VectorType(_f32, _V), ir.VectorType(_i32, _V)
-_v16b = ir.VectorType(ir.IntType(8), _V)
-
-
-def _ptr(builder, addr, ty):
-    return builder.inttoptr(addr, ty.as_pointer())
-
-
-def _splat(builder, value, vty):
-    v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, _i32(0))
-    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(_v16i, [0] * _V))
-
-
-def _const(value):
-    return ir.Constant(_v16i, [value] * _V)
-
 
 class _Row:
     """Emits one row's dot product: 16-lane float32 accumulators (allocas, so registers), one per 16-weight
@@ -68,20 +52,18 @@ class _Row:
 
     def __init__(self, builder, xa):
         self.b, self.xa = builder, xa
-        zero = ir.Constant(_v16f, [0.0] * _V)
-        self.acc = [cgutils.alloca_once_value(builder, zero) for _ in range(2)]
-        self.fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_v16f, [_v16f] * 3),
-                                                  "llvm.fma.v16f32")
+        self.acc = [cgutils.alloca_once_value(builder, vector_ir.ZERO16) for _ in range(2)]
+        self.fma = vector_ir.vector_intrinsic(builder, "llvm.fma", 3)
 
     def addr(self, base, off):
-        return self.b.add(base, _i64(off)) if isinstance(off, int) else self.b.add(base, off)
+        return self.b.add(base, I64(off)) if isinstance(off, int) else self.b.add(base, off)
 
     def bytes16(self, addr):
         """16 bytes at addr, zero-extended to <16 x i32>."""
-        return self.b.zext(self.b.load(_ptr(self.b, addr, _v16b), align=1), _v16i)
+        return self.b.zext(load(self.b, addr, V16I8, 1), V16I32)
 
     def scalar(self, addr, ty):
-        return self.b.load(_ptr(self.b, addr, ty), align=1)
+        return load(self.b, addr, ty, 1)
 
     def f16(self, addr):
         """The float16 at addr as float32 in 16 lanes (vector_ir.half_splat: no wait on an earlier value)."""
@@ -90,7 +72,7 @@ class _Row:
     def add(self, w, x_elem, slot):
         """acc[slot] += w * x[x_elem : x_elem + 16] (x_elem an i64 value: the element index)."""
         b = self.b
-        xs = b.load(_ptr(b, b.add(self.xa, b.mul(x_elem, _i64(4))), _v16f), align=4)
+        xs = load(b, b.add(self.xa, b.mul(x_elem, I64(4))), V16F, 4)
         b.store(b.call(self.fma, [w, xs, b.load(self.acc[slot])]), self.acc[slot])
 
     def affine(self, code, scale, bias, table=False):
@@ -101,46 +83,47 @@ class _Row:
         b = self.b
         if table and q4.PERMUTE:
             return q4.pick(b, scale, bias, code)
-        return b.call(self.fma, [b.uitofp(code, _v16f), scale, bias])
+        return b.call(self.fma, [b.uitofp(code, V16F), scale, bias])
 
     def total(self):
         b = self.b
-        v = b.fadd(b.load(self.acc[0]), b.load(self.acc[1]))
-        for width in (8, 4, 2, 1):
-            halves = [b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, width), list(range(k, k + width))))
-                      for k in (0, width)]
-            v = b.fadd(*halves)
-        return b.extract_element(v, _i32(0))
+        return vector_ir.hsum(b, vector_ir.strict(b.fadd(b.load(self.acc[0]), b.load(self.acc[1]))))
 
 
 def _nibbles(row, addr, shift):
-    return row.b.and_(row.b.lshr(row.bytes16(addr), _const(shift)), _const(15))
+    return row.b.and_(row.b.lshr(row.bytes16(addr), ints(shift)), ints(15))
 
 
 def _emit_small(row, kind, bp, x0):
     """One block of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) at address bp, input elements from x0."""
     b = row.b
     d = row.f16(bp)
-    x1 = b.add(x0, _i64(16))
+    x1 = b.add(x0, I64(16))
     if kind == Q8_0:
         for half, xe in enumerate((x0, x1)):
-            q = b.sitofp(b.load(_ptr(b, row.addr(bp, 2 + 16 * half), _v16b), align=1), _v16f)
+            q = b.sitofp(load(b, row.addr(bp, 2 + 16 * half), V16I8, 1), V16F)
             row.add(b.fmul(q, d), xe, half)
         return
     qs = {Q4_0: 2, Q4_1: 4, Q5_0: 6, Q5_1: 8}[kind]
     if kind in (Q4_1, Q5_1):
         bias = row.f16(row.addr(bp, 2))
     else:
-        bias = b.fmul(d, ir.Constant(_v16f, [-8.0 if kind == Q4_0 else -16.0] * _V))
-    qh = None
-    if kind in (Q5_0, Q5_1):
-        qh = _splat(b, row.scalar(row.addr(bp, qs - 4), _i32), _v16i)
+        bias = b.fmul(d, ir.Constant(V16F, [-8.0 if kind == Q4_0 else -16.0] * 16))
+    qh = splat(b, row.scalar(row.addr(bp, qs - 4), I32)) if kind in (Q5_0, Q5_1) else None
     for half, xe in enumerate((x0, x1)):
         code = _nibbles(row, row.addr(bp, qs), 4 * half)
         if qh is not None:
-            bit = b.and_(b.lshr(qh, ir.Constant(_v16i, list(range(16 * half, 16 * half + 16)))), _const(1))
-            code = b.or_(code, b.shl(bit, _const(4)))
+            code = _fifth_bit(b, code, qh, ir.Constant(V16I32, list(range(16 * half, 16 * half + 16))))
         row.add(row.affine(code, d, bias, table=qh is None), xe, half)
+
+
+def _fifth_bit(b, code, lanes, shifts):
+    """code | 16 in each lane whose bit number `shifts` of `lanes` is set (<16 x i32> each). With AVX-512 a test
+    into a mask register and one masked or; AVX2 has no mask registers, and shifts each lane's bit into place."""
+    if q4.PERMUTE:
+        is_set = b.icmp_unsigned("!=", b.and_(lanes, b.shl(ints(1), shifts)), ints(0))
+        return b.select(is_set, b.or_(code, ints(16)), code)
+    return b.or_(code, b.shl(b.and_(b.lshr(lanes, shifts), ints(1)), ints(4)))
 
 
 def _k45_scales(row, bp):
@@ -149,7 +132,7 @@ def _k45_scales(row, bp):
     sc = (q[j + 4] & 15) | (q[j - 4] >> 6) << 4 and m = q[j + 4] >> 4 | (q[j] >> 6) << 4 (q: the 12 bytes at
     bp + 4). Each lane's products are the ones a scalar decode computes."""
     b = row.b
-    v8i, v8f = ir.VectorType(_i32, 8), ir.VectorType(_f32, 8)
+    v8i, v8f = ir.VectorType(I32, 8), ir.VectorType(F32, 8)
     c8 = lambda vals: ir.Constant(v8i, list(vals))  # noqa: E731
     q = row.bytes16(row.addr(bp, 4))            # bytes 4..19: the 12 scale bytes, then nibbles (unused)
     lanes = lambda v, idx: b.shuffle_vector(v, v, c8(idx))  # noqa: E731
@@ -165,7 +148,7 @@ def _k45_scales(row, bp):
 
 def _stored_lane(b, slot, k):
     """Lane k (an i64 known at run time) of the float32 vector stored at slot, in 16 lanes."""
-    return _splat(b, b.load(b.gep(b.bitcast(slot, _f32.as_pointer()), [k])), _v16f)
+    return splat(b, b.load(b.gep(b.bitcast(slot, F32.as_pointer()), [k])))
 
 
 def _emit_k45(row, kind, bp, x0):
@@ -173,46 +156,44 @@ def _emit_k45(row, kind, bp, x0):
     bytes 32c..32c+31, with scale and min from _k45_scales. A loop over c, not unrolled: the block unrolled kept
     about 55 values on the stack (16 AVX2 registers for 16-lane vectors)."""
     b = row.b
-    v8f = ir.VectorType(_f32, 8)
+    v8f = ir.VectorType(F32, 8)
     table = [cgutils.alloca_once(b, v8f) for _ in range(2)]   # the entry block's: no stack growth per block
     for slot, v in zip(table, _k45_scales(row, bp)):
         b.store(v, slot)
     qs = 48 if kind == Q5_K else 16
-    with cgutils.for_range(b, _i64(4)) as loop:
+    with cgutils.for_range(b, I64(4)) as loop:
         c = loop.index
         for h in range(2):
-            j = b.add(b.mul(c, _i64(2)), _i64(h))
+            j = b.add(b.mul(c, I64(2)), I64(h))
             scale, m = (_stored_lane(b, t, j) for t in table)
             for g in range(2):
-                code = _nibbles(row, b.add(row.addr(bp, qs + 16 * g), b.mul(c, _i64(32))), 4 * h)
+                code = _nibbles(row, b.add(row.addr(bp, qs + 16 * g), b.mul(c, I64(32))), 4 * h)
                 if kind == Q5_K:
-                    shift = _splat(b, b.trunc(j, _i32), _v16i)
-                    high = b.and_(b.lshr(row.bytes16(row.addr(bp, 16 + 16 * g)), shift), _const(1))
-                    code = b.or_(code, b.shl(high, _const(4)))
+                    code = _fifth_bit(b, code, row.bytes16(row.addr(bp, 16 + 16 * g)), splat(b, b.trunc(j, I32)))
                 row.add(row.affine(code, scale, b.fneg(m), table=kind == Q4_K),
-                        b.add(x0, b.add(b.mul(j, _i64(32)), _i64(16 * g))), g)
+                        b.add(x0, b.add(b.mul(j, I64(32)), I64(16 * g))), g)
 
 
 def _emit_q6_k(row, bp, x0):
     """One Q6_K block of 256 (layout in blocks.py): its 16 scales d sc_k made in one vector, then a loop over the two
     halves n, not unrolled (as _emit_k45)."""
     b = row.b
-    table = cgutils.alloca_once(b, _v16f)
-    sc = b.sitofp(b.load(_ptr(b, row.addr(bp, 192), _v16b), align=1), _v16f)
+    table = cgutils.alloca_once(b, V16F)
+    sc = b.sitofp(load(b, row.addr(bp, 192), V16I8, 1), V16F)
     b.store(b.fmul(row.f16(row.addr(bp, 208)), sc), table)
-    with cgutils.for_range(b, _i64(2)) as loop:
+    with cgutils.for_range(b, I64(2)) as loop:
         n = loop.index
         for i in range(4):
             for g in range(2):
-                k = b.add(b.mul(n, _i64(8)), _i64(2 * i + g))
+                k = b.add(b.mul(n, I64(8)), I64(2 * i + g))
                 scale = _stored_lane(b, table, k)
-                ql = b.add(row.addr(bp, 32 * (i % 2) + 16 * g), b.mul(n, _i64(64)))
+                ql = b.add(row.addr(bp, 32 * (i % 2) + 16 * g), b.mul(n, I64(64)))
                 code = _nibbles(row, ql, 4 * (i // 2))
-                qh = b.add(row.addr(bp, 128 + 16 * g), b.mul(n, _i64(32)))
-                high = b.and_(b.lshr(row.bytes16(qh), _const(2 * i)), _const(3))
-                code = b.or_(code, b.shl(high, _const(4)))
-                bias = b.fmul(scale, ir.Constant(_v16f, [-32.0] * _V))
-                row.add(row.affine(code, scale, bias), b.add(x0, b.add(b.mul(n, _i64(128)), _i64(32 * i + 16 * g))),
+                qh = b.add(row.addr(bp, 128 + 16 * g), b.mul(n, I64(32)))
+                high = b.and_(b.lshr(row.bytes16(qh), ints(2 * i)), ints(3))
+                code = b.or_(code, b.shl(high, ints(4)))
+                bias = b.fmul(scale, ir.Constant(V16F, [-32.0] * 16))
+                row.add(row.affine(code, scale, bias), b.add(x0, b.add(b.mul(n, I64(128)), I64(32 * i + 16 * g))),
                         g)
 
 
@@ -241,8 +222,8 @@ def _dot_row(typingctx, kind, p, nb, xa):
         _, p, nb, xa = args
         row = _Row(builder, xa)
         with cgutils.for_range(builder, nb) as loop:
-            bp = builder.add(p, builder.mul(loop.index, _i64(nbytes)))
-            emit_block(row, code, bp, builder.mul(loop.index, _i64(block)))
+            bp = builder.add(p, builder.mul(loop.index, I64(nbytes)))
+            emit_block(row, code, bp, builder.mul(loop.index, I64(block)))
         return row.total()
     return types.float32(kind, types.int64, types.int64, types.int64), codegen
 

@@ -29,9 +29,14 @@ def vector_intrinsic(builder, name: str, n_args: int):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F] * n_args), f"{name}.v16f32")
 
 
+def pointer(builder, addr, ty):
+    """An integer address as a pointer to ty."""
+    return builder.inttoptr(addr, ty.as_pointer())
+
+
 def load(builder, addr, ty, align):
     """Load a ty from an integer address."""
-    return builder.load(builder.inttoptr(addr, ty.as_pointer()), align=align)
+    return builder.load(pointer(builder, addr, ty), align=align)
 
 
 def half_splat(builder, addr):
@@ -46,10 +51,16 @@ def half_splat(builder, addr):
 
 
 def splat(builder, value):
-    """A float32 broadcast to 16 lanes."""
+    """A scalar (float32, i32, ...) broadcast to 16 lanes of its type."""
     lane0 = ir.Constant(ir.VectorType(I32, 16), [0] * 16)
-    one = builder.insert_element(ir.Constant(V16F, ir.Undefined), value, I32(0))
-    return builder.shuffle_vector(one, ir.Constant(V16F, ir.Undefined), lane0)
+    undefined = ir.Constant(ir.VectorType(value.type, 16), ir.Undefined)
+    one = builder.insert_element(undefined, value, I32(0))
+    return builder.shuffle_vector(one, undefined, lane0)
+
+
+def ints(value: int):
+    """An i32 constant in 16 lanes."""
+    return ir.Constant(V16I32, [value] * 16)
 
 
 def by_count(builder, k, counts, emit) -> None:
