@@ -59,7 +59,9 @@ _JIT = dict(fastmath=True, cache=True, nogil=True)
 
 @intrinsic
 def prefetch(typingctx, arr, i, j):
-    """Software prefetch (read, keep in all cache levels) of the cache line holding arr[i, j]; no bounds check."""
+    """Software prefetch (read) of the cache line holding arr[i, j] into L2, not L1 (prefetcht1); no bounds check.
+    Rows prefetched into L1 evicted a GEMV's input there once the input and the rows ahead outgrew it (an input of
+    7168 float32 is 28 KB): docs/performance.md, "Prefetch into L2"."""
     if not (isinstance(arr, types.Array) and arr.ndim == 2 and isinstance(i, types.Integer)
             and isinstance(j, types.Integer)):
         return None
@@ -72,7 +74,7 @@ def prefetch(typingctx, arr, i, j):
         i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
         fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(2), i32(1)])
         return context.get_dummy_value()
     return types.void(arr, i, j), codegen
 
