@@ -158,19 +158,21 @@ def _emit_k45(row, kind, bp, x0):
     b = row.b
     v8f = ir.VectorType(F32, 8)
     table = [cgutils.alloca_once(b, v8f) for _ in range(2)]   # the entry block's: no stack growth per block
-    for slot, v in zip(table, _k45_scales(row, bp)):
+    scales, mins = _k45_scales(row, bp)
+    for slot, v in zip(table, (scales, b.fneg(mins))):
         b.store(v, slot)
+    vector_ir.memory_fence(b, *table)
     qs = 48 if kind == Q5_K else 16
     with cgutils.for_range(b, I64(4)) as loop:
         c = loop.index
         for h in range(2):
             j = b.add(b.mul(c, I64(2)), I64(h))
-            scale, m = (_stored_lane(b, t, j) for t in table)
+            scale, minus_m = (_stored_lane(b, t, j) for t in table)
             for g in range(2):
                 code = _nibbles(row, b.add(row.addr(bp, qs + 16 * g), b.mul(c, I64(32))), 4 * h)
                 if kind == Q5_K:
                     code = _fifth_bit(b, code, row.bytes16(row.addr(bp, 16 + 16 * g)), splat(b, b.trunc(j, I32)))
-                row.add(row.affine(code, scale, b.fneg(m), table=kind == Q4_K),
+                row.add(row.affine(code, scale, minus_m, table=kind == Q4_K),
                         b.add(x0, b.add(b.mul(j, I64(32)), I64(16 * g))), g)
 
 
@@ -178,21 +180,23 @@ def _emit_q6_k(row, bp, x0):
     """One Q6_K block of 256 (layout in blocks.py): its 16 scales d sc_k made in one vector, then a loop over the two
     halves n, not unrolled (as _emit_k45)."""
     b = row.b
-    table = cgutils.alloca_once(b, V16F)
+    table = [cgutils.alloca_once(b, V16F) for _ in range(2)]   # d sc_k, and -32 d sc_k
     sc = b.sitofp(load(b, row.addr(bp, 192), V16I8, 1), V16F)
-    b.store(b.fmul(row.f16(row.addr(bp, 208)), sc), table)
+    scales = b.fmul(row.f16(row.addr(bp, 208)), sc)
+    for slot, v in zip(table, (scales, b.fmul(scales, ir.Constant(V16F, [-32.0] * 16)))):
+        b.store(v, slot)
+    vector_ir.memory_fence(b, *table)
     with cgutils.for_range(b, I64(2)) as loop:
         n = loop.index
         for i in range(4):
             for g in range(2):
                 k = b.add(b.mul(n, I64(8)), I64(2 * i + g))
-                scale = _stored_lane(b, table, k)
+                scale, bias = (_stored_lane(b, t, k) for t in table)
                 ql = b.add(row.addr(bp, 32 * (i % 2) + 16 * g), b.mul(n, I64(64)))
                 code = _nibbles(row, ql, 4 * (i // 2))
                 qh = b.add(row.addr(bp, 128 + 16 * g), b.mul(n, I64(32)))
                 high = b.and_(b.lshr(row.bytes16(qh), ints(2 * i)), ints(3))
                 code = b.or_(code, b.shl(high, ints(4)))
-                bias = b.fmul(scale, ir.Constant(V16F, [-32.0] * 16))
                 row.add(row.affine(code, scale, bias), b.add(x0, b.add(b.mul(n, I64(128)), I64(32 * i + 16 * g))),
                         g)
 

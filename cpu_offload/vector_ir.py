@@ -39,6 +39,16 @@ def load(builder, addr, ty, align):
     return builder.load(pointer(builder, addr, ty), align=align)
 
 
+def memory_fence(builder, *pointers) -> None:
+    """A compiler barrier (it emits no instruction) that may read and write what `pointers` point at: values stored
+    there before it are loaded from memory after it, not kept in registers. A lane of a stored vector is then
+    broadcast by one load (``vbroadcastss`` from the stack) instead of shuffles on the vector ALUs."""
+    types_ = [p.type for p in pointers]
+    fence = ir.InlineAsm(ir.FunctionType(ir.VoidType(), types_), "", ",".join(["r"] * len(pointers) + ["~{memory}"]),
+                         side_effect=True)
+    builder.call(fence, list(pointers))
+
+
 def half_splat(builder, addr):
     """The float16 at an integer address, as float32 in 16 lanes: broadcast as float16, then converted
     (vpbroadcastw, vcvtph2ps), so that no lane waits on an earlier value. A scalar load is put in with vpinsrw into
