@@ -147,7 +147,9 @@ def _k45_scales(row, bp):
 
 
 def _stored_lane(b, slot, k):
-    """Lane k (an i64 known at run time) of the float32 vector stored at slot, in 16 lanes."""
+    """Lane k (an i64 known at run time) of the float32 vector stored at slot, in 16 lanes: one broadcast load
+    where a vector_ir.memory_fence after the store keeps the vector in memory (a lane of a vector in a register
+    took two shuffles)."""
     return splat(b, b.load(b.gep(b.bitcast(slot, F32.as_pointer()), [k])))
 
 
