@@ -26,7 +26,7 @@ from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import blocks, ffi, kernels, vector_ir  # noqa: E402
-from .kernels import QBLOCK, prefetch  # noqa: E402
+from .kernels import QBLOCK, ahead_into_l2, prefetch_lines  # noqa: E402
 from .qtensor import QTensor, aligned_empty  # noqa: E402
 from .vector_ir import F32, I64, V16F, V16I8, ZERO16, hsum, load, splat, vector_intrinsic  # noqa: E402
 
@@ -127,11 +127,11 @@ def gemv(w, s, x, y, lo, hi):
     nb = x.shape[0] // QBLOCK
     ws, ss = w.strides[0], s.strides[0]
     r = lo
+    into_l2 = ahead_into_l2(4 * x.shape[0], w.shape[1], PREFETCH_ROWS)
     while r + ROWS <= hi:
         if r + PREFETCH_ROWS + ROWS <= hi:
             for ahead in range(r + PREFETCH_ROWS, r + PREFETCH_ROWS + ROWS):
-                for j in range(0, x.shape[0], 64):
-                    prefetch(w, ahead, j)
+                prefetch_lines(w, ahead, into_l2)
         _rows_dot(w.ctypes.data + r * ws, ws, s.ctypes.data + r * ss, ss, nb, x.ctypes.data, y.ctypes.data + 4 * r, 4)
         r += ROWS
     while r < hi:

@@ -57,33 +57,53 @@ _F0 = np.float32(0.0)
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
 
-@intrinsic
-def prefetch(typingctx, arr, i, j):
-    """Software prefetch (read) of the cache line holding arr[i, j] into L2, not L1 (prefetcht1); no bounds check.
-    Rows prefetched into L1 evicted a GEMV's input there once the input and the rows ahead outgrew it (an input of
-    7168 float32 is 28 KB): docs/performance.md, "Prefetch into L2"."""
-    if not (isinstance(arr, types.Array) and arr.ndim == 2 and isinstance(i, types.Integer)
-            and isinstance(j, types.Integer)):
-        return None
+L1_BYTES = 32 * 1024   # the smallest L1 data cache of this project's machine kinds (AMD Zen 3 and 4)
 
-    def codegen(context, builder, sig, args):
-        aryty = sig.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        idx = [context.cast(builder, args[k], sig.args[k], types.intp) for k in (1, 2)]
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, idx)
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(2), i32(1)])
-        return context.get_dummy_value()
-    return types.void(arr, i, j), codegen
+
+def _prefetch_intrinsic(locality: int, where: str):
+    @intrinsic
+    def prefetch(typingctx, arr, i, j):
+        if not (isinstance(arr, types.Array) and arr.ndim == 2 and isinstance(i, types.Integer)
+                and isinstance(j, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            aryty = sig.args[0]
+            ary = context.make_array(aryty)(context, builder, args[0])
+            idx = [context.cast(builder, args[k], sig.args[k], types.intp) for k in (1, 2)]
+            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, idx)
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+            builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(locality), i32(1)])
+            return context.get_dummy_value()
+        return types.void(arr, i, j), codegen
+    prefetch.__doc__ = f"Software prefetch (read) of the cache line holding arr[i, j] {where}; no bounds check."
+    return prefetch
+
+
+prefetch = _prefetch_intrinsic(3, "into every cache level (prefetcht0)")
+prefetch_l2 = _prefetch_intrinsic(2, "into L2 and L3, not L1 (prefetcht1)")
 
 
 @njit(inline="always", **_JIT)
-def prefetch_lines(rows, i):
-    """Prefetch every 64-byte line of row i of a byte matrix (uint8 or int8 [rows, row bytes])."""
+def ahead_into_l2(input_bytes, row_bytes, rows_ahead):
+    """Whether a GEMV should prefetch its rows ahead into L2 rather than L1: when its input and those rows would not
+    fit in L1 together. Prefetched into L1, the rows evict the input, which every row reads again (a Q4_1 down
+    matrix of a 1.5B model, 7168 columns: a 28 KB input, 35 KB of rows 8 ahead). docs/performance.md, "Prefetch
+    into L2"."""
+    return input_bytes + rows_ahead * row_bytes > L1_BYTES
+
+
+@njit(inline="always", **_JIT)
+def prefetch_lines(rows, i, into_l2=False):
+    """Prefetch every 64-byte line of row i of a byte matrix (uint8 or int8 [rows, row bytes]), into L1, or into
+    L2 with into_l2."""
     for j in range(0, rows.shape[1], 64):
-        prefetch(rows, i, j)
+        if into_l2:
+            prefetch_l2(rows, i, j)
+        else:
+            prefetch(rows, i, j)
 
 
 PREFETCH_LINES = 4  # the first cache lines of a row; the hardware streamer takes over after that

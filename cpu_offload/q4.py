@@ -29,7 +29,7 @@ from numba.extending import intrinsic  # noqa: E402
 
 from . import blocks, ffi, kernels, vector_ir  # noqa: E402
 from .vector_ir import I64, V16F, V16I8, V16I32, ZERO16, half_splat, hsum, load, strict, vector_intrinsic  # noqa: E402
-from .kernels import prefetch_lines  # noqa: E402
+from .kernels import ahead_into_l2, prefetch_lines  # noqa: E402
 
 ffi.purge_stale_cache("q4", kernels, vector_ir, blocks)  # prefetch is compiled into this module's cached functions
 
@@ -137,12 +137,13 @@ row_dot_with_m, row_dot_minus_8 = _row_dot_intrinsic(blocks.Q4_1), _row_dot_intr
 def gemv(q, x, y, lo, hi, kind=blocks.Q4_1):
     """y[r] = row r of the Q4_1 (or Q4_0: kind) matrix q [rows, row bytes] dotted with x (float32 [cols],
     contiguous), for r in [lo, hi). Each row's bytes must be contiguous (quantize's are). Rows PREFETCH_ROWS ahead
-    are prefetched line by line."""
+    are prefetched line by line (kernels.ahead_into_l2 says into which cache)."""
     nb = q.shape[1] // (Q4_0_BYTES if kind == blocks.Q4_0 else BLOCK_BYTES)
     rows = q.ctypes.data
+    into_l2 = ahead_into_l2(4 * x.shape[0], q.shape[1], PREFETCH_ROWS)
     for r in range(lo, hi):
         if r + PREFETCH_ROWS < hi:
-            prefetch_lines(q, r + PREFETCH_ROWS)
+            prefetch_lines(q, r + PREFETCH_ROWS, into_l2)
         if kind == blocks.Q4_0:
             y[r] = row_dot_minus_8(rows + r * q.strides[0], nb, x.ctypes.data)
         else:

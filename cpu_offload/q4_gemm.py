@@ -19,7 +19,7 @@ from numba import njit, types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import ffi, int8, kernels, q4, vector_ir  # noqa: E402
-from .kernels import prefetch_lines  # noqa: E402
+from .kernels import ahead_into_l2, prefetch_lines  # noqa: E402
 from .q4 import BLOCK_BYTES, PREFETCH_ROWS  # noqa: E402
 
 ffi.purge_stale_cache("q4_gemm", kernels, int8, q4, ffi, vector_ir)
@@ -61,9 +61,10 @@ def gemm(q, x, y, nt, lo, hi):
     nb = q.shape[1] // BLOCK_BYTES
     rows = q.ctypes.data
     xs, ys = x.strides[0], y.strides[0]
+    into_l2 = ahead_into_l2(4 * min(nt, GROUP) * x.shape[1], q.shape[1], PREFETCH_ROWS)
     for r in range(lo, hi):
         if r + PREFETCH_ROWS < hi:
-            prefetch_lines(q, r + PREFETCH_ROWS)
+            prefetch_lines(q, r + PREFETCH_ROWS, into_l2)
         for g in range(0, nt, GROUP):
             _rows_dot(min(GROUP, nt - g), rows + r * q.strides[0], nb, x.ctypes.data + g * xs, xs,
                       y.ctypes.data + g * ys + 4 * r, ys)
@@ -98,9 +99,10 @@ def gemm_int8(w, s, x, y, y_rows, nt, lo, hi):
     int8.PREFETCH_ROWS ahead are prefetched line by line, as int8.gemv does."""
     nb = x.shape[1] // kernels.QBLOCK
     xs, ys = x.strides[0], y.strides[0]
+    into_l2 = ahead_into_l2(4 * min(nt, GROUP) * x.shape[1], w.shape[1], int8.PREFETCH_ROWS)
     for r in range(lo, hi):
         if r + int8.PREFETCH_ROWS < hi:
-            prefetch_lines(w, r + int8.PREFETCH_ROWS)
+            prefetch_lines(w, r + int8.PREFETCH_ROWS, into_l2)
         for g in range(0, nt, GROUP):
             _int8_dot(min(GROUP, nt - g), w.ctypes.data + r * w.strides[0], s.ctypes.data + r * s.strides[0], nb,
                       x.ctypes.data + g * xs, xs, y.ctypes.data + 4 * r, ys, y_rows.ctypes.data + 8 * g)

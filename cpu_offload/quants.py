@@ -31,7 +31,7 @@ from numba.extending import intrinsic  # noqa: E402
 from . import ffi, kernels, q4, vector_ir  # noqa: E402
 from . import blocks  # noqa: E402
 from .blocks import GGUF_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0  # noqa: E402
-from .kernels import prefetch_lines  # noqa: E402
+from .kernels import ahead_into_l2, prefetch_lines  # noqa: E402
 from .vector_ir import F32, I32, I64, V16F, V16I32, V16I8, ints, load, splat  # noqa: E402
 
 ffi.purge_stale_cache("quants", kernels, blocks, q4, vector_ir)
@@ -263,9 +263,10 @@ def gemv(kind, q, x, y, lo, hi):
     nb = q.shape[1] // _BLOCK_BYTES[kind]
     base = q.ctypes.data
     xa = x.ctypes.data
+    into_l2 = ahead_into_l2(4 * x.shape[0], q.shape[1], PREFETCH_ROWS)
     for r in range(lo, hi):
         if r + PREFETCH_ROWS < hi:
-            prefetch_lines(q, r + PREFETCH_ROWS)
+            prefetch_lines(q, r + PREFETCH_ROWS, into_l2)
         y[r] = row_dot(kind, base + r * q.strides[0], nb, xa)
 
 
