@@ -88,11 +88,11 @@ prefetch_l2 = _prefetch_intrinsic(2, "into L2 and L3, not L1 (prefetcht1)")
 
 @njit(inline="always", **_JIT)
 def ahead_into_l2(input_bytes, row_bytes, rows_ahead):
-    """Whether a GEMV should prefetch its rows ahead into L2 rather than L1: when its input and those rows would not
-    fit in L1 together. Prefetched into L1, the rows evict the input, which every row reads again (a Q4_1 down
-    matrix of a 1.5B model, 7168 columns: a 28 KB input, 35 KB of rows 8 ahead). docs/performance.md, "Prefetch
-    into L2"."""
-    return input_bytes + rows_ahead * row_bytes > L1_BYTES
+    """Whether a GEMV should prefetch its rows ahead into L2 rather than L1: when its input and those rows would take
+    more than three quarters of L1 (the lines streaming through need the rest). Prefetched into L1, the rows evict
+    the input, which every row reads again (a Q4_1 down matrix of a 1.5B model, 7168 columns: a 28 KB input, 35 KB
+    of rows 8 ahead). docs/performance.md, "Prefetch into L2"."""
+    return input_bytes + rows_ahead * row_bytes > L1_BYTES * 3 // 4
 
 
 @njit(inline="always", **_JIT)
