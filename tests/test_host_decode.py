@@ -14,7 +14,7 @@ jnp = jax.numpy
 
 
 # ------------------------------------------------------------------------------------------------ kernels
-@pytest.mark.parametrize("rows,cols", [(1, 64), (3, 64), (5, 192), (37, 128), (130, 576)])
+@pytest.mark.parametrize("rows,cols", [(1, 64), (3, 64), (5, 192), (37, 128), (130, 576), (23, 8192)])
 def test_gemv_matches_numpy_on_its_rows_only(rows, cols):
     rng = np.random.default_rng(rows * 1000 + cols)
     q, s = int8.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.1, 3, (rows, 1)))
@@ -55,7 +55,7 @@ def test_q4_quantize_rounds_to_the_nearest_step_and_round_trips(rows, cols):
         q4_1(np.zeros((2, 48), np.float32))
 
 
-@pytest.mark.parametrize("rows,cols", [(1, 32), (3, 64), (5, 96), (37, 576), (130, 1536)])
+@pytest.mark.parametrize("rows,cols", [(1, 32), (3, 64), (5, 96), (37, 576), (130, 1536), (19, 7168)])
 def test_q4_gemv_matches_numpy_on_its_rows_only(rows, cols):
     rng = np.random.default_rng(rows * 7 + cols)
     blocks = q4_1(_q4_matrix(rng, rows, cols))
@@ -67,6 +67,21 @@ def test_q4_gemv_matches_numpy_on_its_rows_only(rows, cols):
         err = np.abs(y[lo:hi] - want[lo:hi])
         assert (err <= q4_dot_tolerance(blocks, cols, x)[0, lo:hi]).all(), err.max()
         assert np.isnan(y[:lo]).all() and np.isnan(y[hi:]).all()
+
+
+def test_rows_ahead_go_to_l2_only_where_they_and_the_input_crowd_l1():
+    """kernels.ahead_into_l2 for the GEMVs' shapes (input bytes, row bytes, rows ahead). The widest two cases above
+    (8192 int8 columns, 7168 Q4_1 columns) take the L2 branch."""
+    from cpu_offload.blocks import Q4_1, TYPES
+    from cpu_offload.kernels import ahead_into_l2
+    row_bytes = TYPES[Q4_1].row_bytes
+    d, ff = 576, 1536                                    # the default model: every matrix and the head into L1
+    assert not ahead_into_l2(4 * d, row_bytes(d), q4.PREFETCH_ROWS)
+    assert not ahead_into_l2(4 * ff, row_bytes(ff), q4.PREFETCH_ROWS)
+    assert not ahead_into_l2(4 * d, d, int8.PREFETCH_ROWS)
+    assert not ahead_into_l2(4 * 2048, row_bytes(2048), q4.PREFETCH_ROWS)   # a 1.5B model's gate
+    assert ahead_into_l2(4 * 7168, row_bytes(7168), q4.PREFETCH_ROWS)       # and its down
+    assert ahead_into_l2(4 * 8192, 8192, int8.PREFETCH_ROWS)
 
 
 def test_team_runs_every_share_exactly_once():
