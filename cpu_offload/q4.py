@@ -28,7 +28,8 @@ from numba.core.codegen import get_host_cpu_features  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import blocks, ffi, kernels, vector_ir  # noqa: E402
-from .vector_ir import I64, V16F, V16I8, V16I32, ZERO16, half_splat, hsum, load, strict, vector_intrinsic  # noqa: E402
+from .vector_ir import (I64, V16F, V16I8, V16I32, ZERO16, half_splat, hsum, ints, load, strict,  # noqa: E402
+                        vector_intrinsic)
 from .kernels import ahead_into_l2, prefetch_lines  # noqa: E402
 
 ffi.purge_stale_cache("q4", kernels, vector_ir, blocks)  # prefetch is compiled into this module's cached functions
@@ -56,12 +57,12 @@ def emit_nibbles(builder, addr, permute=PERMUTE):
     """IR: the 16 bytes at addr as (low nibbles, high nibbles), 16 float32 each (exact small integers). With
     AVX-512, the low nibbles are a vpermps of the floats 0..15 by each byte (it reads an index's low 4 bits)."""
     z = builder.zext(load(builder, addr, V16I8, 1), V16I32)
-    hi = builder.sitofp(builder.lshr(z, ir.Constant(V16I32, [4] * 16)), V16F)
+    hi = builder.sitofp(builder.lshr(z, ints(4)), V16F)
     if permute:
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F, V16I32]),
                                             "llvm.x86.avx512.permvar.sf.512")
         return builder.call(fn, [ir.Constant(V16F, [float(v) for v in range(16)]), z]), hi
-    return builder.sitofp(builder.and_(z, ir.Constant(V16I32, [15] * 16)), V16F), hi
+    return builder.sitofp(builder.and_(z, ints(15)), V16F), hi
 
 
 _IOTA = ir.Constant(V16F, [float(v) for v in range(16)])
@@ -77,7 +78,7 @@ def emit_weights(builder, d, m, addr, permute=PERMUTE):
         q_lo, q_hi = emit_nibbles(builder, addr, permute)
         return builder.call(fma, [d, q_lo, m]), builder.call(fma, [d, q_hi, m])
     z = builder.zext(load(builder, addr, V16I8, 1), V16I32)
-    return pick(builder, d, m, z), pick(builder, d, m, builder.lshr(z, ir.Constant(V16I32, [4] * 16)))
+    return pick(builder, d, m, z), pick(builder, d, m, builder.lshr(z, ints(4)))
 
 
 def pick(builder, d, m, codes):
