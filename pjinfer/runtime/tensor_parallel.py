@@ -131,8 +131,7 @@ class Watch:
         cancelled there, and the process aborts ("terminate called ...") after its last line."""
         if not self.ended.is_set():
             self.ended.set()
-            if self.beating is not threading.current_thread():
-                self.beating.join(timeout=2 * BEAT_S)
+            self.beating.join(timeout=2 * BEAT_S)
             try:
                 self.client.key_value_set(f"{self.PREFIX}{self.index}", "done", allow_overwrite=True)
             except Exception:  # the store is gone (process 0 ended first): nobody is left to watch
