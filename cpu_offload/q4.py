@@ -23,8 +23,7 @@ from . import _numba  # noqa: F401  (the threading layer and the BLAS check, bef
 
 from llvmlite import ir  # noqa: E402
 from numba import njit, types  # noqa: E402
-from numba.core import cgutils, config  # noqa: E402
-from numba.core.codegen import get_host_cpu_features  # noqa: E402
+from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import blocks, ffi, kernels, vector_ir  # noqa: E402
@@ -44,13 +43,7 @@ PREFETCH_ROWS = 8   # rows ahead to prefetch (8 beat 16 and 32 on one thread: do
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 
 
-def _has_avx512f() -> bool:
-    """Whether Numba compiles for a CPU with AVX-512F (its vpermps picks 16 floats by 4-bit index)."""
-    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
-    return "+avx512f" in features.split(",")
-
-
-PERMUTE = _has_avx512f()
+PERMUTE = vector_ir.cpu_has("avx512f")   # AVX-512F's vpermps picks 16 floats by 4-bit index
 
 
 def emit_nibbles(builder, addr, permute=PERMUTE):

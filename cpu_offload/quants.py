@@ -4,8 +4,9 @@
 ``blocks.py`` has the layouts) dotted with x (float32 [cols]), for r in [lo, hi). Only y[lo:hi] is written. No
 bounds checks beyond the shapes: the caller owns them. Q4_0 and Q4_1 rows go to ``q4.gemv`` (the batched decode's
 kernel too, so a Q4_1 matrix has one GEMV; its nibbles through vpermps are faster than the general form below:
-docs/performance.md), and so do ``row_dot``'s; every other type is walked here. ``emit_block`` reads
-Q4_0 and Q4_1 too (predicted_ffn's AXPY rows).
+docs/performance.md), and so do ``row_dot``'s. The K-quants' rows go to ``q8_dot.gemv``, which multiplies them with
+x rounded to 8 bits, in integers. Every other type is walked here, and so are the K-quants' rows of ``row_dot``
+(predicted_ffn's row dots). ``emit_block`` reads Q4_0 and Q4_1 too (predicted_ffn's AXPY rows).
 
 How: each row's dot is one function of LLVM vector IR per type (``row_dot``: Numba's autovectorizer turns byte
 unpacking into byte-by-byte inserts, see q4.py). ``emit_block`` emits one block: 16 weights at a time it loads 16
@@ -28,13 +29,13 @@ from numba import njit, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from . import ffi, kernels, q4, vector_ir  # noqa: E402
+from . import ffi, kernels, q4, q8_dot, vector_ir  # noqa: E402
 from . import blocks  # noqa: E402
 from .blocks import GGUF_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0  # noqa: E402
 from .kernels import ahead_into_l2, prefetch_lines  # noqa: E402
 from .vector_ir import F32, I32, I64, V16F, V16I32, V16I8, ints, load, splat  # noqa: E402
 
-ffi.purge_stale_cache("quants", kernels, blocks, q4, vector_ir)
+ffi.purge_stale_cache("quants", kernels, blocks, q4, q8_dot, vector_ir)
 
 PREFETCH_ROWS = 8
 _F0 = np.float32(0.0)
@@ -126,26 +127,6 @@ def _fifth_bit(b, code, lanes, shifts):
     return b.or_(code, b.shl(b.and_(b.lshr(lanes, shifts), ints(1)), ints(4)))
 
 
-def _k45_scales(row, bp):
-    """A Q4_K / Q5_K block's eight (scale, min) pairs as two <8 x float> (d sc_j, dmin m_j), unpacked as llama.cpp's
-    get_scale_min_k4 in eight lanes at once: for j < 4, sc = q[j] & 63 and m = q[j + 4] & 63; for j >= 4,
-    sc = (q[j + 4] & 15) | (q[j - 4] >> 6) << 4 and m = q[j + 4] >> 4 | (q[j] >> 6) << 4 (q: the 12 bytes at
-    bp + 4). Each lane's products are the ones a scalar decode computes."""
-    b = row.b
-    v8i, v8f = ir.VectorType(I32, 8), ir.VectorType(F32, 8)
-    c8 = lambda vals: ir.Constant(v8i, list(vals))  # noqa: E731
-    q = row.bytes16(row.addr(bp, 4))            # bytes 4..19: the 12 scale bytes, then nibbles (unused)
-    lanes = lambda v, idx: b.shuffle_vector(v, v, c8(idx))  # noqa: E731
-    top = lambda idx: b.shl(b.lshr(lanes(q, idx), c8([6] * 8)), c8([4] * 8))  # noqa: E731
-    upper = c8([0] * 4 + [-1] * 4)              # lanes j >= 4 take the top bits
-    sc = b.or_(b.and_(lanes(q, [0, 1, 2, 3, 8, 9, 10, 11]), c8([63] * 4 + [15] * 4)),
-               b.and_(top([0, 1, 2, 3, 0, 1, 2, 3]), upper))
-    mn = b.or_(b.and_(b.lshr(lanes(q, [4, 5, 6, 7, 8, 9, 10, 11]), c8([0] * 4 + [4] * 4)), c8([63] * 8)),
-               b.and_(top([4, 5, 6, 7, 4, 5, 6, 7]), upper))
-    d8 = lambda at: b.shuffle_vector(*[row.f16(row.addr(bp, at))] * 2, c8(range(8)))  # noqa: E731
-    return b.fmul(d8(0), b.uitofp(sc, v8f)), b.fmul(d8(2), b.uitofp(mn, v8f))
-
-
 def _stored_lane(b, slot, k):
     """Lane k (an i64 known at run time) of the float32 vector stored at slot, in 16 lanes: one broadcast load
     where a vector_ir.memory_fence after the store keeps the vector in memory (a lane of a vector in a register
@@ -155,12 +136,12 @@ def _stored_lane(b, slot, k):
 
 def _emit_k45(row, kind, bp, x0):
     """One Q4_K / Q5_K block of 256 at address bp: sub-block j = 2c + h holds the low (h = 0) or high nibbles of
-    bytes 32c..32c+31, with scale and min from _k45_scales. A loop over c, not unrolled: the block unrolled kept
+    bytes 32c..32c+31, with scale and min from q8_dot.k45_scales. A loop over c, not unrolled: the block unrolled kept
     about 55 values on the stack (16 AVX2 registers for 16-lane vectors)."""
     b = row.b
     v8f = ir.VectorType(F32, 8)
     table = [cgutils.alloca_once(b, v8f) for _ in range(2)]   # the entry block's: no stack growth per block
-    scales, mins = _k45_scales(row, bp)
+    scales, mins = q8_dot.k45_scales(b, bp)
     for slot, v in zip(table, (scales, b.fneg(mins))):
         b.store(v, slot)
     vector_ir.memory_fence(b, *table)
@@ -259,6 +240,9 @@ def gemv(kind, q, x, y, lo, hi):
     """y[r] = row r of q (uint8 [rows, row bytes], blocks of ggml type kind) dotted with x, for r in [lo, hi)."""
     if kind == Q4_1 or kind == Q4_0:
         q4.gemv(q, x, y, lo, hi, kind)
+        return
+    if kind == Q4_K or kind == Q5_K or kind == Q6_K:
+        q8_dot.gemv(kind, q, x, y, lo, hi)
         return
     nb = q.shape[1] // _BLOCK_BYTES[kind]
     base = q.ctypes.data

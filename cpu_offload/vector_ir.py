@@ -9,13 +9,21 @@ order the IR states in every caller, so two paths that emit the same IR compute 
 from __future__ import annotations
 
 from llvmlite import ir
-from numba.core import cgutils
+from numba.core import cgutils, config
+from numba.core.codegen import get_host_cpu_features
 
 F32, I32, I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
 V16F = ir.VectorType(F32, 16)
 V16I8 = ir.VectorType(ir.IntType(8), 16)
 V16I32 = ir.VectorType(I32, 16)
 ZERO16 = ir.Constant(V16F, [0.0] * 16)
+
+
+def cpu_has(feature: str) -> bool:
+    """Whether Numba compiles for a CPU with this LLVM feature ("avx512f", "avx512vnni", ...): the host's, or
+    NUMBA_CPU_FEATURES where set (how the tests compile the AVX2 forms on an AVX-512 machine)."""
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
+    return f"+{feature}" in features.split(",")
 
 
 def strict(instr):
