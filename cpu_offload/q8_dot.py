@@ -1,22 +1,26 @@
-"""The K-quants' GEMV (Q4_K, Q5_K, Q6_K rows) against an input rounded to 8 bits, in integers.
+"""The GEMV of the K-quants (Q4_K, Q5_K, Q6_K) and of Q5_0 against an input rounded to 8 bits, in integers.
 
-``gemv(kind, q, x, y, lo, hi)``: y[r] = row r of q (uint8 [rows, row bytes], blocks of ggml type kind) dotted with
-x^, for r in [lo, hi), where x^ is x rounded by ``quantize_input``. ``quants.gemv`` sends these three types here.
+``gemv(kind, q, x, y, lo, hi)``: y[r] = row r of q (uint8 [rows, row bytes], blocks of ggml type kind, one of KINDS)
+dotted with x^, for r in [lo, hi), where x^ is x rounded by ``quantize_input``. ``quants.gemv`` sends these types
+here.
 
-Why: converting every weight to float32 (quants.py's form) runs about 8 GB/s a thread even from cache, so a
-K-quant file was compute bound at half the bandwidth. llama.cpp multiplies the codes with an 8-bit input in
-integers; so does this (docs/performance.md has both).
+Why: converting every weight to float32 (quants.py's form) runs about 8-9 GB/s a thread even from cache, so these
+files were compute bound at half the bandwidth. llama.cpp multiplies the codes with an 8-bit input in integers; so
+does this (docs/performance.md has both).
 
 The input: x is rounded once a call, in groups of 16: dx = max|x| / 127, codes round(x / dx) in [-127, 127]; each
-group also keeps the sum of its x^ = dx codes. A group of 16 shares one scale with a 16-weight sub-block of Q6_K
-and half a sub-block of Q4_K/Q5_K, so no scale of the input spans two of the weights' scales.
+group also keeps the sum of its x^ = dx codes, and each four inputs the sum of their codes. A group of 16 shares
+one scale with a 16-weight sub-block of Q6_K, half a sub-block of Q4_K/Q5_K and half a Q5_0 block, so no scale of
+the input spans two of the weights' scales.
 
-A block of 256 is four runs of 64 weights. Per run: the 64 unsigned codes (4, 5 or 6 bits) in one <64 x i8>, its
-64 input codes, and ``dot4``: 16 int32 lanes, lane l the sum of products 4l..4l+3 (vpdpbusd with AVX512-VNNI;
-vpmaddubsw then vpmaddwd otherwise: the same integers, none of them saturate). Four lanes are one input group, so
-each lane is converted to float32 and multiplied by its d sc dx (one FMA into a 16-lane accumulator). The offsets
-(Q4_K and Q5_K's -dmin m, Q6_K's -32 d sc) take each group's sum of x^, once a block. Float32 rounding aside, a row's
-result is sum_i w_i x^_i, with w_i gguf's dequantized weight (tests/test_quants.py holds it to float64).
+A run is 64 weights: a quarter of a K-quant block, or two Q5_0 blocks (a row's odd last Q5_0 block is a run of 32).
+Per run: the unsigned codes (4, 5 or 6 bits) in one <64 x i8>, the 64 input codes, and ``dot4``: 16 int32 lanes,
+lane l the sum of products 4l..4l+3 (vpdpbusd with AVX512-VNNI; vpmaddubsw then vpmaddwd otherwise: the same
+integers, none of them saturate). Four lanes are one input group, so each lane is converted to float32 and
+multiplied by its d sc dx (one FMA into one of two 16-lane accumulators). The offsets take the input's sums: Q4_K and
+Q5_K's -dmin m and Q6_K's -32 d sc the groups' sums of x^, once a block; Q5_0's -16 the lanes' sums of codes, in
+integers. Float32 rounding aside, a row's result is sum_i w_i x^_i, with w_i gguf's dequantized weight
+(tests/test_quants.py holds it to float64).
 """
 from __future__ import annotations
 
@@ -30,15 +34,19 @@ from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import blocks, ffi, kernels, vector_ir  # noqa: E402
-from .blocks import GGUF_TYPES, Q4_K, Q5_K, Q6_K  # noqa: E402
+from .blocks import GGUF_TYPES, Q4_K, Q5_0, Q5_K, Q6_K  # noqa: E402
 from .kernels import ahead_into_l2, prefetch_lines  # noqa: E402
 from .vector_ir import F32, I32, I64, V16F, V16I8, V16I32, ZERO16, half_splat, hsum, load  # noqa: E402
 
 ffi.purge_stale_cache("q8_dot", kernels, blocks, vector_ir)
 
+KINDS = (Q4_K, Q5_K, Q6_K, Q5_0)   # the block types read here
 GROUP = 16                 # input elements per scale
 PREFETCH_ROWS = 8
 _JIT = dict(fastmath=True, cache=True, nogil=True)
+GGUF_BLOCK = np.zeros(16, np.int64)   # weights a block, by ggml type number (a table Numba code can index)
+for _k in KINDS:
+    GGUF_BLOCK[_k] = GGUF_TYPES[_k].block
 I8, I16 = ir.IntType(8), ir.IntType(16)
 V32I8, V64I8 = ir.VectorType(I8, 32), ir.VectorType(I8, 64)
 V8F, V8I32 = ir.VectorType(F32, 8), ir.VectorType(I32, 8)
@@ -49,11 +57,15 @@ VNNI, AVX512BW = vector_ir.cpu_has("avx512vnni"), vector_ir.cpu_has("avx512bw")
 # The input.
 
 @njit(**_JIT)
-def quantize_input(x, codes, dx4, sums):
-    """Round x (float32 [cols], cols a multiple of 16) in groups of 16: codes[i] = round(x[i] / dx) (int8 [cols]),
-    dx = max|x| / 127 of the group (0 and codes 0 for a group of zeros), stored four times, once per int32 lane of
-    the group (dx4: float32 [cols / 4]); sums[g] = dx * (the group's sum of codes) (float32 [cols / 16])."""
-    for g in range(x.shape[0] // GROUP):
+def quantize_input(x):
+    """x (float32 [cols], cols a multiple of 16) rounded in groups of 16 -> (codes, dx4, sums, lane_sums):
+    codes[i] = round(x[i] / dx) (int8 [cols]) with dx = max|x| / 127 of the group (0, and codes 0, for a group of
+    zeros); dx4 (float32 [cols / 4]) that dx once per int32 lane of four inputs; sums[g] = dx * (group g's sum of
+    codes) (float32 [cols / 16]); lane_sums[k] = the sum of codes 4k..4k+3 (int32 [cols / 4])."""
+    cols = x.shape[0]
+    codes, dx4 = np.empty(cols, np.int8), np.empty(cols // 4, np.float32)
+    sums, lane_sums = np.empty(cols // GROUP, np.float32), np.zeros(cols // 4, np.int32)
+    for g in range(cols // GROUP):
         at = g * GROUP
         amax = np.float32(0.0)
         for i in range(GROUP):
@@ -64,16 +76,12 @@ def quantize_input(x, codes, dx4, sums):
         for i in range(GROUP):
             c = np.int32(np.rint(x[at + i] * inv))
             codes[at + i] = c
+            lane_sums[(at + i) // 4] += c
             total += c
         for k in range(4):
             dx4[4 * g + k] = dx
         sums[g] = dx * np.float32(total)
-
-
-@njit(**_JIT)
-def input_buffers(cols):
-    """Fresh (codes, dx4, sums) for an input of cols elements: quantize_input's arrays."""
-    return np.empty(cols, np.int8), np.empty(cols // 4, np.float32), np.empty(cols // GROUP, np.float32)
+    return codes, dx4, sums, lane_sums
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -100,39 +108,54 @@ def _call(b, name, ret, args):
 
 
 def dot4(b, w, xc):
-    """<16 x i32>: lane l = sum over k < 4 of w[4l + k] (unsigned) * xc[4l + k] (signed), both <64 x i8>. Exact:
-    with w < 64 and |xc| <= 127 no 16-bit pair sum (the non-VNNI forms) can saturate."""
-    zero = ir.Constant(V16I32, [0] * 16)
+    """<n/4 x i32>: lane l = sum over k < 4 of w[4l + k] (unsigned) * xc[4l + k] (signed), both <n x i8>, n 64 or
+    32. Exact: with w < 64 and |xc| <= 127 no 16-bit pair sum (the non-VNNI forms) can saturate."""
+    n = w.type.count
     if VNNI:
-        return _call(b, "llvm.x86.avx512.vpdpbusd.512", V16I32, [zero, w, xc])
-    if AVX512BW:
+        lanes = ir.VectorType(I32, n // 4)
+        return _call(b, f"llvm.x86.avx512.vpdpbusd.{8 * n}", lanes, [ir.Constant(lanes, [0] * (n // 4)), w, xc])
+    if AVX512BW and n == 64:
         pairs = _call(b, "llvm.x86.avx512.pmaddubs.w.512", ir.VectorType(I16, 32), [w, xc])
         return _call(b, "llvm.x86.avx512.pmaddw.d.512", V16I32, [pairs, ir.Constant(pairs.type, [1] * 32)])
-    halves = []
-    for h in range(2):
+    quarters = []
+    for h in range(n // 32):
         half = range(32 * h, 32 * h + 32)
         pairs = _call(b, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(I16, 16), [_lanes(b, w, half),
                                                                                 _lanes(b, xc, half)])
-        halves.append(_call(b, "llvm.x86.avx2.pmadd.wd", V8I32, [pairs, ir.Constant(pairs.type, [1] * 16)]))
-    return _concat(b, *halves)
+        quarters.append(_call(b, "llvm.x86.avx2.pmadd.wd", V8I32, [pairs, ir.Constant(pairs.type, [1] * 16)]))
+    return quarters[0] if n == 32 else _concat(b, *quarters)
 
 
 class _Row:
-    """One row's dot: a 16-lane float32 accumulator for the code products (acc) and one for the offsets (off),
-    the input's three arrays at integer addresses."""
+    """One row's dot: two 16-lane float32 accumulators for the code products (runs alternate between them: two
+    FMA chains) and one for the offsets, the input's four arrays (quantize_input's) at integer addresses."""
 
-    def __init__(self, b, codes, dx4, sums):
-        self.b, self.codes, self.dx4, self.sums = b, codes, dx4, sums
-        self.acc, self.off = (cgutils.alloca_once_value(b, ZERO16) for _ in range(2))
+    def __init__(self, b, codes, dx4, sums, lane_sums):
+        self.b, self.codes, self.dx4, self.sums, self.lane_sums = b, codes, dx4, sums, lane_sums
+        self.acc = [cgutils.alloca_once_value(b, ZERO16) for _ in range(2)]
+        self.off = cgutils.alloca_once_value(b, ZERO16)
         self.fma = vector_ir.vector_intrinsic(b, "llvm.fma", 3)
+        self.runs = 0
 
-    def run(self, w, e, scales):
-        """acc += the 64 codes w (<64 x i8>) times input elements e..e+63 (e: i64), lane l's product times
-        scales[l] (16 lanes: each lane's d sc) and the lane's dx."""
+    def run(self, w, e, scales, minus=0):
+        """acc += the n codes w (<n x i8>, n 64 or 32) minus `minus` times input elements e..e+n-1 (e: i64), lane
+        l's product times scales[l] (n/4 lanes: each lane's d sc) and the lane's dx."""
         b = self.b
-        p = dot4(b, w, load(b, b.add(self.codes, e), V64I8, 1))
-        s = b.fmul(scales, load(b, b.add(self.dx4, e), V16F, 4))      # dx4 holds cols / 4 floats: byte e is lane e/4
-        b.store(b.call(self.fma, [b.sitofp(p, V16F), s, b.load(self.acc)]), self.acc)
+        n = w.type.count
+        lanes = n // 4
+        p = dot4(b, w, load(b, b.add(self.codes, e), ir.VectorType(I8, n), 1))
+        if minus:   # sum (w - minus) x = sum w x - minus sum x, in integers
+            sums = load(b, b.add(self.lane_sums, e), ir.VectorType(I32, lanes), 4)   # byte e is lane e/4
+            p = b.sub(p, b.mul(sums, ir.Constant(sums.type, [minus] * lanes)))
+        s = b.fmul(scales, load(b, b.add(self.dx4, e), ir.VectorType(F32, lanes), 4))
+        acc = self.acc[self.runs % 2]
+        self.runs += 1
+        if lanes == 16:
+            b.store(b.call(self.fma, [b.sitofp(p, V16F), s, b.load(acc)]), acc)
+            return
+        product = b.fmul(b.sitofp(p, s.type), s)     # a half run (a row's last Q5_0 block): lanes 8..15 get 0
+        wide = ir.Constant(ir.VectorType(I32, 16), list(range(lanes)) + [lanes] * (16 - lanes))
+        b.store(b.fadd(b.shuffle_vector(product, ir.Constant(product.type, [0.0] * lanes), wide), b.load(acc)), acc)
 
     def offsets(self, e, per_group):
         """off += per_group (16 lanes, one per input group of the block at element e) times the groups' sums."""
@@ -142,7 +165,8 @@ class _Row:
 
     def total(self, off_times):
         b = self.b
-        return b.fsub(hsum(b, b.load(self.acc)), b.fmul(F32(off_times), hsum(b, b.load(self.off))))
+        acc = vector_ir.strict(b.fadd(*(b.load(a) for a in self.acc)))
+        return b.fsub(hsum(b, acc), b.fmul(F32(off_times), hsum(b, b.load(self.off))))
 
 
 def k45_scales(b, bp):
@@ -195,18 +219,50 @@ def _emit_q6_k(row, bp, e):
     row.offsets(e, scales)
 
 
+def _q5_0_codes(b, bp):
+    """A Q5_0 block's 32 codes q (0..31) as <32 x i8>: the low nibbles, then the high ones, each with its fifth
+    bit from the uint32 qh (bit j belongs to element j)."""
+    nib = load(b, b.add(bp, I64(6)), V16I8, 1)
+    q = _concat(b, b.and_(nib, _i8s(15, 16)), b.lshr(nib, _i8s(4, 16)))
+    fifth = b.bitcast(load(b, b.add(bp, I64(2)), I32, 1), ir.VectorType(ir.IntType(1), 32))
+    return b.or_(q, b.select(fifth, _i8s(16, 32), _i8s(0, 32)))
+
+
+def _emit_q5_0(row, bp, e, blocks_in_run):
+    """One run of Q5_0 blocks (two, or a row's odd last one) at address bp, input from element e: each block's
+    w = d (q - 16), so the run's products are q . x minus 16 times the lanes' code sums, scaled by d."""
+    b = row.b
+    q = _q5_0_codes(b, bp)
+    d = half_splat(b, bp)
+    if blocks_in_run == 2:
+        nxt = b.add(bp, I64(GGUF_TYPES[Q5_0].nbytes))
+        q = _concat(b, q, _q5_0_codes(b, nxt))
+        d = b.shuffle_vector(d, half_splat(b, nxt), ir.Constant(V16I32, [0] * 8 + [16] * 8))
+    else:
+        d = _lanes(b, d, range(8))
+    row.run(q, e, d, minus=16)
+
+
 @intrinsic
-def _dot_row(typingctx, kind, p, nb, codes, dx4, sums):
-    """An intrinsic (kind, p, nb, codes, dx4, sums) -> float32: the dot of the row of nb blocks of K-quant kind at
-    address p with the input quantize_input made (its three arrays' addresses). kind must be a literal."""
+def _dot_row(typingctx, kind, p, nb, codes, dx4, sums, lane_sums):
+    """An intrinsic (kind, p, nb, codes, dx4, sums, lane_sums) -> float32: the dot of the row of nb blocks of kind
+    (a literal, one of KINDS) at address p with the input quantize_input made (its arrays' addresses)."""
     if not isinstance(kind, types.IntegerLiteral):
         return None
     code = kind.literal_value
     nbytes = GGUF_TYPES[code].nbytes
 
     def codegen(context, builder, sig, args):
-        _, p, nb, codes, dx4, sums = args
-        row = _Row(builder, codes, dx4, sums)
+        row = _Row(builder, *args[3:])
+        p, nb = args[1], args[2]
+        if code == Q5_0:
+            with cgutils.for_range(builder, builder.udiv(nb, I64(2))) as loop:
+                _emit_q5_0(row, builder.add(p, builder.mul(loop.index, I64(2 * nbytes))),
+                           builder.mul(loop.index, I64(64)), 2)
+            last = builder.sub(nb, I64(1))
+            with builder.if_then(builder.trunc(nb, ir.IntType(1))):
+                _emit_q5_0(row, builder.add(p, builder.mul(last, I64(nbytes))), builder.mul(last, I64(32)), 1)
+            return row.total(0.0)
         with cgutils.for_range(builder, nb) as loop:
             bp = builder.add(p, builder.mul(loop.index, I64(nbytes)))
             e = builder.mul(loop.index, I64(256))
@@ -215,32 +271,36 @@ def _dot_row(typingctx, kind, p, nb, codes, dx4, sums):
             else:
                 _emit_k45(row, code, bp, e)
         return row.total(32.0 if code == Q6_K else 1.0)
-    return types.float32(kind, types.int64, types.int64, types.int64, types.int64, types.int64), codegen
+    return types.float32(kind, *[types.int64] * 6), codegen
 
 
 @njit(inline="always", **_JIT)
-def row_dot(kind, p, nb, codes, dx4, sums):
-    """float32 dot of one row (nb blocks of K-quant kind at address p) with a quantize_input input (addresses)."""
+def row_dot(kind, p, nb, codes, dx4, sums, lane_sums):
+    """float32 dot of one row (nb blocks of kind, one of KINDS, at address p) with a quantize_input input (its
+    arrays' addresses)."""
     if kind == Q4_K:
-        return _dot_row(Q4_K, p, nb, codes, dx4, sums)
+        return _dot_row(Q4_K, p, nb, codes, dx4, sums, lane_sums)
     if kind == Q6_K:
-        return _dot_row(Q6_K, p, nb, codes, dx4, sums)
-    return _dot_row(Q5_K, p, nb, codes, dx4, sums)
+        return _dot_row(Q6_K, p, nb, codes, dx4, sums, lane_sums)
+    if kind == Q5_0:
+        return _dot_row(Q5_0, p, nb, codes, dx4, sums, lane_sums)
+    return _dot_row(Q5_K, p, nb, codes, dx4, sums, lane_sums)
 
 
 @njit(**_JIT)
 def gemv(kind, q, x, y, lo, hi):
-    """y[r] = row r of q (uint8 [rows, row bytes], blocks of K-quant kind) dotted with x rounded by quantize_input,
-    for r in [lo, hi). Each call rounds x itself (a few microseconds: the caller's threads need no shared step)."""
+    """y[r] = row r of q (uint8 [rows, row bytes], blocks of kind, one of KINDS) dotted with x rounded by
+    quantize_input, for r in [lo, hi). Each call rounds x itself (microseconds: the caller's threads need no shared
+    step)."""
     if hi <= lo:
         return
     cols = x.shape[0]
-    codes, dx4, sums = input_buffers(cols)
-    quantize_input(x, codes, dx4, sums)
-    nb = cols // 256
+    codes, dx4, sums, lane_sums = quantize_input(x)
+    nb = cols // GGUF_BLOCK[kind]
     base = q.ctypes.data
-    into_l2 = ahead_into_l2(cols + cols + cols // 4, q.shape[1], PREFETCH_ROWS)
+    into_l2 = ahead_into_l2(codes.nbytes + dx4.nbytes + sums.nbytes + lane_sums.nbytes, q.shape[1], PREFETCH_ROWS)
     for r in range(lo, hi):
         if r + PREFETCH_ROWS < hi:
             prefetch_lines(q, r + PREFETCH_ROWS, into_l2)
-        y[r] = row_dot(kind, base + r * q.strides[0], nb, codes.ctypes.data, dx4.ctypes.data, sums.ctypes.data)
+        y[r] = row_dot(kind, base + r * q.strides[0], nb, codes.ctypes.data, dx4.ctypes.data, sums.ctypes.data,
+                       lane_sums.ctypes.data)

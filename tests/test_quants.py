@@ -34,23 +34,21 @@ def random_blocks(rng, kind, rows, n_blocks):
 def rounded_input(kind, x):
     """The input a GEMV of kind multiplies, in float64: x itself, or for the K-quants x^, x rounded to 8 bits in
     groups of 16 (q8_dot.quantize_input, checked by test_k_quant_inputs_round_to_8_bits_in_groups_of_16)."""
-    if kind not in (blocks.Q4_K, blocks.Q5_K, blocks.Q6_K):
+    if kind not in q8_dot.KINDS:
         return x.astype(np.float64)
-    codes, dx4, sums = q8_dot.input_buffers(x.shape[0])
-    q8_dot.quantize_input(x, codes, dx4, sums)
+    codes, dx4, _, _ = q8_dot.quantize_input(x)
     return codes.astype(np.float64) * np.repeat(dx4[::4].astype(np.float64), q8_dot.GROUP)
 
 
 def test_k_quant_inputs_round_to_8_bits_in_groups_of_16():
     """Each group of 16: dx = max|x| / 127, codes round(x / dx) (so the largest is +-127 and every x^ = codes dx is
-    within dx / 2 of x), dx once per int32 lane, and the group's sum of x^; a group of zeros has dx 0 and codes 0."""
+    within dx / 2 of x), dx once per int32 lane, the group's sum of x^ and each lane's sum of codes; a group of
+    zeros has dx 0 and codes 0."""
     rng = np.random.default_rng(11)
     x = (rng.standard_normal((7, 16)) * rng.uniform(1e-3, 50, (7, 1))).astype(np.float32).ravel()  # groups' spans vary
     x[16:32] = 0                                    # a group of zeros
     x[40] = 1e4                                     # an outlier: its group's step is coarse, the others' are not
-    codes, dx4, sums = q8_dot.input_buffers(x.shape[0])
-    codes[:], dx4[:], sums[:] = 99, np.nan, np.nan  # poisoned
-    q8_dot.quantize_input(x, codes, dx4, sums)
+    codes, dx4, sums, lane_sums = q8_dot.quantize_input(x)
     groups = x.reshape(-1, 16)
     dx = (np.abs(groups).max(1) / np.float32(127)).astype(np.float32)
     np.testing.assert_allclose(dx4, np.repeat(dx, 4), rtol=2.0 ** -22)   # fastmath: amax times 1/127 may differ
@@ -60,6 +58,7 @@ def test_k_quant_inputs_round_to_8_bits_in_groups_of_16():
     xh = c * dx[:, None].astype(np.float64)
     assert (np.abs(xh - groups) <= 0.5 * dx[:, None] * (1 + 1e-5)).all()
     np.testing.assert_allclose(sums, xh.sum(1), rtol=1e-6)
+    np.testing.assert_array_equal(lane_sums, c.reshape(-1, 4).sum(1))
 
 
 def test_every_type_the_loader_keeps_has_a_kernel_and_gguf_sizes():
@@ -212,11 +211,10 @@ def test_decode_step_in_the_files_own_blocks_equals_float32_on_gguf_values(tmp_p
     got, got_cache = _decode(model, tokens, 8)
     want, want_cache = _decode(Transformer(config, values), tokens, 8)
     # The caches are float16 (test_host_decode's tolerances): a value the two paths compute a hair apart can
-    # round to neighbouring steps. Where a K-quant matrix is read, its input is rounded to 8 bits (q8_dot): on these
-    # random weights that moved the logits by up to 2.1% of the largest and the cache by up to 1.4%; a fault in a
-    # block's decode (a scale on the wrong sub-block) moves them by tens of percent.
-    rounded = kinds in ("mix", "qwen2") or kinds in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K,
-                                                     gguf.GGMLQuantizationType.Q6_K)
+    # round to neighbouring steps. Where a K-quant or Q5_0 matrix is read, its input is rounded to 8 bits (q8_dot):
+    # on these random weights that moved the logits by up to 2.1% of the largest and the cache by up to 1.4%; a fault
+    # in a block's decode (a scale on the wrong sub-block) moves them by tens of percent.
+    rounded = kinds in ("mix", "qwen2") or kinds in q8_dot.KINDS
     logits_tol, cache_tol = (4e-2, 3e-2) if rounded else (5e-4, 1e-3)
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=logits_tol * np.abs(want).max())
     for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
