@@ -382,7 +382,6 @@ def test_gguf_blocks_neither_batch_nor_prefill_on_the_host(tmp_path):
     """--weights gguf (other block types, read by quants.gemv) runs the host decoder too, but the batched kernels
     read Q4_1 and int8 only: no batching, and its prompts prefill as decode steps up to STEPPED_PROMPT tokens,
     in XLA past that."""
-    import gguf
 
     from pjinfer.runtime import host
     from pjinfer.runtime.batch import unsupported

@@ -19,7 +19,7 @@ from pjinfer.measure import powerinfer_files as pf
 from pjinfer.runtime import backends
 from pjinfer.runtime.engine import Engine
 from tests.support.gguf_files import write_spm_vocab
-from tests.test_cli import assert_clean_error, run_cli
+from tests.test_cli import run_cli
 
 DATA = Path(__file__).parent / "data"
 TINY = pf.Geometry(d_model=128, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=576)

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from cpu_offload import decoder, int8, q4, team
-from cpu_offload import host_decode as hd
 from tests.conftest import int8_values, q4_1, q4_1_values, q4_dot_tolerance, random_weights, tiny_config
 
 jax = pytest.importorskip("jax")

@@ -1,6 +1,5 @@
 """Hostile sparse bundles (manifest.json and orbax stages) and PowerInfer GPU-index files: each is refused in one
 line naming what is wrong, through the API and through the CLI."""
-import json
 import subprocess
 import sys
 

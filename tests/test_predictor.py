@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from train.predictor import (Predictor, Threshold, calibrate_threshold, evaluate, fit_layer, initial_rank,
+from train.predictor import (Threshold, calibrate_threshold, evaluate, fit_layer, initial_rank,
                              split_indices, train_predictor)
 
 HIDDEN_RANK = 16

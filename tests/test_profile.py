@@ -1,5 +1,4 @@
 """Activation profiler and bundle: real model on a short slice of calibration text, tiny models for edge cases."""
-import json
 
 import jax.numpy as jnp
 import numpy as np

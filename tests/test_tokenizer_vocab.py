@@ -7,7 +7,6 @@ files must give every case's ids and decode back to the text; each byte-level BP
 refused in one line (its pre-tokenizer or tokenizer model not implemented)."""
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from pjinfer.config import ConfigError
