@@ -1,4 +1,4 @@
-"""The GEMV of the K-quants (Q4_K, Q5_K, Q6_K) and of Q5_0 against an input rounded to 8 bits, in integers.
+"""The GEMV of the K-quants (Q4_K, Q5_K, Q6_K), Q5_0 and Q8_0 against an input rounded to 8 bits, in integers.
 
 ``gemv(kind, q, x, y, lo, hi)``: y[r] = row r of q (uint8 [rows, row bytes], blocks of ggml type kind, one of KINDS)
 dotted with x^, for r in [lo, hi), where x^ is x rounded by ``quantize_input``. ``quants.gemv`` sends these types
@@ -10,16 +10,17 @@ does this (docs/performance.md has both).
 
 The input: x is rounded once a call, in groups of 16: dx = max|x| / 127, codes round(x / dx) in [-127, 127]; each
 group also keeps the sum of its x^ = dx codes, and each four inputs the sum of their codes. A group of 16 shares
-one scale with a 16-weight sub-block of Q6_K, half a sub-block of Q4_K/Q5_K and half a Q5_0 block, so no scale of
-the input spans two of the weights' scales.
+one scale with a 16-weight sub-block of Q6_K, half a sub-block of Q4_K/Q5_K and half a Q5_0 or Q8_0 block, so no
+scale of the input spans two of the weights' scales.
 
-A run is 64 weights: a quarter of a K-quant block, or two Q5_0 blocks (a row's odd last Q5_0 block is a run of 32).
-Per run: the unsigned codes (4, 5 or 6 bits) in one <64 x i8>, the 64 input codes, and ``dot4``: 16 int32 lanes,
-lane l the sum of products 4l..4l+3 (vpdpbusd with AVX512-VNNI; vpmaddubsw then vpmaddwd otherwise: the same
-integers, none of them saturate). Four lanes are one input group, so each lane is converted to float32 and
-multiplied by its d sc dx (one FMA into one of two 16-lane accumulators). The offsets take the input's sums: Q4_K and
-Q5_K's -dmin m and Q6_K's -32 d sc the groups' sums of x^, once a block; Q5_0's -16 the lanes' sums of codes, in
-integers. Float32 rounding aside, a row's result is sum_i w_i x^_i, with w_i gguf's dequantized weight
+A run is 64 weights: a quarter of a K-quant block, or two blocks of 32 (a row's odd last one is a run of 32). Per
+run: the unsigned codes (4, 5 or 6 bits; Q8_0's signed codes as their absolute values, their signs moved to the
+input's codes) in one <64 x i8>, the 64 input codes, and ``dot4``: 16 int32 lanes, lane l the sum of products
+4l..4l+3 (vpdpbusd with AVX512-VNNI; vpmaddubsw then vpmaddwd otherwise: the same integers, none of them saturate).
+Four lanes are one input group, so each lane is converted to float32 and multiplied by its d sc dx (one FMA into one
+of two 16-lane accumulators). The offsets take the input's sums: Q4_K and Q5_K's -dmin m and Q6_K's -32 d sc the
+groups' sums of x^, once a block; Q5_0's -16 the lanes' sums of codes, in integers. Float32 rounding aside, a row's
+result is sum_i w_i x^_i, with w_i gguf's dequantized weight
 (tests/test_quants.py holds it to float64).
 """
 from __future__ import annotations
@@ -34,13 +35,13 @@ from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import blocks, ffi, kernels, vector_ir  # noqa: E402
-from .blocks import GGUF_TYPES, Q4_K, Q5_0, Q5_K, Q6_K  # noqa: E402
+from .blocks import GGUF_TYPES, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0  # noqa: E402
 from .kernels import ahead_into_l2, prefetch_lines  # noqa: E402
 from .vector_ir import F32, I32, I64, V16F, V16I8, V16I32, ZERO16, half_splat, hsum, load  # noqa: E402
 
 ffi.purge_stale_cache("q8_dot", kernels, blocks, vector_ir)
 
-KINDS = (Q4_K, Q5_K, Q6_K, Q5_0)   # the block types read here
+KINDS = (Q4_K, Q5_K, Q6_K, Q5_0, Q8_0)   # the block types read here
 GROUP = 16                 # input elements per scale
 PREFETCH_ROWS = 8
 _JIT = dict(fastmath=True, cache=True, nogil=True)
@@ -109,7 +110,8 @@ def _call(b, name, ret, args):
 
 def dot4(b, w, xc):
     """<n/4 x i32>: lane l = sum over k < 4 of w[4l + k] (unsigned) * xc[4l + k] (signed), both <n x i8>, n 64 or
-    32. Exact: with w < 64 and |xc| <= 127 no 16-bit pair sum (the non-VNNI forms) can saturate."""
+    32. Exact: with w <= 128 and |xc| <= 127 no 16-bit pair sum (the non-VNNI forms: at most 2 128 127 = 32512)
+    saturates."""
     n = w.type.count
     if VNNI:
         lanes = ir.VectorType(I32, n // 4)
@@ -137,13 +139,18 @@ class _Row:
         self.fma = vector_ir.vector_intrinsic(b, "llvm.fma", 3)
         self.runs = 0
 
-    def run(self, w, e, scales, minus=0):
-        """acc += the n codes w (<n x i8>, n 64 or 32) minus `minus` times input elements e..e+n-1 (e: i64), lane
-        l's product times scales[l] (n/4 lanes: each lane's d sc) and the lane's dx."""
+    def run(self, w, e, scales, minus=0, signed=False):
+        """acc += the n codes w (<n x i8>, n 64 or 32: unsigned, or signed with `signed`) minus `minus` times input
+        elements e..e+n-1 (e: i64), lane l's product times scales[l] (n/4 lanes: each lane's d sc) and the lane's
+        dx."""
         b = self.b
         n = w.type.count
         lanes = n // 4
-        p = dot4(b, w, load(b, b.add(self.codes, e), ir.VectorType(I8, n), 1))
+        xc = load(b, b.add(self.codes, e), ir.VectorType(I8, n), 1)
+        if signed:    # w x = |w| (sign(w) x): -128 becomes the unsigned 128, and |x| <= 127 stays in range
+            negative = b.icmp_signed("<", w, _i8s(0, n))
+            w, xc = (b.select(negative, b.sub(_i8s(0, n), v), v) for v in (w, xc))
+        p = dot4(b, w, xc)
         if minus:   # sum (w - minus) x = sum w x - minus sum x, in integers
             sums = load(b, b.add(self.lane_sums, e), ir.VectorType(I32, lanes), 4)   # byte e is lane e/4
             p = b.sub(p, b.mul(sums, ir.Constant(sums.type, [minus] * lanes)))
@@ -228,19 +235,25 @@ def _q5_0_codes(b, bp):
     return b.or_(q, b.select(fifth, _i8s(16, 32), _i8s(0, 32)))
 
 
-def _emit_q5_0(row, bp, e, blocks_in_run):
-    """One run of Q5_0 blocks (two, or a row's odd last one) at address bp, input from element e: each block's
-    w = d (q - 16), so the run's products are q . x minus 16 times the lanes' code sums, scaled by d."""
+def _small_codes(b, kind, bp):
+    """A Q5_0 or Q8_0 block's 32 codes as <32 x i8> (Q8_0's signed)."""
+    return _q5_0_codes(b, bp) if kind == Q5_0 else load(b, b.add(bp, I64(2)), V32I8, 1)
+
+
+def _emit_small(row, kind, bp, e, blocks_in_run):
+    """One run of Q5_0 or Q8_0 blocks (two, or a row's odd last one) at address bp, input from element e, each
+    block scaled by its d. Q5_0's w = d (q - 16): q . x minus 16 times the lanes' code sums. Q8_0's codes are
+    signed: their signs move to the input's codes."""
     b = row.b
-    q = _q5_0_codes(b, bp)
+    q = _small_codes(b, kind, bp)
     d = half_splat(b, bp)
     if blocks_in_run == 2:
-        nxt = b.add(bp, I64(GGUF_TYPES[Q5_0].nbytes))
-        q = _concat(b, q, _q5_0_codes(b, nxt))
+        nxt = b.add(bp, I64(GGUF_TYPES[kind].nbytes))
+        q = _concat(b, q, _small_codes(b, kind, nxt))
         d = b.shuffle_vector(d, half_splat(b, nxt), ir.Constant(V16I32, [0] * 8 + [16] * 8))
     else:
         d = _lanes(b, d, range(8))
-    row.run(q, e, d, minus=16)
+    row.run(q, e, d, minus=16 if kind == Q5_0 else 0, signed=kind == Q8_0)
 
 
 @intrinsic
@@ -255,13 +268,13 @@ def _dot_row(typingctx, kind, p, nb, codes, dx4, sums, lane_sums):
     def codegen(context, builder, sig, args):
         row = _Row(builder, *args[3:])
         p, nb = args[1], args[2]
-        if code == Q5_0:
+        if code in (Q5_0, Q8_0):
             with cgutils.for_range(builder, builder.udiv(nb, I64(2))) as loop:
-                _emit_q5_0(row, builder.add(p, builder.mul(loop.index, I64(2 * nbytes))),
-                           builder.mul(loop.index, I64(64)), 2)
+                _emit_small(row, code, builder.add(p, builder.mul(loop.index, I64(2 * nbytes))),
+                            builder.mul(loop.index, I64(64)), 2)
             last = builder.sub(nb, I64(1))
             with builder.if_then(builder.trunc(nb, ir.IntType(1))):
-                _emit_q5_0(row, builder.add(p, builder.mul(last, I64(nbytes))), builder.mul(last, I64(32)), 1)
+                _emit_small(row, code, builder.add(p, builder.mul(last, I64(nbytes))), builder.mul(last, I64(32)), 1)
             return row.total(0.0)
         with cgutils.for_range(builder, nb) as loop:
             bp = builder.add(p, builder.mul(loop.index, I64(nbytes)))
@@ -284,6 +297,8 @@ def row_dot(kind, p, nb, codes, dx4, sums, lane_sums):
         return _dot_row(Q6_K, p, nb, codes, dx4, sums, lane_sums)
     if kind == Q5_0:
         return _dot_row(Q5_0, p, nb, codes, dx4, sums, lane_sums)
+    if kind == Q8_0:
+        return _dot_row(Q8_0, p, nb, codes, dx4, sums, lane_sums)
     return _dot_row(Q5_K, p, nb, codes, dx4, sums, lane_sums)
 
 

@@ -4,9 +4,9 @@
 ``blocks.py`` has the layouts) dotted with x (float32 [cols]), for r in [lo, hi). Only y[lo:hi] is written. No
 bounds checks beyond the shapes: the caller owns them. Q4_0 and Q4_1 rows go to ``q4.gemv`` (the batched decode's
 kernel too, so a Q4_1 matrix has one GEMV; its nibbles through vpermps are faster than the general form below:
-docs/performance.md), and so do ``row_dot``'s. The K-quants' and Q5_0's rows go to ``q8_dot.gemv``, which
-multiplies them with x rounded to 8 bits, in integers. Every other type is walked here, and so are the K-quants'
-and Q5_0's rows of ``row_dot`` (predicted_ffn's row dots). ``emit_block`` reads Q4_0 and Q4_1 too
+docs/performance.md), and so do ``row_dot``'s. The rows of the K-quants, Q5_0 and Q8_0 go to ``q8_dot.gemv``, which
+multiplies them with x rounded to 8 bits, in integers. Every other type is walked here, and so are their rows of
+``row_dot`` (predicted_ffn's row dots). ``emit_block`` reads Q4_0 and Q4_1 too
 (predicted_ffn's AXPY rows).
 
 How: each row's dot is one function of LLVM vector IR per type (``row_dot``: Numba's autovectorizer turns byte
@@ -242,7 +242,7 @@ def gemv(kind, q, x, y, lo, hi):
     if kind == Q4_1 or kind == Q4_0:
         q4.gemv(q, x, y, lo, hi, kind)
         return
-    if kind == Q4_K or kind == Q5_K or kind == Q6_K or kind == Q5_0:
+    if kind == Q4_K or kind == Q5_K or kind == Q6_K or kind == Q5_0 or kind == Q8_0:
         q8_dot.gemv(kind, q, x, y, lo, hi)
         return
     nb = q.shape[1] // _BLOCK_BYTES[kind]
