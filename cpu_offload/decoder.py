@@ -26,10 +26,11 @@ from . import ffi, int8, kernels, tables, team
 from .blocks import FORMATS, INT8
 from .ffi import RUNTIME_ADDR
 from .host_call import check_bridge, through
-from .host_decode import (F_BLOCKS, F_INT8, H_ACT, H_D, H_EPS, H_FF, H_FORMAT, H_HD, H_HEAD, H_HEAD_KIND, H_HEAD_SCALES,
-                          H_HEADS, H_INV_FREQ, H_KV, H_MAGIC, H_MAXLEN, H_NLAYERS, H_RUNTIME, H_SCRATCH, H_STAGE,
-                          H_TABLE, H_TASK, H_TEAM, H_VOCAB, H_WIDTH, L_ATTN_NORM, L_FFN_NORM, L_QKV_BIAS, L_WIDTH,
-                          MAGIC, MATRICES, TARGET_NAME, handler_cfunc, new_scratch, stage_cfunc)
+from .host_decode import (F_BLOCKS, F_BLOCKS_FLOAT, F_INT8, H_ACT, H_D, H_EPS, H_FF, H_FORMAT, H_HD, H_HEAD,
+                          H_HEAD_KIND, H_HEAD_SCALES, H_HEADS, H_INV_FREQ, H_KV, H_MAGIC, H_MAXLEN, H_NLAYERS,
+                          H_RUNTIME, H_SCRATCH, H_STAGE, H_TABLE, H_TASK, H_TEAM, H_VOCAB, H_WIDTH, L_ATTN_NORM,
+                          L_FFN_NORM, L_QKV_BIAS, L_WIDTH, MAGIC, MATRICES, TARGET_NAME, handler_cfunc, new_scratch,
+                          stage_cfunc)
 from .attention import LANES, MAX_CHUNKS
 from .kernels import QBLOCK
 from .qtensor import QTensor, is_quantized
@@ -108,6 +109,7 @@ class HostDecoder:
     # matrices stored in the table, the header's width and magic, the team's stage function and the handler.
     matrices, header_width, magic, stage, handler = MATRICES, H_WIDTH, MAGIC, stage_cfunc, handler_cfunc
     bridge = "ffi"   # a subclass with its own constructor calls the target directly
+    rounds_inputs = True   # the file's blocks of q8_dot's types read against inputs rounded to 8 bits (F_BLOCKS)
 
     def __init__(self, config, weights: dict, fmt: str = "int8", bridge: str = "ffi"):
         self.bridge = check_bridge(bridge)
@@ -147,7 +149,7 @@ class HostDecoder:
         # Addresses travel in the header, never as Numba globals: cached machine code would keep another
         # process's values.
         header[[H_STAGE, H_RUNTIME]] = [self.stage.address, RUNTIME_ADDR]
-        header[H_FORMAT] = F_INT8 if FORMATS[fmt].made == INT8 else F_BLOCKS
+        header[H_FORMAT] = F_INT8 if FORMATS[fmt].made == INT8 else F_BLOCKS if self.rounds_inputs else F_BLOCKS_FLOAT
         header[H_HEAD_KIND] = self._head.code
         header[H_MAGIC] = self.magic
         HEADERS.append(header)

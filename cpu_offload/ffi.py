@@ -439,13 +439,30 @@ except (OSError, AttributeError):  # pragma: no cover - no sched_yield: pure spi
 RUNTIME_ADDR = int(RUNTIME.ctypes.data)
 
 
+_DEPENDS: dict = {}   # cpu_offload module name -> the modules it named to purge_stale_cache
+
+
+def _closure(modules) -> list:
+    """The modules and, through _DEPENDS, everything they depend on, each once, in a fixed order."""
+    seen: dict = {}
+    stack = list(modules)
+    while stack:
+        m = stack.pop()
+        if m.__file__ not in seen:
+            seen[m.__file__] = m
+            stack.extend(_DEPENDS.get(m.__name__.rsplit(".", 1)[-1], ()))
+    return [seen[f] for f in sorted(seen)]
+
+
 def purge_stale_cache(name: str, *dependencies) -> None:
     """Numba's on-disk cache keys a function on its own file only, but a handler module's cached functions have
     the kernels and intrinsics of other files compiled into them. Drop the cache entries of cpu_offload module
-    `name` when any of `dependencies` (modules) changed."""
+    `name` when any of `dependencies` (modules), or anything they depend on in turn (what they named here when they
+    were imported), changed."""
+    _DEPENDS[name] = dependencies
     try:
         cache_dir = lock._cache.cache_path  # this package's cache folder
-        digest = hashlib.sha256(b"".join(open(m.__file__, "rb").read() for m in dependencies)).hexdigest()
+        digest = hashlib.sha256(b"".join(open(m.__file__, "rb").read() for m in _closure(dependencies))).hexdigest()
         stamp = os.path.join(cache_dir, f"{name}.deps-sha256.txt")
         old = open(stamp).read().strip() if os.path.exists(stamp) else None
         if old != digest:

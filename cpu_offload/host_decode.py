@@ -23,7 +23,8 @@ position ``pos`` in place.
 Matrices are stored one row per output (a stored w_down_t is [d, d_ff], untransposed: pjinfer.runtime.model's rule for
 quantized matrices), so every stage is a GEMV over contiguous rows (``gemv_at``, the row's type's GEMV):
 ``int8.gemv`` takes four rows at a time against one pass over x; ``quants.gemv`` (``q4.gemv`` for Q4_1) takes one
-row at a time, dequantizing each block in registers.
+row at a time, dequantizing each block in registers, or for the K-quants, Q5_0 and Q8_0 under F_BLOCKS
+(``q8_dot``) multiplying its codes with x rounded to 8 bits, in integers.
 
 Supported: the Llama family (RMSNorm, RoPE, grouped-query attention, gated FFN, no biases but Qwen2's q/k/v ones)
 with d_model, n_heads*head_dim and d_ff multiples of 64. Anything else is refused with a ConfigError-style ValueError.
@@ -56,8 +57,10 @@ MAGIC = 0x706A686F7374_0001  # "pjhost" + 1
 (H_MAGIC, H_NLAYERS, H_D, H_HEADS, H_KV, H_HD, H_FF, H_VOCAB, H_ACT, H_EPS, H_MAXLEN, H_TABLE, H_HEAD,
  H_HEAD_SCALES, H_INV_FREQ, H_SCRATCH, H_TASK, H_TEAM, H_STAGE, H_RUNTIME, H_FORMAT, H_HEAD_KIND) = range(22)
 H_WIDTH = 24
-# H_FORMAT: how the layers' matrices are stored (int8, or GGUF blocks).
-F_INT8, F_BLOCKS = 0, 1
+# H_FORMAT: how the layers' matrices are stored (int8, or GGUF blocks), and so how they are read. F_BLOCKS reads
+# the types q8_dot has against inputs rounded to 8 bits (quants.gemv's rounded), F_BLOCKS_FLOAT against float32
+# inputs (PredictedHostDecoder: its tests hold it to XLA's masked model, neuron by neuron).
+F_INT8, F_BLOCKS, F_BLOCKS_FLOAT = 0, 1, 2
 # Layer table slots: (int8 rows, float32 block scales) or (blocks, ggml type number) per matrix, then the two norm
 # scales.
 (L_Q, L_Q_S, L_K, L_K_S, L_V, L_V_S, L_O, L_O_S, L_GATE, L_GATE_S, L_UP, L_UP_S, L_DOWN, L_DOWN_S, L_ATTN_NORM,
@@ -159,24 +162,25 @@ def int8_matrix(header, layer, slot, rows, cols):
 
 
 @njit(**NOJIT)
-def gemv_at(code, addr, scales, rows, x, y, lo, hi):
+def gemv_at(code, addr, scales, rows, x, y, lo, hi, rounded):
     """y[lo:hi] = rows lo..hi-1 of the matrix at addr (block type code, blocks.TYPES; int8's scales at scales)
-    times x: the type's host GEMV."""
+    times x: the type's host GEMV (rounded: quants.gemv's)."""
     cols = x.shape[0]
     if code == INT8:
         int8.gemv(i8_view(addr, rows, cols), f32_view_2d(scales, rows, cols // QBLOCK), x, y, lo, hi)
     else:
-        quants.gemv(code, carray(ptr_u8(addr), (rows, quants.row_bytes(code, cols))), x, y, lo, hi)
+        quants.gemv(code, carray(ptr_u8(addr), (rows, quants.row_bytes(code, cols))), x, y, lo, hi, rounded)
 
 
 @njit(**NOJIT)
 def _matvec(header, layer, slot, rows, x, y, lo, hi):
     """y[lo:hi] = rows lo..hi-1 of the layer's matrix in slot times x."""
     entry = load_i64(header + 8 * H_TABLE) + 8 * (L_WIDTH * layer + slot)
-    if load_i64(header + 8 * H_FORMAT) == F_BLOCKS:
-        gemv_at(load_i64(entry + 8), load_i64(entry), 0, rows, x, y, lo, hi)
+    fmt = load_i64(header + 8 * H_FORMAT)
+    if fmt == F_INT8:
+        gemv_at(INT8, load_i64(entry), load_i64(entry + 8), rows, x, y, lo, hi, False)
     else:
-        gemv_at(INT8, load_i64(entry), load_i64(entry + 8), rows, x, y, lo, hi)
+        gemv_at(load_i64(entry + 8), load_i64(entry), 0, rows, x, y, lo, hi, fmt == F_BLOCKS)
 
 
 @njit(**NOJIT)
@@ -229,7 +233,7 @@ def head_share(header, h, tid, n):
     logits = f32_view(load_i64(load_i64(header + 8 * H_TASK) + 8 * K_OUT), vocab)
     lo, hi = thread_share(vocab, tid, n, 4)
     gemv_at(load_i64(header + 8 * H_HEAD_KIND), load_i64(header + 8 * H_HEAD), load_i64(header + 8 * H_HEAD_SCALES),
-            vocab, h, logits, lo, hi)
+            vocab, h, logits, lo, hi, load_i64(header + 8 * H_FORMAT) == F_BLOCKS)
 
 
 @njit(**NOJIT)

@@ -164,6 +164,9 @@ class PredictedHostDecoder(decoder.HostDecoder):
 
     target = TARGET_NAME
     matrices, header_width, magic, stage, handler = ATTENTION, HEADER_WIDTH, MAGIC, _stage, _handler
+    # Attention and the head read float32 inputs: the predictor decides each neuron against a threshold, and its
+    # tests hold every decision to XLA's masked model, which a rounding of the attention's inputs would move.
+    rounds_inputs = False
 
     def __init__(self, config, weights: dict, fc1=None, fc2=None, threshold: float = 0.0):
         c = config

@@ -8,10 +8,12 @@ Why: converting every weight to float32 (quants.py's form) runs about 8-9 GB/s a
 files were compute bound at half the bandwidth. llama.cpp multiplies the codes with an 8-bit input in integers; so
 does this (docs/performance.md has both).
 
-The input: x is rounded once a call, in groups of 16: dx = max|x| / 127, codes round(x / dx) in [-127, 127]; each
-group also keeps the sum of its x^ = dx codes, and each four inputs the sum of their codes. A group of 16 shares
-one scale with a 16-weight sub-block of Q6_K, half a sub-block of Q4_K/Q5_K and half a Q5_0 or Q8_0 block, so no
-scale of the input spans two of the weights' scales.
+The input: x is rounded once a call, in lanes of four: dx = max|x| / 127 of the lane, codes round(x / dx) in
+[-127, 127]. Four inputs are what one int32 lane of ``dot4`` sums, so a scale per lane costs the kernel nothing over
+a scale per 16, and an outlier coarsens three neighbours instead of fifteen (the final hidden state of the default
+model has a few large channels: with a scale per 16, its Q8_0 head's logits moved by up to 1.6% of the largest).
+Each lane also keeps its sum of codes, and each group of 16 (a sub-block of Q6_K, half a sub-block of Q4_K/Q5_K)
+the sum of its x^ = dx codes.
 
 A run is 64 weights: a quarter of a K-quant block, or two blocks of 32 (a row's odd last one is a run of 32). Per
 run: the unsigned codes (4, 5 or 6 bits; Q8_0's signed codes as their absolute values, their signs moved to the
@@ -59,29 +61,28 @@ VNNI, AVX512BW = vector_ir.cpu_has("avx512vnni"), vector_ir.cpu_has("avx512bw")
 
 @njit(**_JIT)
 def quantize_input(x):
-    """x (float32 [cols], cols a multiple of 16) rounded in groups of 16 -> (codes, dx4, sums, lane_sums):
-    codes[i] = round(x[i] / dx) (int8 [cols]) with dx = max|x| / 127 of the group (0, and codes 0, for a group of
-    zeros); dx4 (float32 [cols / 4]) that dx once per int32 lane of four inputs; sums[g] = dx * (group g's sum of
-    codes) (float32 [cols / 16]); lane_sums[k] = the sum of codes 4k..4k+3 (int32 [cols / 4])."""
+    """x (float32 [cols], cols a multiple of 16) rounded in lanes of 4 -> (codes, dx4, sums, lane_sums): for lane k
+    (elements 4k..4k+3), dx4[k] = max|x| / 127 of the lane (float32 [cols / 4]; 0, and codes 0, for a lane of zeros)
+    and codes[i] = round(x[i] / dx4[k]) (int8 [cols]); lane_sums[k] = the lane's sum of codes (int32 [cols / 4]);
+    sums[g] = the sum of x^ = codes dx over group g of 16 elements (float32 [cols / 16])."""
     cols = x.shape[0]
-    codes, dx4 = np.empty(cols, np.int8), np.empty(cols // 4, np.float32)
-    sums, lane_sums = np.empty(cols // GROUP, np.float32), np.zeros(cols // 4, np.int32)
-    for g in range(cols // GROUP):
-        at = g * GROUP
-        amax = np.float32(0.0)
-        for i in range(GROUP):
-            amax = max(amax, abs(x[at + i]))
-        dx = amax / np.float32(127.0)
+    codes, dx4, lane_sums = np.empty(cols, np.int8), np.empty(cols // 4, np.float32), np.empty(cols // 4, np.int32)
+    sums = np.empty(cols // GROUP, np.float32)
+    for k in range(cols // 4):
+        amax = max(max(abs(x[4 * k]), abs(x[4 * k + 1])), max(abs(x[4 * k + 2]), abs(x[4 * k + 3])))
         inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
         total = 0
-        for i in range(GROUP):
-            c = np.int32(np.rint(x[at + i] * inv))
-            codes[at + i] = c
-            lane_sums[(at + i) // 4] += c
+        for i in range(4 * k, 4 * k + 4):
+            c = np.int32(np.rint(x[i] * inv))
+            codes[i] = c
             total += c
-        for k in range(4):
-            dx4[4 * g + k] = dx
-        sums[g] = dx * np.float32(total)
+        dx4[k] = amax / np.float32(127.0)
+        lane_sums[k] = total
+    for g in range(cols // GROUP):
+        total = np.float32(0.0)
+        for k in range(4 * g, 4 * g + 4):
+            total += dx4[k] * np.float32(lane_sums[k])
+        sums[g] = total
     return codes, dx4, sums, lane_sums
 
 
@@ -170,10 +171,11 @@ class _Row:
         sums = load(b, b.add(self.sums, b.mul(b.udiv(e, I64(GROUP)), I64(4))), V16F, 4)
         b.store(b.call(self.fma, [per_group, sums, b.load(self.off)]), self.off)
 
-    def total(self, off_times):
+    def total(self, with_offsets):
+        """The row's dot: the accumulators' lanes summed, plus the offsets' (with_offsets: a type that has them)."""
         b = self.b
-        acc = vector_ir.strict(b.fadd(*(b.load(a) for a in self.acc)))
-        return b.fsub(hsum(b, acc), b.fmul(F32(off_times), hsum(b, b.load(self.off))))
+        acc = hsum(b, vector_ir.strict(b.fadd(*(b.load(a) for a in self.acc))))
+        return vector_ir.strict(b.fadd(acc, hsum(b, b.load(self.off)))) if with_offsets else acc
 
 
 def k45_scales(b, bp):
@@ -207,7 +209,7 @@ def _emit_k45(row, kind, bp, e):
             fifth = _concat(b, b.lshr(qh, _i8s(2 * c, 32)), b.lshr(qh, _i8s(2 * c + 1, 32)))
             w = b.or_(w, b.shl(b.and_(fifth, _i8s(1, 64)), _i8s(4, 64)))
         row.run(w, b.add(e, I64(64 * c)), _lanes(b, scales, [2 * c] * 8 + [2 * c + 1] * 8))
-    row.offsets(e, _lanes(b, mins, [j // 2 for j in range(16)]))
+    row.offsets(e, _lanes(b, b.fneg(mins), [j // 2 for j in range(16)]))     # w = d sc q - dmin m
 
 
 def _emit_q6_k(row, bp, e):
@@ -223,7 +225,7 @@ def _emit_q6_k(row, bp, e):
             high = _concat(b, b.lshr(qh, _i8s(4 * a, 32)), b.lshr(qh, _i8s(4 * a + 2, 32)))
             w = b.or_(low, b.shl(b.and_(high, _i8s(3, 64)), _i8s(4, 64)))
             row.run(w, b.add(e, I64(128 * n + 64 * a)), _lanes(b, scales, [8 * n + 4 * a + l // 4 for l in range(16)]))
-    row.offsets(e, scales)
+    row.offsets(e, b.fmul(scales, ir.Constant(V16F, [-32.0] * 16)))          # w = d sc (q - 32)
 
 
 def _q5_0_codes(b, bp):
@@ -275,7 +277,7 @@ def _dot_row(typingctx, kind, p, nb, codes, dx4, sums, lane_sums):
             last = builder.sub(nb, I64(1))
             with builder.if_then(builder.trunc(nb, ir.IntType(1))):
                 _emit_small(row, code, builder.add(p, builder.mul(last, I64(nbytes))), builder.mul(last, I64(32)), 1)
-            return row.total(0.0)
+            return row.total(False)
         with cgutils.for_range(builder, nb) as loop:
             bp = builder.add(p, builder.mul(loop.index, I64(nbytes)))
             e = builder.mul(loop.index, I64(256))
@@ -283,7 +285,7 @@ def _dot_row(typingctx, kind, p, nb, codes, dx4, sums, lane_sums):
                 _emit_q6_k(row, bp, e)
             else:
                 _emit_k45(row, code, bp, e)
-        return row.total(32.0 if code == Q6_K else 1.0)
+        return row.total(True)
     return types.float32(kind, *[types.int64] * 6), codegen
 
 

@@ -32,33 +32,32 @@ def random_blocks(rng, kind, rows, n_blocks):
 
 
 def rounded_input(kind, x):
-    """The input a GEMV of kind multiplies, in float64: x itself, or for the K-quants x^, x rounded to 8 bits in
-    groups of 16 (q8_dot.quantize_input, checked by test_k_quant_inputs_round_to_8_bits_in_groups_of_16)."""
+    """The input a GEMV of kind multiplies, in float64: x itself, or for q8_dot's types x^, x rounded to 8 bits in
+    lanes of 4 (q8_dot.quantize_input, checked by test_q8_dot_inputs_round_to_8_bits_in_lanes_of_4)."""
     if kind not in q8_dot.KINDS:
         return x.astype(np.float64)
     codes, dx4, _, _ = q8_dot.quantize_input(x)
-    return codes.astype(np.float64) * np.repeat(dx4[::4].astype(np.float64), q8_dot.GROUP)
+    return codes.astype(np.float64) * np.repeat(dx4.astype(np.float64), 4)
 
 
-def test_k_quant_inputs_round_to_8_bits_in_groups_of_16():
-    """Each group of 16: dx = max|x| / 127, codes round(x / dx) (so the largest is +-127 and every x^ = codes dx is
-    within dx / 2 of x), dx once per int32 lane, the group's sum of x^ and each lane's sum of codes; a group of
-    zeros has dx 0 and codes 0."""
+def test_q8_dot_inputs_round_to_8_bits_in_lanes_of_4():
+    """Each lane of 4: dx = max|x| / 127, codes round(x / dx) (so the largest is +-127 and every x^ = codes dx is
+    within dx / 2 of x), and the lane's sum of codes; each group of 16 the sum of its x^; a lane of zeros has dx 0
+    and codes 0."""
     rng = np.random.default_rng(11)
-    x = (rng.standard_normal((7, 16)) * rng.uniform(1e-3, 50, (7, 1))).astype(np.float32).ravel()  # groups' spans vary
-    x[16:32] = 0                                    # a group of zeros
-    x[40] = 1e4                                     # an outlier: its group's step is coarse, the others' are not
+    x = (rng.standard_normal((12, 4)) * rng.uniform(1e-3, 50, (12, 1))).astype(np.float32).ravel()  # lanes' spans vary
+    x[4:8] = 0                                      # a lane of zeros
+    x[40] = 1e4                                     # an outlier: lane 10's step is coarse, lane 11's is its own
     codes, dx4, sums, lane_sums = q8_dot.quantize_input(x)
-    groups = x.reshape(-1, 16)
-    dx = (np.abs(groups).max(1) / np.float32(127)).astype(np.float32)
-    np.testing.assert_allclose(dx4, np.repeat(dx, 4), rtol=2.0 ** -22)   # fastmath: amax times 1/127 may differ
-    dx = dx4[::4]
-    c = codes.reshape(-1, 16).astype(np.int64)
-    assert (np.abs(c).max(1)[dx > 0] == 127).all() and not c[1].any() and dx[1] == 0
-    xh = c * dx[:, None].astype(np.float64)
-    assert (np.abs(xh - groups) <= 0.5 * dx[:, None] * (1 + 1e-5)).all()
-    np.testing.assert_allclose(sums, xh.sum(1), rtol=1e-6)
-    np.testing.assert_array_equal(lane_sums, c.reshape(-1, 4).sum(1))
+    lanes = x.reshape(-1, 4)
+    dx = (np.abs(lanes).max(1) / np.float32(127)).astype(np.float32)
+    np.testing.assert_allclose(dx4, dx, rtol=2.0 ** -22)   # fastmath: amax times 1/127 may differ in the last bit
+    c = codes.reshape(-1, 4).astype(np.int64)
+    assert (np.abs(c).max(1)[dx > 0] == 127).all() and not c[1].any() and dx4[1] == 0
+    xh = c * dx4[:, None].astype(np.float64)
+    assert (np.abs(xh - lanes) <= 0.5 * dx4[:, None] * (1 + 1e-5)).all()
+    np.testing.assert_array_equal(lane_sums, c.sum(1))
+    np.testing.assert_allclose(sums, xh.reshape(-1, 16).sum(1), rtol=1e-5, atol=1e-6 * np.abs(x).max())
 
 
 def test_every_type_the_loader_keeps_has_a_kernel_and_gguf_sizes():
