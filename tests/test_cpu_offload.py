@@ -497,35 +497,3 @@ def test_concurrent_calls_from_threads():
     for t in threads:
         t.join()
     assert not errors, errors
-
-
-
-def test_a_changed_kernel_purges_the_cache_of_every_module_compiled_with_it(tmp_path, monkeypatch):
-    """purge_stale_cache follows dependencies through the modules that named theirs: c names b, b names a; a change
-    to a drops c's cached functions, and an unchanged tree keeps them."""
-    import types
-
-    from cpu_offload import ffi
-
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    monkeypatch.setattr(type(ffi.lock._cache), "cache_path", property(lambda self: str(cache)))
-    monkeypatch.setattr(ffi, "_DEPENDS", {})
-    modules = {}
-    for n in "ab":
-        (tmp_path / f"{n}.py").write_text("x = 1\n")
-        modules[n] = types.ModuleType(f"cpu_offload.fake_{n}")
-        modules[n].__file__ = str(tmp_path / f"{n}.py")
-    entry = cache / "fake_c.f-1.py311.nbi"
-
-    def purge():
-        ffi.purge_stale_cache("fake_b", modules["a"])
-        entry.write_bytes(b"")
-        ffi.purge_stale_cache("fake_c", modules["b"])
-        return entry.exists()
-
-    assert not purge()                       # no stamp yet: purged
-    assert purge()                           # nothing changed: kept
-    (tmp_path / "a.py").write_text("x = 2\n")
-    assert not purge()                       # a changed: c, compiled with b and so with a, purged
-    assert purge()
