@@ -19,11 +19,10 @@ A run is 64 weights: a quarter of a K-quant block, or two blocks of 32 (a row's 
 run: the unsigned codes (4, 5 or 6 bits; Q8_0's signed codes as their absolute values, their signs moved to the
 input's codes) in one <64 x i8>, the 64 input codes, and ``dot4``: 16 int32 lanes, lane l the sum of products
 4l..4l+3 (vpdpbusd with AVX512-VNNI; vpmaddubsw then vpmaddwd otherwise: the same integers, none of them saturate).
-Four lanes are one input group, so each lane is converted to float32 and multiplied by its d sc dx (one FMA into one
-of two 16-lane accumulators). The offsets take the input's sums: Q4_K and Q5_K's -dmin m and Q6_K's -32 d sc the
-groups' sums of x^, once a block; Q5_0's -16 the lanes' sums of codes, in integers. Float32 rounding aside, a row's
-result is sum_i w_i x^_i, with w_i gguf's dequantized weight
-(tests/test_quants.py holds it to float64).
+Four lanes are one input group, so each lane is converted to float32 and multiplied by its d sc dx (one FMA into a
+16-lane accumulator). The offsets take the input's sums: Q4_K and Q5_K's -dmin m and Q6_K's -32 d sc the groups'
+sums of x^, once a block; Q5_0's -16 the lanes' sums of codes, in integers. Float32 rounding aside, a row's result
+is sum_i w_i x^_i, with w_i gguf's dequantized weight (tests/test_quants.py holds it to float64).
 """
 from __future__ import annotations
 
@@ -130,15 +129,14 @@ def dot4(b, w, xc):
 
 
 class _Row:
-    """One row's dot: two 16-lane float32 accumulators for the code products (runs alternate between them: two
-    FMA chains) and one for the offsets, the input's four arrays (quantize_input's) at integer addresses."""
+    """One row's dot: a 16-lane float32 accumulator for the code products and one for the offsets, the input's four
+    arrays (quantize_input's) at integer addresses. (Two accumulators for the products, runs alternating, measured
+    no faster with AVX-512 and slower in the AVX2 code, whose 16 registers hold eight 16-lane vectors.)"""
 
     def __init__(self, b, codes, dx4, sums, lane_sums):
         self.b, self.codes, self.dx4, self.sums, self.lane_sums = b, codes, dx4, sums, lane_sums
-        self.acc = [cgutils.alloca_once_value(b, ZERO16) for _ in range(2)]
-        self.off = cgutils.alloca_once_value(b, ZERO16)
+        self.acc, self.off = (cgutils.alloca_once_value(b, ZERO16) for _ in range(2))
         self.fma = vector_ir.vector_intrinsic(b, "llvm.fma", 3)
-        self.runs = 0
 
     def run(self, w, e, scales, minus=0, signed=False):
         """acc += the n codes w (<n x i8>, n 64 or 32: unsigned, or signed with `signed`) minus `minus` times input
@@ -156,8 +154,7 @@ class _Row:
             sums = load(b, b.add(self.lane_sums, e), ir.VectorType(I32, lanes), 4)   # byte e is lane e/4
             p = b.sub(p, b.mul(sums, ir.Constant(sums.type, [minus] * lanes)))
         s = b.fmul(scales, load(b, b.add(self.dx4, e), ir.VectorType(F32, lanes), 4))
-        acc = self.acc[self.runs % 2]
-        self.runs += 1
+        acc = self.acc
         if lanes == 16:
             b.store(b.call(self.fma, [b.sitofp(p, V16F), s, b.load(acc)]), acc)
             return
@@ -174,7 +171,7 @@ class _Row:
     def total(self, with_offsets):
         """The row's dot: the accumulators' lanes summed, plus the offsets' (with_offsets: a type that has them)."""
         b = self.b
-        acc = hsum(b, vector_ir.strict(b.fadd(*(b.load(a) for a in self.acc))))
+        acc = hsum(b, b.load(self.acc))
         return vector_ir.strict(b.fadd(acc, hsum(b, b.load(self.off)))) if with_offsets else acc
 
 
