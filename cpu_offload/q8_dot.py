@@ -19,8 +19,8 @@ A run is 64 weights: a quarter of a K-quant block, or two blocks of 32 (a row's 
 run: the unsigned codes (4, 5 or 6 bits; Q8_0's signed codes as their absolute values, their signs moved to the
 input's codes) in one <64 x i8>, the 64 input codes, and ``dot4``: 16 int32 lanes, lane l the sum of products
 4l..4l+3 (vpdpbusd with AVX512-VNNI; vpmaddubsw then vpmaddwd otherwise: the same integers, none of them saturate).
-Four lanes are one input group, so each lane is converted to float32 and multiplied by its d sc dx (one FMA into a
-16-lane accumulator). The offsets take the input's sums: Q4_K and Q5_K's -dmin m and Q6_K's -32 d sc the groups'
+Each lane is converted to float32 and multiplied by its weights' d sc and its inputs' dx (one FMA into a 16-lane
+accumulator). The offsets take the input's sums: Q4_K and Q5_K's -dmin m and Q6_K's -32 d sc the groups'
 sums of x^, once a block; Q5_0's -16 the lanes' sums of codes, in integers. Float32 rounding aside, a row's result
 is sum_i w_i x^_i, with w_i gguf's dequantized weight (tests/test_quants.py holds it to float64).
 """
