@@ -46,9 +46,10 @@ KINDS = (Q4_K, Q5_K, Q6_K, Q5_0, Q8_0)   # the block types read here
 GROUP = 16                 # input elements per scale
 PREFETCH_ROWS = 8
 _JIT = dict(fastmath=True, cache=True, nogil=True)
-GGUF_BLOCK = np.zeros(16, np.int64)   # weights a block, by ggml type number (a table Numba code can index)
+# Weights a block by ggml type number for KINDS, 0 for a type not read here: a table Numba code can index.
+BLOCK_OF = np.zeros(16, np.int64)
 for _k in KINDS:
-    GGUF_BLOCK[_k] = GGUF_TYPES[_k].block
+    BLOCK_OF[_k] = GGUF_TYPES[_k].block
 I8, I16 = ir.IntType(8), ir.IntType(16)
 V32I8, V64I8 = ir.VectorType(I8, 32), ir.VectorType(I8, 64)
 V8F, V8I32 = ir.VectorType(F32, 8), ir.VectorType(I32, 8)
@@ -310,7 +311,7 @@ def gemv(kind, q, x, y, lo, hi):
         return
     cols = x.shape[0]
     codes, dx4, sums, lane_sums = quantize_input(x)
-    nb = cols // GGUF_BLOCK[kind]
+    nb = cols // BLOCK_OF[kind]
     base = q.ctypes.data
     into_l2 = ahead_into_l2(codes.nbytes + dx4.nbytes + sums.nbytes + lane_sums.nbytes, q.shape[1], PREFETCH_ROWS)
     for r in range(lo, hi):

@@ -243,7 +243,7 @@ def gemv(kind, q, x, y, lo, hi, rounded=True):
     if kind == Q4_1 or kind == Q4_0:
         q4.gemv(q, x, y, lo, hi, kind)
         return
-    if rounded and (kind == Q4_K or kind == Q5_K or kind == Q6_K or kind == Q5_0 or kind == Q8_0):
+    if rounded and q8_dot.BLOCK_OF[kind]:     # a type q8_dot reads
         q8_dot.gemv(kind, q, x, y, lo, hi)
         return
     nb = q.shape[1] // _BLOCK_BYTES[kind]

@@ -21,7 +21,7 @@ ZERO16 = ir.Constant(V16F, [0.0] * 16)
 
 def cpu_has(feature: str) -> bool:
     """Whether Numba compiles for a CPU with this LLVM feature ("avx512f", "avx512vnni", ...): the host's, or
-    NUMBA_CPU_FEATURES where set (how the tests compile the AVX2 forms on an AVX-512 machine)."""
+    NUMBA_CPU_FEATURES where set (how the AVX2 code is compiled and checked on an AVX-512 machine)."""
     features = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
     return f"+{feature}" in features.split(",")
 
