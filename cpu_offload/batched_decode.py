@@ -1,5 +1,5 @@
 """The host decode step for a batch of tokens: one token per live request, each at its own position with its own KV
-cache rows, every weight matrix read once per step for all of them (``q4_gemm``).
+cache rows, every weight matrix read once per step for all of them (``q8_dot.gemm``, ``int8.gemm``).
 
 Usage::
 
@@ -19,7 +19,7 @@ slots into a compact batch of nt tokens, runs the layer on them and scatters x b
 One layer, under the ffi lock, stages as in host_decode (the team splits rows, or (token, head) pairs for ATTN):
 every per-token operation (RMSNorm, RoPE, the cache write, attention, the activation, the residual adds) is
 host_decode's own function applied to that token, and the GEMMs give each token the
-single-token GEMV's result bit for bit (q4_gemm). A token's output therefore does not depend on what else is in
+single-token GEMV's result bit for bit (q8_dot, int8). A token's output therefore does not depend on what else is in
 the batch, and equals HostDecoder's (tests/test_batched_decode.py checks both on the real model).
 
 Lifetime: as host_decode's, the header is never freed; the BatchDecoder keeps its HostDecoder (and so the weights)
@@ -36,7 +36,7 @@ from numba import carray, njit, types
 
 from .contract import ConfigError
 
-from . import activation, attention, ffi, host_decode, int8, kernels, q4, q4_gemm, tables, team, vector_ir
+from . import activation, attention, ffi, host_decode, int8, kernels, q4, q8_dot, tables, team, vector_ir
 from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F16, DT_F32, DT_S32,
                   ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, buffer_numel, cstr, load_i32,
                   load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i32, ptr_u8, ptr_u16, store_i64, unlock)
@@ -97,10 +97,10 @@ def _matmul(header, layer, slot, rows, x, y, nt, lo, hi):
     if load_i64(header + 8 * H_FORMAT) == F_BLOCKS:
         blocks = carray(ptr_u8(load_i64(load_i64(header + 8 * H_TABLE) + 8 * (L_WIDTH * layer + slot))),
                         (rows, cols // q4.BLOCK * q4.BLOCK_BYTES))
-        q4_gemm.gemm(blocks, x, y, nt, lo, hi)
+        q8_dot.gemm(blocks, x, y, nt, lo, hi)
     else:
         w, s = int8_matrix(header, layer, slot, rows, cols)
-        q4_gemm.gemm_int8(w, s, x, y, _i64s(header, B_IDENT), nt, lo, hi)
+        int8.gemm(w, s, x, y, _i64s(header, B_IDENT), nt, lo, hi)
 
 
 def _stage_py(header, tid, n):
@@ -154,10 +154,10 @@ def _stage_py(header, tid, n):
         s = host_decode.f32_view_2d(load_i64(header + 8 * H_HEAD_SCALES), vocab, d // kernels.QBLOCK)
         out = carray(ptr_f32(load_i64(task + 8 * K_OUT)), (load_i64(header + 8 * B_MB), vocab))
         lo, hi = thread_share(vocab, tid, n, 4)
-        q4_gemm.gemm_int8(w, s, h, out, _i64s(header, B_SLOTS), nt, lo, hi)
+        int8.gemm(w, s, h, out, _i64s(header, B_SLOTS), nt, lo, hi)
 
 
-ffi.purge_stale_cache("batched_decode", attention, activation, kernels, ffi, int8, q4, q4_gemm, host_decode, tables,
+ffi.purge_stale_cache("batched_decode", attention, activation, kernels, ffi, int8, q4, q8_dot, host_decode, tables,
                       team, vector_ir)
 
 _stage = DeferredCFunc(STAGE, _stage_py)

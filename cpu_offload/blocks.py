@@ -213,10 +213,10 @@ def _quantize_q8_0(w):
 
 
 INT8 = -1   # pjinfer's own int8: no ggml type number
-_GEMV = "quants.gemv"   # every GGUF type's host GEMV (Q4_1's rows through q4.py's kernel)
+_GEMV = "quants.gemv"   # every GGUF type's host GEMV
 TYPES = {t.code: t for t in (
     BlockType("Q4_0", 2, 32, 18, _q4_0, None, _GEMV),
-    BlockType("Q4_1", 3, 32, 20, _q4_1, _quantize_q4_1, _GEMV, gemm="q4_gemm.gemm",
+    BlockType("Q4_1", 3, 32, 20, _q4_1, _quantize_q4_1, _GEMV, gemm="q8_dot.gemm",
               relayouts=(("columns", "q4_sparse.relayout: by input column, sparse_decode's layers"),)),
     BlockType("Q5_0", 6, 32, 22, _q5_0, None, _GEMV),
     BlockType("Q5_1", 7, 32, 24, _q5_1, None, _GEMV),
@@ -225,7 +225,7 @@ TYPES = {t.code: t for t in (
     BlockType("Q4_K", 12, 256, 144, _q4_k, None, _GEMV),
     BlockType("Q5_K", 13, 256, 176, _q5_k, None, _GEMV),
     BlockType("Q6_K", 14, 256, 210, _q6_k, None, _GEMV),
-    BlockType("int8", INT8, 64, 68, None, None, "int8.gemv", gemm="q4_gemm.gemm_int8"))}
+    BlockType("int8", INT8, 64, 68, None, None, "int8.gemv", gemm="int8.gemm"))}
 GGUF_TYPES = {code: t for code, t in TYPES.items() if t.values is not None}   # the GGUF block types, by ggml number
 BY_NAME = {t.name: code for code, t in GGUF_TYPES.items()}
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = (BY_NAME[n] for n in

@@ -8,9 +8,9 @@ whole rows: the default Q4_1 model's rows mix blocks of very different ranges; w
 quantized, one scale per row cost 1.6-1.9% perplexity, one per block of 64 cost 0.1%. ``from_blocks`` makes the
 same bytes from a GGUF matrix without its float32 copy.
 
-``gemv(w, s, x, y, lo, hi)``: y[r] = sum over blocks b of s[r, b] * (sum over j in b of w[r, j] x[j]), for r in
-[lo, hi). It is vector IR (``emit_rows_dot``) whose float operations keep one order in every caller
-(``vector_ir.strict``), so the single-token head, the batched head (``q4_gemm.gemm_int8``) and the input-sparse
+``gemv(w, s, x, y, lo, hi)`` (and ``gemm``, the same for several inputs): y[r] = sum over blocks b of s[r, b] *
+(sum over j in b of w[r, j] x[j]), for r in [lo, hi). It is vector IR (``emit_rows_dot``) whose float operations keep one order in every caller
+(``vector_ir.strict``), so the single-token head, the batched head (``gemm``) and the input-sparse
 decoder's head compute the same bits for a row. Per block of 64: four 16-lane FMAs of the converted weights with x
 into the block's sum, one FMA of that sum with the broadcast scale into the row's accumulator; one horizontal sum
 per row at the end. Four rows share each pass over x, and the rows PREFETCH_ROWS ahead are prefetched line by
@@ -34,6 +34,7 @@ ffi.purge_stale_cache("int8", kernels, vector_ir)
 
 PREFETCH_ROWS = 16   # rows ahead (one thread streams much faster from DRAM with it than with none)
 ROWS = 4             # rows per pass over x
+GEMM_TOKENS = 8      # tokens per pass over a row in gemm (8 accumulators of 16 floats)
 FROM_BLOCKS_ROWS = 1024   # rows from_blocks dequantizes at a time
 _F0, _ONE = np.float32(0.0), np.float32(1.0)
 
@@ -83,7 +84,7 @@ def emit_rows_dot(builder, ws, ss, nb, xs):
     each of the float32 inputs at addresses xs, nb blocks of 64; returns the float32 results, [row][input]. A
     row's weights are converted to floats once for all the inputs; every (row, input) pair takes the same float
     operations in the same order whatever the other rows and inputs are, so gemv (4 rows, 1 input) and the
-    batched head (1 row, several inputs, q4_gemm.gemm_int8) give the same bits."""
+    batched head (1 row, several inputs, gemm) give the same bits."""
     fma = vector_intrinsic(builder, "llvm.fma", 3)
     acc = [[cgutils.alloca_once_value(builder, ZERO16) for _ in xs] for _ in ws]
     with cgutils.for_range(builder, nb) as loop:
@@ -137,3 +138,42 @@ def gemv(w, s, x, y, lo, hi):
     while r < hi:
         _rows_dot(w.ctypes.data + r * ws, ws, s.ctypes.data + r * ss, ss, nb, x.ctypes.data, y.ctypes.data + 4 * r, 1)
         r += 1
+
+
+@intrinsic
+def _int8_dot(typingctx, k, w, s, nb, x, x_stride, y, y_stride, y_rows):
+    """The dots of one int8 row (weights at w, nb blocks of 64, float32 scales at s) with k (1..GEMM_TOKENS) float32
+    inputs: token t's input at x + t * x_stride bytes, its result stored at y + y_rows[t] * y_stride bytes
+    (y_rows: the address of int64s)."""
+    if not all(isinstance(a, types.Integer) for a in (k, w, s, nb, x, x_stride, y, y_stride, y_rows)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        k, w, s, nb, x, x_stride, y, y_stride, y_rows = args
+
+        def emit(n):
+            xs = [builder.add(x, builder.mul(x_stride, I64(t))) for t in range(n)]
+            for t, total in enumerate(emit_rows_dot(builder, [w], [s], nb, xs)[0]):
+                out = vector_ir.load(builder, builder.add(y_rows, I64(8 * t)), I64, 8)
+                addr = builder.add(y, builder.mul(y_stride, out))
+                builder.store(total, builder.inttoptr(addr, F32.as_pointer()), align=4)
+        vector_ir.by_count(builder, k, range(1, GEMM_TOKENS + 1), emit)
+        return context.get_dummy_value()
+    return types.void(*[types.int64] * 9), codegen
+
+
+@njit(fastmath=True, cache=True, nogil=True)
+def gemm(w, s, x, y, y_rows, nt, lo, hi):
+    """The batched decode's int8 GEMM (the output head, and layers with ``--weights int8``): y[y_rows[t], r] = gemv's
+    y[r] for input x[t], bit for bit, t < nt, r in [lo, hi) (int8 w [rows, cols], s float32 [rows, cols / 64],
+    y_rows int64 [>= nt], contiguous; rows of w, s, x and y contiguous). Each row's weights are loaded and converted
+    once for up to GEMM_TOKENS tokens; rows PREFETCH_ROWS ahead are prefetched line by line, as gemv does."""
+    nb = x.shape[1] // QBLOCK
+    xs, ys = x.strides[0], y.strides[0]
+    into_l2 = ahead_into_l2(4 * min(nt, GEMM_TOKENS) * x.shape[1], w.shape[1], PREFETCH_ROWS)
+    for r in range(lo, hi):
+        if r + PREFETCH_ROWS < hi:
+            prefetch_lines(w, r + PREFETCH_ROWS, into_l2)
+        for g in range(0, nt, GEMM_TOKENS):
+            _int8_dot(min(GEMM_TOKENS, nt - g), w.ctypes.data + r * w.strides[0], s.ctypes.data + r * s.strides[0], nb,
+                      x.ctypes.data + g * xs, xs, y.ctypes.data + 4 * r, ys, y_rows.ctypes.data + 8 * g)

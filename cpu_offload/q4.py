@@ -1,21 +1,21 @@
-"""The GEMV over the GGUF's own Q4_1 blocks (``host_decode``'s Q4_1 layers).
+"""The GEMV of Q4_1 (and Q4_0) rows in the GGUF's own blocks against a float32 input: the PowerInfer predicted
+decode's (``quants.gemv`` without ``rounded``, and ``quants.row_dot``), whose neuron decisions its tests hold to XLA's
+float32 model. The dense host decode and its batched GEMM read these rows against a rounded input instead
+(``q8_dot.py``: integer dots, about 1.5x the GB/s a thread).
 
 A row of ``cols`` weights (a multiple of 32) is cols/32 blocks of 20 bytes, exactly as llama.cpp stores Q4_1
 (``blocks.py`` has the layout, the dequantizer and the quantizer): float16 d, float16 m, then 16 bytes whose low
-nibbles are elements 0..15 and high nibbles elements 16..31; element = d * q + m. That is 0.625 bytes a weight,
-against 1.0625 for int8 with a scale per 64. For a Q4_1 GGUF the 4-bit decode is the file's own model, not a
-further approximation.
+nibbles are elements 0..15 and high nibbles elements 16..31; element = d * q + m. Q4_0's blocks are 18 bytes, d
+and the nibbles, element = d (q - 8).
 
-The GEMV dequantizes in registers and takes the dot in float32. Per block, shared by every input that reads the
-row: the block's weights w = d q + m, 16 floats for elements 0..15 (w_lo) and 16 for 16..31 (w_hi)
-(``emit_weights``: on AVX-512 the 16 values d i + m are made by one FMA and each half picks its weights from them
-by a vpermps on its nibbles; on AVX2 each nibble is converted to float and takes its FMA); per input: two FMAs of
-those weights with the input's two halves of the block, into two accumulators; one horizontal sum per input at
-the end (``emit_rows_dot``). The input is x itself, as the caller holds it: no preparation pass. Every weight is
-its dequantized value, so the dot does not cancel large terms, and one token's result is the same whether one
-input or eight read the row (q4_gemm).
-The row dot is written as LLVM vector IR because Numba's autovectorizer turned the same loop into byte-by-byte
-inserts.
+The GEMV dequantizes in registers and takes the dot in float32. Per block: the block's weights w = d q + m, 16
+floats for elements 0..15 (w_lo) and 16 for 16..31 (w_hi) (``emit_weights``: on AVX-512 the 16 values d i + m
+are made by one FMA and each half picks its weights from them by a vpermps on its nibbles; on AVX2 each nibble is
+converted to float and takes its FMA); two FMAs of those weights with the input's two halves of the block, into
+two accumulators; one horizontal sum at the end (``emit_row_dot``). Every weight is its dequantized value, so the
+dot does not cancel large terms. The row dot is written as LLVM vector IR because Numba's autovectorizer turned
+the same loop into byte-by-byte inserts. ``emit_nibbles`` and ``pick`` are shared with q4_sparse.py and
+quants.py.
 """
 from __future__ import annotations
 
@@ -84,14 +84,12 @@ def pick(builder, d, m, codes):
     return builder.call(permvar, [values, codes])
 
 
-def emit_rows_dot(builder, row, nb, xs, kind=blocks.Q4_1):
-    """LLVM IR for the dots of one Q4_1 row (or Q4_0: kind) of nb blocks at address row with len(xs) float32 inputs
-    (their addresses); returns the float32 results. The single-token GEMV (``gemv``) and the batched one
-    (``q4_gemm``) both emit this, so a token's result is the same in both: per input, the same operations in the
-    same order whatever the other inputs are (``vector_ir.strict``)."""
+def emit_row_dot(builder, row, nb, x, kind=blocks.Q4_1):
+    """LLVM IR for the dot of one Q4_1 row (or Q4_0: kind) of nb blocks at address row with the float32 input at
+    address x; returns the float32 result."""
     fma = vector_intrinsic(builder, "llvm.fma", 3)
-    acc_lo = [cgutils.alloca_once_value(builder, ZERO16) for _ in xs]   # elements 0..15 of every block
-    acc_hi = [cgutils.alloca_once_value(builder, ZERO16) for _ in xs]   # elements 16..31
+    acc_lo = cgutils.alloca_once_value(builder, ZERO16)   # elements 0..15 of every block
+    acc_hi = cgutils.alloca_once_value(builder, ZERO16)   # elements 16..31
     with cgutils.for_range(builder, nb) as loop:
         b = loop.index
         p = builder.add(row, builder.mul(b, I64(blocks.TYPES[kind].nbytes)))
@@ -99,14 +97,11 @@ def emit_rows_dot(builder, row, nb, xs, kind=blocks.Q4_1):
         m = half_splat(builder, builder.add(p, I64(2))) if kind == blocks.Q4_1 \
             else builder.fmul(d, ir.Constant(V16F, [-8.0] * 16))
         w_lo, w_hi = emit_weights(builder, d, m, builder.add(p, I64(NIBBLES_AT[kind])))
-        off = builder.mul(b, I64(4 * BLOCK))   # bytes of the block's 32 input floats
-        for t, x in enumerate(xs):
-            at = builder.add(x, off)
-            builder.store(builder.call(fma, [w_lo, load(builder, at, V16F, 4), builder.load(acc_lo[t])]), acc_lo[t])
-            builder.store(builder.call(fma, [w_hi, load(builder, builder.add(at, I64(64)), V16F, 4),
-                                             builder.load(acc_hi[t])]), acc_hi[t])
-    return [hsum(builder, strict(builder.fadd(builder.load(acc_lo[t]), builder.load(acc_hi[t]))))
-            for t in range(len(xs))]
+        at = builder.add(x, builder.mul(b, I64(4 * BLOCK)))   # the block's 32 input floats
+        builder.store(builder.call(fma, [w_lo, load(builder, at, V16F, 4), builder.load(acc_lo)]), acc_lo)
+        builder.store(builder.call(fma, [w_hi, load(builder, builder.add(at, I64(64)), V16F, 4),
+                                         builder.load(acc_hi)]), acc_hi)
+    return hsum(builder, strict(builder.fadd(builder.load(acc_lo), builder.load(acc_hi))))
 
 
 def _row_dot_intrinsic(kind):
@@ -119,7 +114,7 @@ def _row_dot_intrinsic(kind):
 
         def codegen(context, builder, sig, args):
             row, nb, x = args
-            return emit_rows_dot(builder, row, nb, [x], kind)[0]
+            return emit_row_dot(builder, row, nb, x, kind)
         return types.float32(types.int64, types.int64, types.int64), codegen
     return row_dot
 

@@ -1,28 +1,35 @@
-"""The GEMV of the K-quants (Q4_K, Q5_K, Q6_K), Q5_0 and Q8_0 against an input rounded to 8 bits, in integers.
+"""The host GEMVs of Q4_0, Q4_1, Q5_0, Q8_0 and the K-quants (Q4_K, Q5_K, Q6_K) in integers, against an input
+rounded to two 8-bit parts, and the batched decode's Q4_1 GEMM.
 
 ``gemv(kind, q, x, y, lo, hi)``: y[r] = row r of q (uint8 [rows, row bytes], blocks of ggml type kind, one of KINDS)
 dotted with x^, for r in [lo, hi), where x^ is x rounded by ``quantize_input``. ``quants.gemv`` sends these types
-here.
+here. ``gemm(q, x, y, nt, lo, hi)``: the same for nt tokens' inputs against one read of each Q4_1 row; each token's
+result is its gemv's, bit for bit (both emit ``_emit_rows``, whose float operations are strict).
 
-Why: converting every weight to float32 (quants.py's form) runs about 8-9 GB/s a thread even from cache, so these
-files were compute bound at half the bandwidth. llama.cpp multiplies the codes with an 8-bit input in integers; so
-does this (docs/performance.md has both).
+Why: converting every weight to float32 (q4.py's and quants.py's form) runs about 9 GB/s a thread even from cache,
+so these files were compute bound at half the bandwidth. llama.cpp multiplies the codes with an 8-bit input in
+integers; so does this, twice (docs/performance.md has the figures).
 
-The input: x is rounded once a call, in lanes of four: dx = max|x| / 127 of the lane, codes round(x / dx) in
-[-127, 127]. Four inputs are what one int32 lane of ``dot4`` sums, so a scale per lane costs the kernel nothing over
-a scale per 16, and an outlier coarsens three neighbours instead of fifteen (the final hidden state of the default
-model has a few large channels: with a scale per 16, its Q8_0 head's logits moved by up to 1.6% of the largest).
-Each lane also keeps its sum of codes, and each group of 16 (a sub-block of Q6_K, half a sub-block of Q4_K/Q5_K)
-the sum of its x^ = dx codes.
+The input: x is rounded once a call, in lanes of four, to about 15 bits: with t = 127 x / max|x| of the lane, a code
+round(t) and a residue round(FINE (t - code)), both int8, and x^ = dx (FINE code + residue), dx = max|x| /
+(127 FINE). Each run takes two integer dots, codes and residues, and adds them as FINE p_codes + p_residues.
+Why two: with the codes alone (8 bits a lane, as llama.cpp's inputs), the default model's answer to "What is the
+capital of France?" through the chat template turned from "The capital of France is Paris." into "L'Etoile, ...":
+its first token wins by 0.4% of the logit. With the residues x^ is within 2^-15 of the lane's largest value, and the
+host decode matches XLA's float32 model within the tolerances its tests hold it to. Four inputs are what one int32
+lane of ``dot4`` sums, so a scale per lane costs the kernel nothing over a scale per 16. Each lane also keeps its
+sum of FINE codes + residues, and each group of 16 (a sub-block of Q6_K, half a sub-block of Q4_K/Q5_K, half a
+block of 32) the sum of its x^.
 
 A run is 64 weights: a quarter of a K-quant block, or two blocks of 32 (a row's odd last one is a run of 32). Per
 run: the unsigned codes (4, 5 or 6 bits; Q8_0's signed codes as their absolute values, their signs moved to the
-input's codes) in one <64 x i8>, the 64 input codes, and ``dot4``: 16 int32 lanes, lane l the sum of products
-4l..4l+3 (vpdpbusd with AVX512-VNNI; vpmaddubsw then vpmaddwd otherwise: the same integers, none of them saturate).
-Each lane is converted to float32 and multiplied by its weights' d sc and its inputs' dx (one FMA into a 16-lane
-accumulator). The offsets take the input's sums: Q4_K and Q5_K's -dmin m and Q6_K's -32 d sc the groups'
-sums of x^, once a block; Q5_0's -16 the lanes' sums of codes, in integers. Float32 rounding aside, a row's result
-is sum_i w_i x^_i, with w_i gguf's dequantized weight (tests/test_quants.py holds it to float64).
+input's codes) in one <64 x i8>, the 64 input codes and residues, and ``dot4`` of each: 16 int32 lanes, lane l the
+sum of products 4l..4l+3 (vpdpbusd with AVX512-VNNI; vpmaddubsw then vpmaddwd otherwise: the same integers, none of
+them saturate). Each lane's FINE p_codes + p_residues is converted to float32 and multiplied by its weights' d sc
+and its inputs' dx (one FMA into a 16-lane accumulator). The offsets take the input's sums: Q4_K and Q5_K's
+-dmin m and Q6_K's -32 d sc the groups' sums of x^, once a block; Q4_1's m its two groups' sums of x^; Q4_0's -8 and
+Q5_0's -16 the lanes' sums, in integers. Float32 rounding aside, a row's result is sum_i w_i x^_i, with w_i gguf's
+dequantized weight (tests/test_quants.py holds it to float64).
 """
 from __future__ import annotations
 
@@ -36,23 +43,28 @@ from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import blocks, ffi, kernels, vector_ir  # noqa: E402
-from .blocks import GGUF_TYPES, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0  # noqa: E402
+from .blocks import GGUF_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0  # noqa: E402
 from .kernels import ahead_into_l2, prefetch_lines  # noqa: E402
-from .vector_ir import F32, I32, I64, V16F, V16I8, V16I32, ZERO16, half_splat, hsum, load  # noqa: E402
+from .vector_ir import F32, I32, I64, V16F, V16I8, V16I32, ZERO16, half_splat, hsum, load, strict  # noqa: E402
 
 ffi.purge_stale_cache("q8_dot", kernels, blocks, vector_ir)
 
-KINDS = (Q4_K, Q5_K, Q6_K, Q5_0, Q8_0)   # the block types read here
-GROUP = 16                 # input elements per scale
+KINDS = (Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q5_0, Q8_0)   # the block types read here
+SMALL = (Q4_0, Q4_1, Q5_0, Q8_0)   # blocks of 32, read two to a run
+MINUS = {Q4_0: 8, Q5_0: 16}         # w = d (q - MINUS): taken from the lanes' code sums, in integers
+GROUP_TOKENS = 8                    # tokens per pass over a row in gemm (their accumulators fill the registers)
+GROUP = 16                 # input elements per sum of x^
+FINE = 256                 # a code's step over its residue's: x^ has about 15 bits a lane (quantize_input)
 PREFETCH_ROWS = 8
 _JIT = dict(fastmath=True, cache=True, nogil=True)
 # Weights a block by ggml type number for KINDS, 0 for a type not read here: a table Numba code can index.
 BLOCK_OF = np.zeros(16, np.int64)
 for _k in KINDS:
     BLOCK_OF[_k] = GGUF_TYPES[_k].block
+Q4_1_BYTES = GGUF_TYPES[Q4_1].nbytes
 I8, I16 = ir.IntType(8), ir.IntType(16)
 V32I8, V64I8 = ir.VectorType(I8, 32), ir.VectorType(I8, 64)
-V8F, V8I32 = ir.VectorType(F32, 8), ir.VectorType(I32, 8)
+V4F, V8F, V8I32 = ir.VectorType(F32, 4), ir.VectorType(F32, 8), ir.VectorType(I32, 8)
 VNNI, AVX512BW = vector_ir.cpu_has("avx512vnni"), vector_ir.cpu_has("avx512bw")
 
 
@@ -61,29 +73,40 @@ VNNI, AVX512BW = vector_ir.cpu_has("avx512vnni"), vector_ir.cpu_has("avx512bw")
 
 @njit(**_JIT)
 def quantize_input(x):
-    """x (float32 [cols], cols a multiple of 16) rounded in lanes of 4 -> (codes, dx4, sums, lane_sums): for lane k
-    (elements 4k..4k+3), dx4[k] = max|x| / 127 of the lane (float32 [cols / 4]; 0, and codes 0, for a lane of zeros)
-    and codes[i] = round(x[i] / dx4[k]) (int8 [cols]); lane_sums[k] = the lane's sum of codes (int32 [cols / 4]);
-    sums[g] = the sum of x^ = codes dx over group g of 16 elements (float32 [cols / 16])."""
+    """x (float32 [cols], cols a multiple of 16) rounded in lanes of 4 -> (codes, residues, dx4, sums, lane_sums).
+    Lane k (elements 4k..4k+3) has the unit dx4[k] = max|x| / (127 FINE) of the lane (float32 [cols / 4]; 0, and
+    codes 0, for a lane of zeros), and x[i] is rounded to x^_i = dx4[k] (FINE codes[i] + residues[i]) (int8
+    [cols] each, both in [-127, 127]): codes[i] = round(t) for t = 127 x[i] / max|x|, residues[i] = round(FINE
+    (t - codes[i])). lane_sums[k] = the lane's sum of FINE codes + residues (int32 [cols / 4]); sums[g] = the sum of
+    x^ over group g of 16 elements (float32 [cols / 16])."""
     cols = x.shape[0]
-    codes, dx4, lane_sums = np.empty(cols, np.int8), np.empty(cols // 4, np.float32), np.empty(cols // 4, np.int32)
+    codes, residues = np.empty(cols, np.int8), np.empty(cols, np.int8)
+    dx4, lane_sums = np.empty(cols // 4, np.float32), np.empty(cols // 4, np.int32)
     sums = np.empty(cols // GROUP, np.float32)
-    for k in range(cols // 4):
+    quantize_into(x, codes, residues, dx4, sums, lane_sums)
+    return codes, residues, dx4, sums, lane_sums
+
+
+@njit(**_JIT)
+def quantize_into(x, codes, residues, dx4, sums, lane_sums):
+    """quantize_input's arrays for x, written into the given ones (their shapes as quantize_input's)."""
+    for k in range(x.shape[0] // 4):
         amax = max(max(abs(x[4 * k]), abs(x[4 * k + 1])), max(abs(x[4 * k + 2]), abs(x[4 * k + 3])))
         inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
         total = 0
         for i in range(4 * k, 4 * k + 4):
-            c = np.int32(np.rint(x[i] * inv))
-            codes[i] = c
-            total += c
-        dx4[k] = amax / np.float32(127.0)
+            t = x[i] * inv
+            c = np.rint(t)
+            r = min(max(np.int32(np.rint((t - c) * np.float32(FINE))), -127), 127)
+            codes[i], residues[i] = np.int32(c), r
+            total += FINE * np.int32(c) + r
+        dx4[k] = amax / np.float32(127.0 * FINE)
         lane_sums[k] = total
-    for g in range(cols // GROUP):
+    for g in range(x.shape[0] // GROUP):
         total = np.float32(0.0)
         for k in range(4 * g, 4 * g + 4):
             total += dx4[k] * np.float32(lane_sums[k])
         sums[g] = total
-    return codes, dx4, sums, lane_sums
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -109,14 +132,22 @@ def _call(b, name, ret, args):
     return b.call(fn, args)
 
 
-def dot4(b, w, xc):
-    """<n/4 x i32>: lane l = sum over k < 4 of w[4l + k] (unsigned) * xc[4l + k] (signed), both <n x i8>, n 64 or
-    32. Exact: with w <= 128 and |xc| <= 127 no 16-bit pair sum (the non-VNNI forms: at most 2 128 127 = 32512)
-    saturates."""
+def dot4(b, w, xc, acc=None):
+    """<n/4 x i32>: acc (or 0) plus, in lane l, the sum over k < 4 of w[4l + k] (unsigned) * xc[4l + k] (signed),
+    both <n x i8>, n 64 or 32. Exact: with w <= 128 and |xc| <= 127 no 16-bit pair sum (the non-VNNI forms: at most
+    2 128 127 = 32512) saturates."""
     n = w.type.count
+    lanes = ir.VectorType(I32, n // 4)
     if VNNI:
-        lanes = ir.VectorType(I32, n // 4)
-        return _call(b, f"llvm.x86.avx512.vpdpbusd.{8 * n}", lanes, [ir.Constant(lanes, [0] * (n // 4)), w, xc])
+        return _call(b, f"llvm.x86.avx512.vpdpbusd.{8 * n}", lanes,
+                     [ir.Constant(lanes, [0] * (n // 4)) if acc is None else acc, w, xc])
+    p = _dot4_pairs(b, w, xc)
+    return p if acc is None else b.add(acc, p)
+
+
+def _dot4_pairs(b, w, xc):
+    """dot4 without VNNI: vpmaddubsw (pairs to 16 bits), then vpmaddwd by ones (pairs of those to 32)."""
+    n = w.type.count
     if AVX512BW and n == 64:
         pairs = _call(b, "llvm.x86.avx512.pmaddubs.w.512", ir.VectorType(I16, 32), [w, xc])
         return _call(b, "llvm.x86.avx512.pmaddw.d.512", V16I32, [pairs, ir.Constant(pairs.type, [1] * 32)])
@@ -130,13 +161,17 @@ def dot4(b, w, xc):
 
 
 class _Row:
-    """One row's dot: a 16-lane float32 accumulator for the code products and one for the offsets, the input's four
-    arrays (quantize_input's) at integer addresses. (Two accumulators for the products, runs alternating, measured
-    no faster with AVX-512 and slower in the AVX2 code, whose 16 registers hold eight 16-lane vectors.)"""
+    """One row's dot with one input: a 16-lane float32 accumulator for the code products, one for the K-quants'
+    offsets and a 4-lane one for Q4_1's m terms, the input's four arrays (quantize_input's) at integer addresses.
+    Its float operations are strict (vector_ir.strict), so a token's dot is the same bits whether gemv or gemm
+    emits it. (Two accumulators for the products, runs alternating, measured no faster with AVX-512 and slower in
+    the AVX2 code, whose 16 registers hold eight 16-lane vectors.)"""
 
-    def __init__(self, b, codes, dx4, sums, lane_sums):
-        self.b, self.codes, self.dx4, self.sums, self.lane_sums = b, codes, dx4, sums, lane_sums
+    def __init__(self, b, codes, residues, dx4, sums, lane_sums):
+        self.b, self.codes, self.residues, self.dx4 = b, codes, residues, dx4
+        self.sums, self.lane_sums = sums, lane_sums
         self.acc, self.off = (cgutils.alloca_once_value(b, ZERO16) for _ in range(2))
+        self.off4 = cgutils.alloca_once_value(b, ir.Constant(V4F, [0.0] * 4))
         self.fma = vector_ir.vector_intrinsic(b, "llvm.fma", 3)
 
     def run(self, w, e, scales, minus=0, signed=False):
@@ -146,22 +181,22 @@ class _Row:
         b = self.b
         n = w.type.count
         lanes = n // 4
-        xc = load(b, b.add(self.codes, e), ir.VectorType(I8, n), 1)
+        xc, xr = (load(b, b.add(a, e), ir.VectorType(I8, n), 1) for a in (self.codes, self.residues))
         if signed:    # w x = |w| (sign(w) x): -128 becomes the unsigned 128, and |x| <= 127 stays in range
             negative = b.icmp_signed("<", w, _i8s(0, n))
-            w, xc = (b.select(negative, b.sub(_i8s(0, n), v), v) for v in (w, xc))
-        p = dot4(b, w, xc)
+            w, xc, xr = (b.select(negative, b.sub(_i8s(0, n), v), v) for v in (w, xc, xr))
+        # FINE (w . codes) + w . residues: below 2^24 (4 128 127 (FINE + 1)), so exact in float32 too
+        p = dot4(b, w, xr, b.mul(dot4(b, w, xc), ir.Constant(ir.VectorType(I32, lanes), [FINE] * lanes)))
         if minus:   # sum (w - minus) x = sum w x - minus sum x, in integers
             sums = load(b, b.add(self.lane_sums, e), ir.VectorType(I32, lanes), 4)   # byte e is lane e/4
             p = b.sub(p, b.mul(sums, ir.Constant(sums.type, [minus] * lanes)))
-        s = b.fmul(scales, load(b, b.add(self.dx4, e), ir.VectorType(F32, lanes), 4))
+        s = strict(b.fmul(scales, load(b, b.add(self.dx4, e), ir.VectorType(F32, lanes), 4)))
         acc = self.acc
         if lanes == 16:
             b.store(b.call(self.fma, [b.sitofp(p, V16F), s, b.load(acc)]), acc)
             return
-        product = b.fmul(b.sitofp(p, s.type), s)     # a half run (a row's last Q5_0 block): lanes 8..15 get 0
-        wide = ir.Constant(ir.VectorType(I32, 16), list(range(lanes)) + [lanes] * (16 - lanes))
-        b.store(b.fadd(b.shuffle_vector(product, ir.Constant(product.type, [0.0] * lanes), wide), b.load(acc)), acc)
+        product = strict(b.fmul(b.sitofp(p, s.type), s))  # a half run (a row's last small block): lanes 8.. get 0
+        b.store(strict(b.fadd(_widen(b, product, 16), b.load(acc))), acc)
 
     def offsets(self, e, per_group):
         """off += per_group (16 lanes, one per input group of the block at element e) times the groups' sums."""
@@ -169,11 +204,31 @@ class _Row:
         sums = load(b, b.add(self.sums, b.mul(b.udiv(e, I64(GROUP)), I64(4))), V16F, 4)
         b.store(b.call(self.fma, [per_group, sums, b.load(self.off)]), self.off)
 
-    def total(self, with_offsets):
-        """The row's dot: the accumulators' lanes summed, plus the offsets' (with_offsets: a type that has them)."""
+    def m_terms(self, e, m):
+        """off4 += m (<n x float>, n 4 or 2: each group of 16 inputs from element e its block's m) times the groups'
+        sums of x^: Q4_1's w = d q + m."""
+        b = self.b
+        sums = load(b, b.add(self.sums, b.mul(b.udiv(e, I64(GROUP)), I64(4))), m.type, 4)
+        b.store(strict(b.fadd(_widen(b, strict(b.fmul(m, sums)), 4), b.load(self.off4))), self.off4)
+
+    def total(self, kind):
+        """The row's dot: the product lanes summed, plus the offsets of a type that has them."""
         b = self.b
         acc = hsum(b, b.load(self.acc))
-        return vector_ir.strict(b.fadd(acc, hsum(b, b.load(self.off)))) if with_offsets else acc
+        if kind == Q4_1:
+            return strict(b.fadd(acc, hsum(b, _widen(b, b.load(self.off4), 16))))
+        if kind in SMALL:
+            return acc
+        return strict(b.fadd(acc, hsum(b, b.load(self.off))))
+
+
+def _widen(b, v, n):
+    """The float vector v with zero lanes appended up to n lanes (v itself if it has n)."""
+    k = v.type.count
+    if k == n:
+        return v
+    zeros = ir.Constant(v.type, [0.0] * k)
+    return b.shuffle_vector(v, zeros, ir.Constant(ir.VectorType(I32, n), list(range(k)) + [k] * (n - k)))
 
 
 def k45_scales(b, bp):
@@ -193,10 +248,11 @@ def k45_scales(b, bp):
     return b.fmul(d8(0), b.uitofp(sc, V8F)), b.fmul(d8(2), b.uitofp(mn, V8F))
 
 
-def _emit_k45(row, kind, bp, e):
-    """One Q4_K / Q5_K block at address bp, input from element e: run c holds the low nibbles of bytes 32c..32c+31
-    (sub-block 2c) then their high nibbles (2c + 1), Q5_K's fifth bits from qh bits 2c and 2c + 1."""
-    b = row.b
+def _emit_k45(rows, kind, bp, e):
+    """One Q4_K / Q5_K block at address bp, input from element e, for each of rows (_Row): run c holds the low
+    nibbles of bytes 32c..32c+31 (sub-block 2c) then their high nibbles (2c + 1), Q5_K's fifth bits from qh bits 2c
+    and 2c + 1."""
+    b = rows[0].b
     scales, mins = k45_scales(b, bp)
     qs = 48 if kind == Q5_K else 16
     qh = load(b, b.add(bp, I64(16)), V32I8, 1) if kind == Q5_K else None
@@ -206,14 +262,17 @@ def _emit_k45(row, kind, bp, e):
         if qh is not None:
             fifth = _concat(b, b.lshr(qh, _i8s(2 * c, 32)), b.lshr(qh, _i8s(2 * c + 1, 32)))
             w = b.or_(w, b.shl(b.and_(fifth, _i8s(1, 64)), _i8s(4, 64)))
-        row.run(w, b.add(e, I64(64 * c)), _lanes(b, scales, [2 * c] * 8 + [2 * c + 1] * 8))
-    row.offsets(e, _lanes(b, b.fneg(mins), [j // 2 for j in range(16)]))     # w = d sc q - dmin m
+        for row in rows:
+            row.run(w, b.add(e, I64(64 * c)), _lanes(b, scales, [2 * c] * 8 + [2 * c + 1] * 8))
+    for row in rows:
+        row.offsets(e, _lanes(b, b.fneg(mins), [j // 2 for j in range(16)]))     # w = d sc q - dmin m
 
 
-def _emit_q6_k(row, bp, e):
-    """One Q6_K block at address bp (layout in blocks.py), input from element e: in half n, run a holds the
-    nibbles a of ql bytes 64n..64n+63 with qh bits 4a (first 32) and 4a + 2 (next 32) of bytes 32n..32n+31."""
-    b = row.b
+def _emit_q6_k(rows, bp, e):
+    """One Q6_K block at address bp (layout in blocks.py), input from element e, for each of rows: in half n, run a
+    holds the nibbles a of ql bytes 64n..64n+63 with qh bits 4a (first 32) and 4a + 2 (next 32) of bytes
+    32n..32n+31."""
+    b = rows[0].b
     scales = b.fmul(half_splat(b, b.add(bp, I64(208))), b.sitofp(load(b, b.add(bp, I64(192)), V16I8, 1), V16F))
     for n in range(2):
         ql = load(b, b.add(bp, I64(64 * n)), V64I8, 1)
@@ -222,84 +281,132 @@ def _emit_q6_k(row, bp, e):
             low = b.and_(b.lshr(ql, _i8s(4 * a, 64)), _i8s(15, 64))
             high = _concat(b, b.lshr(qh, _i8s(4 * a, 32)), b.lshr(qh, _i8s(4 * a + 2, 32)))
             w = b.or_(low, b.shl(b.and_(high, _i8s(3, 64)), _i8s(4, 64)))
-            row.run(w, b.add(e, I64(128 * n + 64 * a)), _lanes(b, scales, [8 * n + 4 * a + l // 4 for l in range(16)]))
-    row.offsets(e, b.fmul(scales, ir.Constant(V16F, [-32.0] * 16)))          # w = d sc (q - 32)
+            for row in rows:
+                row.run(w, b.add(e, I64(128 * n + 64 * a)),
+                        _lanes(b, scales, [8 * n + 4 * a + l // 4 for l in range(16)]))
+    for row in rows:
+        row.offsets(e, b.fmul(scales, ir.Constant(V16F, [-32.0] * 16)))          # w = d sc (q - 32)
 
 
-def _q5_0_codes(b, bp):
-    """A Q5_0 block's 32 codes q (0..31) as <32 x i8>: the low nibbles, then the high ones, each with its fifth
-    bit from the uint32 qh (bit j belongs to element j)."""
-    nib = load(b, b.add(bp, I64(6)), V16I8, 1)
-    q = _concat(b, b.and_(nib, _i8s(15, 16)), b.lshr(nib, _i8s(4, 16)))
-    fifth = b.bitcast(load(b, b.add(bp, I64(2)), I32, 1), ir.VectorType(ir.IntType(1), 32))
-    return b.or_(q, b.select(fifth, _i8s(16, 32), _i8s(0, 32)))
+def _nibble_codes(b, addr):
+    """The 32 codes of a 4-bit block's 16 bytes at addr as <32 x i8>: the low nibbles (elements 0..15), then the
+    high ones (16..31)."""
+    nib = load(b, addr, V16I8, 1)
+    return _concat(b, b.and_(nib, _i8s(15, 16)), b.lshr(nib, _i8s(4, 16)))
 
 
 def _small_codes(b, kind, bp):
-    """A Q5_0 or Q8_0 block's 32 codes as <32 x i8> (Q8_0's signed)."""
-    return _q5_0_codes(b, bp) if kind == Q5_0 else load(b, b.add(bp, I64(2)), V32I8, 1)
+    """A block of 32's codes as <32 x i8>: Q4_0's and Q4_1's nibbles, Q5_0's with their fifth bits from the
+    uint32 qh (bit j belongs to element j), Q8_0's signed bytes."""
+    if kind == Q8_0:
+        return load(b, b.add(bp, I64(2)), V32I8, 1)
+    if kind != Q5_0:
+        return _nibble_codes(b, b.add(bp, I64(4 if kind == Q4_1 else 2)))
+    fifth = b.bitcast(load(b, b.add(bp, I64(2)), I32, 1), ir.VectorType(ir.IntType(1), 32))
+    return b.or_(_nibble_codes(b, b.add(bp, I64(6))), b.select(fifth, _i8s(16, 32), _i8s(0, 32)))
 
 
-def _emit_small(row, kind, bp, e, blocks_in_run):
-    """One run of Q5_0 or Q8_0 blocks (two, or a row's odd last one) at address bp, input from element e, each
-    block scaled by its d. Q5_0's w = d (q - 16): q . x minus 16 times the lanes' code sums. Q8_0's codes are
-    signed: their signs move to the input's codes."""
-    b = row.b
+def _two_halves(b, addr):
+    """The two float16s at addr as <2 x half>: one 32-bit load, which waits on no register (vector_ir.half_splat
+    says why that matters; a lane inserted into a register here chained every run to the last one's m terms)."""
+    return b.bitcast(load(b, addr, I32, 1), ir.VectorType(ir.HalfType(), 2))
+
+
+def _emit_small(rows, kind, bp, e, blocks_in_run):
+    """One run of blocks of 32 (two, or a row's odd last one) at address bp, input from element e, for each of
+    rows, each block scaled by its d. Q4_0's and Q5_0's w = d (q - MINUS): q . x minus MINUS times the lanes' code
+    sums. Q4_1's w = d q + m: q . x, and m times its groups' sums of x^ (m_terms). Q8_0's codes are signed: their
+    signs move to the input's codes."""
+    b = rows[0].b
     q = _small_codes(b, kind, bp)
-    d = half_splat(b, bp)
+    dm = _two_halves(b, bp)                 # (d, m) of Q4_1; d and the next two bytes of the others
     if blocks_in_run == 2:
         nxt = b.add(bp, I64(GGUF_TYPES[kind].nbytes))
         q = _concat(b, q, _small_codes(b, kind, nxt))
-        d = b.shuffle_vector(d, half_splat(b, nxt), ir.Constant(V16I32, [0] * 8 + [16] * 8))
+        dm = _concat(b, dm, _two_halves(b, nxt))
+    dm = b.fpext(dm, ir.VectorType(F32, dm.type.count))
+    d = _lanes(b, dm, [0] * 8 + [2] * 8 if blocks_in_run == 2 else [0] * 8)
+    m = _lanes(b, dm, [1, 1, 3, 3] if blocks_in_run == 2 else [1, 1]) if kind == Q4_1 else None
+    for row in rows:
+        row.run(q, e, d, minus=MINUS.get(kind, 0), signed=kind == Q8_0)
+        if m is not None:
+            row.m_terms(e, m)
+
+
+def _emit_rows(b, code, p, nb, rows):
+    """The dots of the row of nb blocks of type code at address p (i64) with each of rows' inputs, as float32s."""
+    nbytes = GGUF_TYPES[code].nbytes
+    if code in SMALL:
+        with cgutils.for_range(b, b.udiv(nb, I64(2))) as loop:
+            _emit_small(rows, code, b.add(p, b.mul(loop.index, I64(2 * nbytes))), b.mul(loop.index, I64(64)), 2)
+        last = b.sub(nb, I64(1))
+        with b.if_then(b.trunc(nb, ir.IntType(1))):
+            _emit_small(rows, code, b.add(p, b.mul(last, I64(nbytes))), b.mul(last, I64(32)), 1)
     else:
-        d = _lanes(b, d, range(8))
-    row.run(q, e, d, minus=16 if kind == Q5_0 else 0, signed=kind == Q8_0)
+        with cgutils.for_range(b, nb) as loop:
+            bp = b.add(p, b.mul(loop.index, I64(nbytes)))
+            e = b.mul(loop.index, I64(256))
+            if code == Q6_K:
+                _emit_q6_k(rows, bp, e)
+            else:
+                _emit_k45(rows, code, bp, e)
+    return [row.total(code) for row in rows]
 
 
 @intrinsic
-def _dot_row(typingctx, kind, p, nb, codes, dx4, sums, lane_sums):
-    """An intrinsic (kind, p, nb, codes, dx4, sums, lane_sums) -> float32: the dot of the row of nb blocks of kind
-    (a literal, one of KINDS) at address p with the input quantize_input made (its arrays' addresses)."""
+def _dot_row(typingctx, kind, p, nb, codes, residues, dx4, sums, lane_sums):
+    """An intrinsic (kind, p, nb, codes, residues, dx4, sums, lane_sums) -> float32: the dot of the row of nb blocks
+    of kind (a literal, one of KINDS) at address p with the input quantize_input made (its arrays' addresses)."""
     if not isinstance(kind, types.IntegerLiteral):
         return None
-    code = kind.literal_value
-    nbytes = GGUF_TYPES[code].nbytes
 
     def codegen(context, builder, sig, args):
-        row = _Row(builder, *args[3:])
-        p, nb = args[1], args[2]
-        if code in (Q5_0, Q8_0):
-            with cgutils.for_range(builder, builder.udiv(nb, I64(2))) as loop:
-                _emit_small(row, code, builder.add(p, builder.mul(loop.index, I64(2 * nbytes))),
-                            builder.mul(loop.index, I64(64)), 2)
-            last = builder.sub(nb, I64(1))
-            with builder.if_then(builder.trunc(nb, ir.IntType(1))):
-                _emit_small(row, code, builder.add(p, builder.mul(last, I64(nbytes))), builder.mul(last, I64(32)), 1)
-            return row.total(False)
-        with cgutils.for_range(builder, nb) as loop:
-            bp = builder.add(p, builder.mul(loop.index, I64(nbytes)))
-            e = builder.mul(loop.index, I64(256))
-            if code == Q6_K:
-                _emit_q6_k(row, bp, e)
-            else:
-                _emit_k45(row, code, bp, e)
-        return row.total(True)
-    return types.float32(kind, *[types.int64] * 6), codegen
+        return _emit_rows(builder, kind.literal_value, args[1], args[2], [_Row(builder, *args[3:])])[0]
+    return types.float32(kind, *[types.int64] * 7), codegen
+
+
+@intrinsic
+def _q4_1_dots(typingctx, k, p, nb, codes, residues, dx4, sums, lane_sums, cols, y, y_stride):
+    """An intrinsic: the dots of the Q4_1 row of nb blocks at address p with k (1..GROUP_TOKENS) inputs, token t's
+    arrays at row t of quantize_into's [tokens, ...] arrays for inputs of cols elements (codes and residues + t
+    cols, dx4 + t cols, sums + t cols / 4, lane_sums + t cols bytes); token t's result is stored at y + t y_stride
+    bytes. Each token takes the operations _dot_row takes for it alone."""
+    if not all(isinstance(a, types.Integer) for a in (k, p, nb, codes, residues, dx4, sums, lane_sums, cols, y,
+                                                      y_stride)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        k, p, nb, codes, residues, dx4, sums, lane_sums, cols, y, y_stride = args
+
+        def emit(n):
+            at = lambda base, t, per=1: builder.add(base, builder.mul(builder.udiv(cols, I64(per)), I64(t)))  # noqa
+            rows = [_Row(builder, at(codes, t), at(residues, t), at(dx4, t), at(sums, t, 4), at(lane_sums, t))
+                    for t in range(n)]
+            for t, total in enumerate(_emit_rows(builder, Q4_1, p, nb, rows)):
+                out = vector_ir.pointer(builder, builder.add(y, builder.mul(y_stride, I64(t))), F32)
+                builder.store(total, out, align=4)
+        vector_ir.by_count(builder, k, range(1, GROUP_TOKENS + 1), emit)
+        return context.get_dummy_value()
+    return types.void(*[types.int64] * 11), codegen
 
 
 @njit(inline="always", **_JIT)
-def row_dot(kind, p, nb, codes, dx4, sums, lane_sums):
+def row_dot(kind, p, nb, codes, residues, dx4, sums, lane_sums):
     """float32 dot of one row (nb blocks of kind, one of KINDS, at address p) with a quantize_input input (its
     arrays' addresses)."""
+    if kind == Q4_1:
+        return _dot_row(Q4_1, p, nb, codes, residues, dx4, sums, lane_sums)
     if kind == Q4_K:
-        return _dot_row(Q4_K, p, nb, codes, dx4, sums, lane_sums)
+        return _dot_row(Q4_K, p, nb, codes, residues, dx4, sums, lane_sums)
     if kind == Q6_K:
-        return _dot_row(Q6_K, p, nb, codes, dx4, sums, lane_sums)
+        return _dot_row(Q6_K, p, nb, codes, residues, dx4, sums, lane_sums)
     if kind == Q5_0:
-        return _dot_row(Q5_0, p, nb, codes, dx4, sums, lane_sums)
+        return _dot_row(Q5_0, p, nb, codes, residues, dx4, sums, lane_sums)
     if kind == Q8_0:
-        return _dot_row(Q8_0, p, nb, codes, dx4, sums, lane_sums)
-    return _dot_row(Q5_K, p, nb, codes, dx4, sums, lane_sums)
+        return _dot_row(Q8_0, p, nb, codes, residues, dx4, sums, lane_sums)
+    if kind == Q4_0:
+        return _dot_row(Q4_0, p, nb, codes, residues, dx4, sums, lane_sums)
+    return _dot_row(Q5_K, p, nb, codes, residues, dx4, sums, lane_sums)
 
 
 @njit(**_JIT)
@@ -310,12 +417,41 @@ def gemv(kind, q, x, y, lo, hi):
     if hi <= lo:
         return
     cols = x.shape[0]
-    codes, dx4, sums, lane_sums = quantize_input(x)
+    codes, residues, dx4, sums, lane_sums = quantize_input(x)
     nb = cols // BLOCK_OF[kind]
     base = q.ctypes.data
-    into_l2 = ahead_into_l2(codes.nbytes + dx4.nbytes + sums.nbytes + lane_sums.nbytes, q.shape[1], PREFETCH_ROWS)
+    into_l2 = ahead_into_l2(3 * cols + sums.nbytes + lane_sums.nbytes, q.shape[1], PREFETCH_ROWS)
     for r in range(lo, hi):
         if r + PREFETCH_ROWS < hi:
             prefetch_lines(q, r + PREFETCH_ROWS, into_l2)
-        y[r] = row_dot(kind, base + r * q.strides[0], nb, codes.ctypes.data, dx4.ctypes.data, sums.ctypes.data,
-                       lane_sums.ctypes.data)
+        y[r] = row_dot(kind, base + r * q.strides[0], nb, codes.ctypes.data, residues.ctypes.data, dx4.ctypes.data,
+                       sums.ctypes.data, lane_sums.ctypes.data)
+
+
+@njit(**_JIT)
+def gemm(q, x, y, nt, lo, hi):
+    """The batched decode's Q4_1 GEMM: y[t, r] = gemv's y[r] for input x[t], bit for bit, for t < nt and r in
+    [lo, hi) (q uint8 [rows, row bytes] of Q4_1 blocks; x float32 [>= nt, >= cols]; y float32 [>= nt, >= hi]; rows
+    of x and y contiguous). Each row is read from memory once for up to GROUP_TOKENS tokens; a wider batch re-reads it
+    from L1 for the next group."""
+    if nt == 1:
+        gemv(Q4_1, q, x[0], y[0], lo, hi)
+        return
+    if hi <= lo:
+        return
+    nb = q.shape[1] // Q4_1_BYTES
+    cols = nb * BLOCK_OF[Q4_1]
+    codes, residues = np.empty((nt, cols), np.int8), np.empty((nt, cols), np.int8)
+    dx4, lane_sums = np.empty((nt, cols // 4), np.float32), np.empty((nt, cols // 4), np.int32)
+    sums = np.empty((nt, cols // GROUP), np.float32)
+    for t in range(nt):
+        quantize_into(x[t, :cols], codes[t], residues[t], dx4[t], sums[t], lane_sums[t])
+    base = q.ctypes.data
+    into_l2 = ahead_into_l2(min(nt, GROUP_TOKENS) * 4 * cols, q.shape[1], PREFETCH_ROWS)
+    for r in range(lo, hi):
+        if r + PREFETCH_ROWS < hi:
+            prefetch_lines(q, r + PREFETCH_ROWS, into_l2)
+        for g in range(0, nt, GROUP_TOKENS):
+            _q4_1_dots(min(GROUP_TOKENS, nt - g), base + r * q.strides[0], nb, codes[g].ctypes.data,
+                       residues[g].ctypes.data, dx4[g].ctypes.data, sums[g].ctypes.data, lane_sums[g].ctypes.data, cols,
+                       y.ctypes.data + g * y.strides[0] + 4 * r, y.strides[0])

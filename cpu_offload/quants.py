@@ -240,11 +240,11 @@ def row_dot(kind, p, nb, xa):
 def gemv(kind, q, x, y, lo, hi, rounded=True):
     """y[r] = row r of q (uint8 [rows, row bytes], blocks of ggml type kind) dotted with x, for r in [lo, hi); with
     rounded, a type q8_dot has is dotted with x rounded to 8 bits there."""
-    if kind == Q4_1 or kind == Q4_0:
-        q4.gemv(q, x, y, lo, hi, kind)
-        return
     if rounded and q8_dot.BLOCK_OF[kind]:     # a type q8_dot reads
         q8_dot.gemv(kind, q, x, y, lo, hi)
+        return
+    if kind == Q4_1 or kind == Q4_0:
+        q4.gemv(q, x, y, lo, hi, kind)
         return
     nb = q.shape[1] // _BLOCK_BYTES[kind]
     base = q.ctypes.data

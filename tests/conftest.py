@@ -83,6 +83,13 @@ def int8_values(q, scales) -> np.ndarray:
     return TYPES[INT8].dequantize((q, scales), np.shape(q)[1])
 
 
+def q8_dot_input(x: np.ndarray) -> np.ndarray:
+    """x^, the input cpu_offload.q8_dot's kernels multiply for x (float32 [cols]), in float64."""
+    from cpu_offload import q8_dot
+    codes, residues, dx4, _, _ = q8_dot.quantize_input(x)
+    return (q8_dot.FINE * codes.astype(np.float64) + residues) * np.repeat(dx4.astype(np.float64), 4)
+
+
 def q4_dot_tolerance(blocks: np.ndarray, cols: int, x: np.ndarray) -> np.ndarray:
     """Absolute error bound [nt, rows] of cpu_offload.q4's float32 dot of Q4_1 rows with inputs x [nt, cols].
 

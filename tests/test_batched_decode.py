@@ -1,13 +1,16 @@
-"""cpu_offload.q4_gemm and batched_decode, pjinfer.runtime.batch: the batched host decode step against float64 numpy, and
-against the single-token decoder bit for bit (a request's tokens must not depend on what else is in the batch)."""
+"""cpu_offload.q8_dot.gemm, int8.gemm and batched_decode, pjinfer.runtime.batch: the batched host decode step against
+float64 numpy, and against the single-token decoder bit for bit (a request's tokens must not depend on what else is
+in the batch)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from cpu_offload import batched_decode as bd
-from cpu_offload import decoder, int8, q4, q4_gemm
-from tests.conftest import int8_values, q4_1, q4_1_values, q4_dot_tolerance, random_weights, tiny_config
+from cpu_offload import decoder, int8, q8_dot
+from cpu_offload.blocks import Q4_1
+from tests.conftest import (int8_values, q4_1, q4_1_values, q4_dot_tolerance, q8_dot_input, random_weights,
+                            tiny_config)
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
@@ -25,24 +28,27 @@ def _bits(a):
 
 # ------------------------------------------------------------------------------------------------ kernels
 @pytest.mark.parametrize("rows,cols", [(1, 32), (5, 96), (37, 576), (131, 1536)])
-@pytest.mark.parametrize("nt", [1, 3, q4_gemm.GROUP, q4_gemm.GROUP + 3])
-def test_q4_gemm_matches_float64_numpy_and_the_gemv_bit_for_bit(rows, cols, nt):
+@pytest.mark.parametrize("nt", [1, 3, q8_dot.GROUP_TOKENS, q8_dot.GROUP_TOKENS + 3])
+def test_q4_1_gemm_matches_float64_numpy_and_the_gemv_bit_for_bit(rows, cols, nt):
+    """Each token's row dots against float64 on its rounded input x^ (q8_dot.quantize_input), and equal to its
+    single-token gemv's bit for bit, however many tokens share the pass."""
     seed, rng = _fresh_rng()
     w = rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.1, 3, (rows, 1)).astype(np.float32)
     blocks = q4_1(w)
-    x = rng.standard_normal((nt, cols)).astype(np.float32)
-    want = x.astype(np.float64) @ q4_1_values(blocks, cols).astype(np.float64).T       # [nt, rows]
+    x = rng.standard_normal((nt, cols)).astype(np.float32) * rng.uniform(0.01, 10, (nt, 1)).astype(np.float32)
+    xh = np.stack([q8_dot_input(x[t]) for t in range(nt)])
+    want = xh @ q4_1_values(blocks, cols).astype(np.float64).T                 # [nt, rows]
     xs = np.full((nt + 2, cols + 7), np.nan, np.float32)                                 # wider rows than needed
     xs[:nt, :cols] = x
     for lo, hi in [(0, rows), (0, 0), (rows // 2, rows), (1 % rows, max(1 % rows, rows - 1))]:
         y = np.full((nt + 1, rows), np.nan, np.float32)                                  # poisoned, one row spare
-        q4_gemm.gemm(blocks, xs, y, nt, lo, hi)
+        q8_dot.gemm(blocks, xs, y, nt, lo, hi)
         err = np.abs(y[:nt, lo:hi] - want[:, lo:hi])
-        assert (err <= q4_dot_tolerance(blocks, cols, x)[:, lo:hi]).all(), f"seed {seed}: max error {err.max()}"
+        assert (err <= q4_dot_tolerance(blocks, cols, xh)[:, lo:hi]).all(), f"seed {seed}: {err.max()}"
         assert np.isnan(y[:, :lo]).all() and np.isnan(y[:, hi:]).all() and np.isnan(y[nt]).all(), seed
         for t in range(nt):
             single = np.full(rows, np.nan, np.float32)
-            q4.gemv(blocks, x[t], single, lo, hi)
+            q8_dot.gemv(Q4_1, blocks, x[t], single, lo, hi)
             np.testing.assert_array_equal(_bits(y[t, lo:hi]), _bits(single[lo:hi]), err_msg=f"seed {seed}")
 
 
@@ -56,7 +62,7 @@ def test_int8_gemm_matches_float64_numpy_and_the_gemv_bit_for_bit(rows, cols, nt
     out_rows = rng.permutation(nt + 2)[:nt].astype(np.int64)    # token t's output goes to row out_rows[t]
     for lo, hi in [(0, rows), (0, 0), (rows // 4 * 4, rows)]:
         y = np.full((nt + 2, rows), np.nan, np.float32)
-        q4_gemm.gemm_int8(q, s, x, y, out_rows, nt, lo, hi)
+        int8.gemm(q, s, x, y, out_rows, nt, lo, hi)
         got = y[out_rows]
         np.testing.assert_allclose(got[:, lo:hi], want[:, lo:hi], rtol=1e-5, atol=1e-5 * np.abs(want).max(),
                                    err_msg=f"seed {seed}")

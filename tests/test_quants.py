@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cpu_offload import blocks, q8_dot, quants
-from tests.conftest import jitted_logits, random_weights, tiny_config
+from tests.conftest import jitted_logits, q8_dot_input, random_weights, tiny_config
 from tests.support.gguf_files import write_tiny_gguf
 
 jax = pytest.importorskip("jax")
@@ -32,31 +32,34 @@ def random_blocks(rng, kind, rows, n_blocks):
 
 
 def rounded_input(kind, x):
-    """The input a GEMV of kind multiplies, in float64: x itself, or for q8_dot's types x^, x rounded to 8 bits in
-    lanes of 4 (q8_dot.quantize_input, checked by test_q8_dot_inputs_round_to_8_bits_in_lanes_of_4)."""
+    """The input a GEMV of kind multiplies, in float64: x itself, or for q8_dot's types x^, x rounded in lanes of 4
+    to a code and a residue (q8_dot.quantize_input, checked by
+    test_q8_dot_inputs_round_to_about_15_bits_in_lanes_of_4)."""
     if kind not in q8_dot.KINDS:
         return x.astype(np.float64)
-    codes, dx4, _, _ = q8_dot.quantize_input(x)
-    return codes.astype(np.float64) * np.repeat(dx4.astype(np.float64), 4)
+    return q8_dot_input(x)
 
 
-def test_q8_dot_inputs_round_to_8_bits_in_lanes_of_4():
-    """Each lane of 4: dx = max|x| / 127, codes round(x / dx) (so the largest is +-127 and every x^ = codes dx is
-    within dx / 2 of x), and the lane's sum of codes; each group of 16 the sum of its x^; a lane of zeros has dx 0
-    and codes 0."""
+def test_q8_dot_inputs_round_to_about_15_bits_in_lanes_of_4():
+    """Each lane of 4: unit dx = max|x| / (127 FINE), x^ = dx (FINE codes + residues) with codes round(127 x / max|x|)
+    (so the largest is +-127) and residues in [-127, 127], every x^ within dx of x (dx / 2 but where a residue
+    is clipped to +-127); the lane's sum of FINE codes + residues; each group of 16 the sum of its x^; a lane
+    of zeros has dx 0 and codes 0."""
     rng = np.random.default_rng(11)
     x = (rng.standard_normal((12, 4)) * rng.uniform(1e-3, 50, (12, 1))).astype(np.float32).ravel()  # lanes' spans vary
     x[4:8] = 0                                      # a lane of zeros
     x[40] = 1e4                                     # an outlier: lane 10's step is coarse, lane 11's is its own
-    codes, dx4, sums, lane_sums = q8_dot.quantize_input(x)
+    codes, residues, dx4, sums, lane_sums = q8_dot.quantize_input(x)
     lanes = x.reshape(-1, 4)
-    dx = (np.abs(lanes).max(1) / np.float32(127)).astype(np.float32)
+    dx = (np.abs(lanes).max(1) / np.float32(127 * q8_dot.FINE)).astype(np.float32)
     np.testing.assert_allclose(dx4, dx, rtol=2.0 ** -22)   # fastmath: amax times 1/127 may differ in the last bit
-    c = codes.reshape(-1, 4).astype(np.int64)
-    assert (np.abs(c).max(1)[dx > 0] == 127).all() and not c[1].any() and dx4[1] == 0
-    xh = c * dx4[:, None].astype(np.float64)
-    assert (np.abs(xh - lanes) <= 0.5 * dx4[:, None] * (1 + 1e-5)).all()
-    np.testing.assert_array_equal(lane_sums, c.sum(1))
+    c, r = codes.reshape(-1, 4).astype(np.int64), residues.reshape(-1, 4).astype(np.int64)
+    assert (np.abs(c).max(1)[dx > 0] == 127).all() and not c[1].any() and not r[1].any() and dx4[1] == 0
+    assert np.abs(r).max() <= 127
+    fine = q8_dot.FINE * c + r
+    xh = fine * dx4[:, None].astype(np.float64)
+    assert (np.abs(xh - lanes) <= dx4[:, None] * (1 + 1e-5)).all()
+    np.testing.assert_array_equal(lane_sums, fine.sum(1))
     np.testing.assert_allclose(sums, xh.reshape(-1, 16).sum(1), rtol=1e-5, atol=1e-6 * np.abs(x).max())
 
 
