@@ -52,7 +52,7 @@ ffi.purge_stale_cache("q8_dot", kernels, blocks, vector_ir)
 KINDS = (Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q5_0, Q8_0)   # the block types read here
 SMALL = (Q4_0, Q4_1, Q5_0, Q8_0)   # blocks of 32, read two to a run
 MINUS = {Q4_0: 8, Q5_0: 16}         # w = d (q - MINUS): taken from the lanes' code sums, in integers
-GROUP_TOKENS = 8                    # tokens per pass over a row in gemm (their accumulators fill the registers)
+GROUP_TOKENS = 4                    # tokens per pass over a row in gemm (8 was slower a token: docs/performance.md)
 GROUP = 16                 # input elements per sum of x^
 FINE = 256                 # a code's step over its residue's: x^ has about 15 bits a lane (quantize_input)
 PREFETCH_ROWS = 8
@@ -209,6 +209,10 @@ class _Row:
         sums of x^: Q4_1's w = d q + m."""
         b = self.b
         sums = load(b, b.add(self.sums, b.mul(b.udiv(e, I64(GROUP)), I64(4))), m.type, 4)
+        if m.type.count == 4:
+            fma = cgutils.get_or_insert_function(b.module, ir.FunctionType(V4F, [V4F] * 3), "llvm.fma.v4f32")
+            b.store(b.call(fma, [m, sums, b.load(self.off4)]), self.off4)
+            return
         b.store(strict(b.fadd(_widen(b, strict(b.fmul(m, sums)), 4), b.load(self.off4))), self.off4)
 
     def total(self, kind):
