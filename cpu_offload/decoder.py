@@ -109,7 +109,7 @@ class HostDecoder:
     # matrices stored in the table, the header's width and magic, the team's stage function and the handler.
     matrices, header_width, magic, stage, handler = MATRICES, H_WIDTH, MAGIC, stage_cfunc, handler_cfunc
     bridge = "ffi"   # a subclass with its own constructor calls the target directly
-    rounds_inputs = True   # the file's blocks of q8_dot's types read against inputs rounded to 8 bits (F_BLOCKS)
+    rounds_inputs = True   # the file's blocks of q8_dot's types read against rounded inputs (F_BLOCKS)
 
     def __init__(self, config, weights: dict, fmt: str = "int8", bridge: str = "ffi"):
         self.bridge = check_bridge(bridge)

@@ -22,9 +22,9 @@ position ``pos`` in place.
 
 Matrices are stored one row per output (a stored w_down_t is [d, d_ff], untransposed: pjinfer.runtime.model's rule for
 quantized matrices), so every stage is a GEMV over contiguous rows (``gemv_at``, the row's type's GEMV):
-``int8.gemv`` takes four rows at a time against one pass over x; ``quants.gemv`` (``q4.gemv`` for Q4_1) takes one
-row at a time, dequantizing each block in registers, or for the K-quants, Q5_0 and Q8_0 under F_BLOCKS
-(``q8_dot``) multiplying its codes with x rounded to 8 bits, in integers.
+``int8.gemv`` takes four rows at a time against one pass over x; ``quants.gemv`` takes one row at a time: under
+F_BLOCKS the types ``q8_dot`` reads (Q4_0, Q4_1, Q5_0, Q8_0, the K-quants) multiply their codes with x rounded to
+about 15 bits, in integers; other types, and every type under F_BLOCKS_FLOAT, dequantize each block in registers.
 
 Supported: the Llama family (RMSNorm, RoPE, grouped-query attention, gated FFN, no biases but Qwen2's q/k/v ones)
 with d_model, n_heads*head_dim and d_ff multiples of 64. Anything else is refused with a ConfigError-style ValueError.
@@ -58,7 +58,7 @@ MAGIC = 0x706A686F7374_0001  # "pjhost" + 1
  H_HEAD_SCALES, H_INV_FREQ, H_SCRATCH, H_TASK, H_TEAM, H_STAGE, H_RUNTIME, H_FORMAT, H_HEAD_KIND) = range(22)
 H_WIDTH = 24
 # H_FORMAT: how the layers' matrices are stored (int8, or GGUF blocks), and so how they are read. F_BLOCKS reads
-# the types q8_dot has against inputs rounded to 8 bits (quants.gemv's rounded), F_BLOCKS_FLOAT against float32
+# the types q8_dot has against rounded inputs (quants.gemv's rounded), F_BLOCKS_FLOAT against float32
 # inputs (PredictedHostDecoder: its tests hold it to XLA's masked model, neuron by neuron).
 F_INT8, F_BLOCKS, F_BLOCKS_FLOAT = 0, 1, 2
 # Layer table slots: (int8 rows, float32 block scales) or (blocks, ggml type number) per matrix, then the two norm

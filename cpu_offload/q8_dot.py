@@ -162,7 +162,7 @@ def _dot4_pairs(b, w, xc):
 
 class _Row:
     """One row's dot with one input: a 16-lane float32 accumulator for the code products, one for the K-quants'
-    offsets and a 4-lane one for Q4_1's m terms, the input's four arrays (quantize_input's) at integer addresses.
+    offsets and a 4-lane one for Q4_1's m terms, the input's five arrays (quantize_input's) at integer addresses.
     Its float operations are strict (vector_ir.strict), so a token's dot is the same bits whether gemv or gemm
     emits it. (Two accumulators for the products, runs alternating, measured no faster with AVX-512 and slower in
     the AVX2 code, whose 16 registers hold eight 16-lane vectors.)"""

@@ -2,12 +2,12 @@
 
 ``gemv(kind, q, x, y, lo, hi, rounded=True)``: y[r] = row r of the matrix q (uint8 [rows, row bytes], rows of
 ``kind``'s blocks, ``blocks.py`` has the layouts) dotted with x (float32 [cols]), for r in [lo, hi). Only y[lo:hi]
-is written. No bounds checks beyond the shapes: the caller owns them. Q4_0 and Q4_1 rows go to ``q4.gemv`` (the
-batched decode's kernel too, so a Q4_1 matrix has one GEMV; its nibbles through vpermps are faster than the general
-form below: docs/performance.md), and so do ``row_dot``'s. With ``rounded`` the rows of the K-quants, Q5_0 and Q8_0
-go to ``q8_dot.gemv``, which multiplies them with x rounded to 8 bits, in integers. Every other type is walked here,
-and so are those without ``rounded`` and their rows of ``row_dot`` (predicted_ffn's row dots). ``emit_block`` reads
-Q4_0 and Q4_1 too (predicted_ffn's AXPY rows).
+is written. No bounds checks beyond the shapes: the caller owns them. With ``rounded`` the rows of the types
+q8_dot reads (Q4_0, Q4_1, Q5_0, Q8_0 and the K-quants) go to ``q8_dot.gemv``, which multiplies them with x rounded
+to about 15 bits, in integers. Without it, Q4_0 and Q4_1 rows go to ``q4.gemv`` (its nibbles through vpermps are
+faster than the general form below: docs/performance.md), and so do ``row_dot``'s. Every other type is walked
+here, and so are those without ``rounded`` and their rows of ``row_dot`` (predicted_ffn's row dots).
+``emit_block`` reads Q4_0 and Q4_1 too (predicted_ffn's AXPY rows).
 
 How: each row's dot is one function of LLVM vector IR per type (``row_dot``: Numba's autovectorizer turns byte
 unpacking into byte-by-byte inserts, see q4.py). ``emit_block`` emits one block: 16 weights at a time it loads 16
@@ -239,7 +239,7 @@ def row_dot(kind, p, nb, xa):
 @njit(**_JIT)
 def gemv(kind, q, x, y, lo, hi, rounded=True):
     """y[r] = row r of q (uint8 [rows, row bytes], blocks of ggml type kind) dotted with x, for r in [lo, hi); with
-    rounded, a type q8_dot has is dotted with x rounded to 8 bits there."""
+    rounded, a type q8_dot has is dotted with x rounded there (to about 15 bits)."""
     if rounded and q8_dot.BLOCK_OF[kind]:     # a type q8_dot reads
         q8_dot.gemv(kind, q, x, y, lo, hi)
         return
