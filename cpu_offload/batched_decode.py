@@ -370,6 +370,9 @@ class BatchDecoder:
             batched = [t.name for t in TYPES.values() if t.gemm]
             raise ConfigError(f"batched decode reads layers of {' or '.join(batched)} and an int8 head, not "
                               f"{', '.join(sorted(unread | {host._head.type.name}))}")
+        if not host.rounds_inputs:   # q8_dot.gemm rounds each token's input as the single-token decode does
+            raise ConfigError(f"batched decode rounds its inputs as HostDecoder does; {type(host).__name__} reads "
+                              "float32 inputs")
         c = host.config
         self.host, self.config, self.max_batch = host, c, int(max_batch)
         self.span = c.max_seq_len if span is None else min(int(span), c.max_seq_len)

@@ -9,12 +9,12 @@ quantized, one scale per row cost 1.6-1.9% perplexity, one per block of 64 cost 
 same bytes from a GGUF matrix without its float32 copy.
 
 ``gemv(w, s, x, y, lo, hi)`` (and ``gemm``, the same for several inputs): y[r] = sum over blocks b of s[r, b] *
-(sum over j in b of w[r, j] x[j]), for r in [lo, hi). It is vector IR (``emit_rows_dot``) whose float operations keep one order in every caller
-(``vector_ir.strict``), so the single-token head, the batched head (``gemm``) and the input-sparse
-decoder's head compute the same bits for a row. Per block of 64: four 16-lane FMAs of the converted weights with x
-into the block's sum, one FMA of that sum with the broadcast scale into the row's accumulator; one horizontal sum
-per row at the end. Four rows share each pass over x, and the rows PREFETCH_ROWS ahead are prefetched line by
-line.
+(sum over j in b of w[r, j] x[j]), for r in [lo, hi). It is vector IR (``emit_rows_dot``) whose float operations
+keep one order in every caller (``vector_ir.strict``), so the single-token head, the batched head (``gemm``) and
+the input-sparse decoder's head compute the same bits for a row. Per block of 64: four 16-lane FMAs of the
+converted weights with x into the block's sum, one FMA of that sum with the broadcast scale into the row's
+accumulator; one horizontal sum per row at the end. Four rows share each pass over x, and the rows PREFETCH_ROWS
+ahead are prefetched line by line.
 """
 from __future__ import annotations
 

@@ -186,6 +186,12 @@ def test_batch_refuses_positions_past_the_cache_and_bad_shapes():
         batch.layer(0, jnp.ones((3, 64)), jnp.zeros(3, jnp.int32), k, k)
     with pytest.raises(ValueError, match="max batch"):
         bd.BatchDecoder(batch.host, 0)
+
+    class FloatInputs(decoder.HostDecoder):   # as PredictedHostDecoder: its layers read float32 inputs
+        rounds_inputs = False
+
+    with pytest.raises(ValueError, match="FloatInputs reads float32 inputs"):
+        bd.BatchDecoder(FloatInputs(config, random_weights(config), "q4_1"), 2)
     rows = bd.BatchDecoder(batch.host, 2, span=2)
     prompt = jax.jit(lambda s, n, x, k, v: rows.prompt(0, x, s, n, k, v))
     for start, count in [(0, 3), (1, 2), (-1, 1), (0, -1)]:   # more rows than it has, past its span, negative
