@@ -22,6 +22,7 @@ from tests.support.cli import assert_clean_error, run_cli
     (["generate", "--prompt", "x", "--bundle", "b", "--cold-weights", "int4"], "invalid choice"),
     (["generate", "--prompt", "x", "--weights", "int4"], "invalid choice"),
     (["bench", "--weights", "float32,int4"], "expected distinct auto / float32 / int8 / q4_1"),
+    (["bench", "--temperature", "0.8", "--top-p", "0"], "top-p must be in (0, 1]"),
     (["generate", "--prompt", "x", "--weights", "int8", "--bundle", "b"], "a sparse bundle takes --cold-weights int8"),
     (["perplexity", "--text-file", "/nonexistent.txt"], "text file not found"),
     (["generate", "--prompt", "x", "--model", "/nonexistent.gguf"], "model not found"),
@@ -148,6 +149,17 @@ def test_bench_reports_rates_bytes_and_bandwidth(capsys):
     # probe may run while another job competes); a wrong byte count or a broken timer lands far outside.
     assert dense["bytes_per_token"] * dense["decode_tok_s"] / 1e9 < 2 * bandwidth
     assert set(out["machine"]) == {"steal", "others"} and all(0 <= v <= 1 for v in out["machine"].values())
+
+
+@pytest.mark.real_model
+def test_bench_samples_as_asked(capsys):
+    """--temperature and the filters reach the timed generate (a sampled run with llama-server's defaults)."""
+    code, out, err = run_cli(capsys, "bench", "--prompt-len", "16", "--new-tokens", "8", "--runs", "1",
+                             "--weights", "q4_1", "--temperature", "0.8", "--top-k", "40", "--top-p", "0.95",
+                             "--min-p", "0.05", "--seed", "3")
+    assert code == 0, err
+    assert "(sampled at temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, seed 3)" in out.splitlines()[0]
+    assert float(out.splitlines()[2].split()[2]) > 0      # dense-q4_1's decode tok/s
 
 
 def test_bench_peer_needs_llama_cpp(capsys, monkeypatch):

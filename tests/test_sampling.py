@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from pjinfer.config import ConfigError
+from pjinfer.runtime import sampling
 from pjinfer.runtime.sampling import REPEAT_WINDOW, Sampling, penalize, push_recent, recent_window, sample
 
 LOGITS = jnp.log(jnp.array([0.05, 0.4, 0.1, 0.3, 0.15]))
@@ -82,6 +83,102 @@ def test_full_distribution_matches_the_numpy_reference():
     counts = np.bincount(draws(s, 40000, logits, recent), minlength=40) / 40000
     assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(want))
     np.testing.assert_allclose(counts, want, atol=0.012)
+
+
+ODD_VOCABS = [1, 7, 255, 256, 257, 49157]   # below, at and past a row of sampling.ROW; the real vocabulary's size
+
+
+def logits_cases(v: int, seed: int):
+    """Fresh random logits of size v, with the cases a sort would settle and a search might not: ties for the
+    largest, the largest in the last (partial) row, whole numbers (many ties), -inf, -0.0 beside 0.0."""
+    rng = np.random.default_rng(seed)
+    base = (rng.standard_normal(v) * 4).astype(np.float32)
+    tied = base.copy()
+    tied[rng.integers(0, v, 3)] = base.max() + 1
+    last = np.full(v, -np.inf, np.float32)
+    last[-1] = -3.0
+    signed = np.round(base).astype(np.float32)
+    signed[signed == 0] = rng.choice(np.float32([0.0, -0.0]), int((signed == 0).sum()))
+    return [base, tied, last, signed]
+
+
+@pytest.mark.parametrize("v", ODD_VOCABS)
+def test_argmax_is_the_first_largest(v):
+    for x in logits_cases(v, v):
+        assert int(jax.jit(sampling.argmax)(jnp.asarray(x))) == int(np.argmax(x))
+
+
+def test_order_keys_sort_like_the_floats():
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.standard_normal(500) * 10.0 ** rng.integers(-40, 38, 500),
+                        [0.0, np.inf, -np.inf, 1e-45, -1e-45, 3.4e38, -3.4e38]]).astype(np.float32)
+    keys = np.asarray(sampling._order_keys(jnp.asarray(x)))
+    order = np.argsort(keys, kind="stable")
+    assert (np.diff(x[order]) >= 0).all() and len(set(keys.tolist())) == len(set(x.tolist()))
+
+
+@pytest.mark.parametrize("v", ODD_VOCABS)
+def test_kth_largest_matches_a_sort(v):
+    kth = jax.jit(lambda x, k: sampling._kth_largest(sampling._order_keys(x), k))
+    for x in logits_cases(v, v + 1):
+        keys = np.sort(np.asarray(sampling._order_keys(jnp.asarray(x))))[::-1]
+        for k in sorted({1, 2, 40, v - 1, v} & set(range(1, v + 1))):
+            assert int(kth(jnp.asarray(x), k)) == keys[k - 1], (v, k)
+        assert int(kth(jnp.asarray(x), v + 5)) == keys[-1]     # more than the vocabulary: every token
+
+
+@pytest.mark.parametrize("v", [7, 257, 49157])
+def test_nucleus_matches_a_sort(v):
+    nucleus = jax.jit(lambda x, w, p: sampling._nucleus(sampling._order_keys(x), w, p))
+    for x in logits_cases(v, v + 2):
+        w = np.exp(x.astype(np.float64) - x.max())
+        order = np.argsort(-x, kind="stable")
+        before = np.cumsum(w[order]) - w[order]
+        for p in (0.05, 0.5, 0.9, 0.999):
+            inside = before < p * w.sum()
+            if np.any(np.abs(before - p * w.sum()) < 1e-5 * w.sum()):
+                continue                                      # a boundary float rounding may settle either way
+            want = x[order][inside].min()
+            t = int(nucleus(jnp.asarray(x), jnp.asarray(w, jnp.float32), jnp.float32(p)))
+            assert set(np.flatnonzero(np.asarray(sampling._order_keys(jnp.asarray(x))) >= t)) == \
+                set(np.flatnonzero(x >= want)), (v, p)
+
+
+@pytest.mark.parametrize("v", [1, 7, 257, 49157])
+def test_draw_is_the_inverse_cdf(v):
+    rng = np.random.default_rng(v)
+    w = rng.random(v).astype(np.float32) * (rng.random(v) < 0.3)
+    w[rng.integers(0, v)] = 0.5                                 # at least one token has weight
+    draw = jax.jit(sampling._draw)
+    total = np.cumsum(w.astype(np.float64))
+    for u in [0.0, *rng.random(40), 1 - 2 ** -24]:
+        got = int(draw(jnp.asarray(w), jnp.float32(u)))
+        assert 0 <= got < v and w[got] > 0
+        target = np.float32(u) * total[-1]
+        if np.min(np.abs(total - target)) > 1e-5 * total[-1]:   # away from a boundary rounding may move
+            assert got == int(np.searchsorted(total, target, side="right")), (v, u)
+    w[:-1][: 2 * sampling.ROW + 3] = 0                            # whole rows without weight first
+    w[-1] = 0.25
+    for u, want in ((0.0, np.flatnonzero(w)[0]), (1 - 2 ** -24, np.flatnonzero(w)[-1])):
+        assert int(draw(jnp.asarray(w), jnp.float32(u))) == int(want), (v, u)
+
+
+def test_draw_stays_on_weight_where_a_running_sum_rounds_low():
+    """One weight of 1 and many of 1e-8 in a row: its running sum stays 1.0 while the row's sum counts them."""
+    w = jnp.asarray(np.r_[1.0, np.full(sampling.ROW - 1, 1e-8)].astype(np.float32))
+    for u in (1 - 2 ** -24, 1 - 2 ** -23):
+        assert int(jax.jit(sampling._draw)(w, jnp.float32(u))) == sampling.ROW - 1
+
+
+def test_full_distribution_on_a_vocabulary_of_rows():
+    """Past one row of sampling.ROW, with top-k wider than a row and the server's default filters."""
+    rng = np.random.default_rng(12)
+    logits = jnp.asarray(rng.standard_normal(701).astype(np.float32) * 2)
+    for s in (Sampling(0.8, top_k=300, seed=6), Sampling(0.8, top_k=40, top_p=0.95, min_p=0.05, seed=7)):
+        want = reference_probs(logits, s, NONE_SEEN)
+        counts = np.bincount(draws(s, 40000, logits), minlength=701) / 40000
+        assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(want))
+        np.testing.assert_allclose(counts, want, atol=0.012)
 
 
 def test_top_k_keeps_only_the_k_most_likely():

@@ -31,6 +31,7 @@ def add_commands(command) -> None:
     p.add_argument("--peer", choices=["llama-bench", "powerinfer", "llama-cpp"],
                    help="also run a peer on the same GGUF, alternating: llama.cpp's llama-bench or PowerInfer's main "
                         "(native, `make peers`), or llama-cpp-python's token loop (`make bench-peer`)")
+    common.sampling_options(p)   # how pjinfer's engines choose each token (the peer chooses its own way)
 
     p = command("eval", cmd_eval, "downstream task accuracy (lm-evaluation-harness protocol), dense or with --bundle",
                 json=True)
@@ -72,6 +73,7 @@ def cmd_bench(args):
     from pjinfer.measure import bench, machine
     from pjinfer.progress import Progress
 
+    sampling = common.sampling(args)
     if args.peer:
         check_peer(args.peer, args.model)
     from pjinfer.load.powerinfer import file_layout
@@ -97,7 +99,7 @@ def cmd_bench(args):
     if sparse:
         engines["sparse"] = common.load(args, plan_made=sparse)
     result = bench.run(engines, prompt_len=args.prompt_len, new_tokens=args.new_tokens, runs=args.runs,
-                       peer=args.peer, progress=Progress("bench runs", args.runs))
+                       peer=args.peer, progress=Progress("bench runs", args.runs), sampling=sampling)
     if args.breakdown:
         for name, engine in engines.items():
             result["engines"][name]["breakdown"] = bench.breakdown(
@@ -108,7 +110,9 @@ def cmd_bench(args):
         print(json.dumps(result))
         return
     bandwidth = result["read_bandwidth_gb_s"]
-    print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, median of {args.runs} runs; "
+    how = "greedy" if sampling.greedy else (f"sampled at temperature {sampling.temperature}, top-k {sampling.top_k}, "
+                                            f"top-p {sampling.top_p}, min-p {sampling.min_p}, seed {sampling.seed}")
+    print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens ({how}), median of {args.runs} runs; "
           f"measured read bandwidth {bandwidth:.1f} GB/s")
     if args.peer:
         print(describe_peer(result["peer"], args.prompt_len))

@@ -1,6 +1,7 @@
 """Prefill and decode rates of the jitted generate, measured after a warm-up, median of several alternated runs."""
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -21,6 +22,7 @@ from pjinfer.measure.peer import llama_cpp_runner
 from pjinfer.offline import teal
 from pjinfer.runtime.engine import Engine
 from pjinfer.runtime.model import KVCache, embedding_rows
+from pjinfer.runtime.sampling import Sampling
 from pjinfer.runtime.sparse import SparseFFN, skipped_share
 
 
@@ -30,16 +32,16 @@ def bench_prompt(engine: Engine, prompt_len: int) -> list[int]:
     return (ids * (prompt_len // len(ids) + 1))[:prompt_len]
 
 
-def _runner(engine: Engine, prompt: list[int], new_tokens: int):
-    """(prefill, whole): prefill alone, and whole(n): the whole generate of n greedy tokens (one executable
-    for every n: the count is an operand and the cache is sized for 1 + new_tokens)."""
+def _runner(engine: Engine, prompt: list[int], new_tokens: int, sampling: Sampling):
+    """(prefill, whole): prefill alone, and whole(n): the whole generate of n tokens chosen by `sampling` (one
+    executable for every n: the count is an operand and the cache is sized for 1 + new_tokens)."""
     _, cache_len = engine.plan(len(prompt), 1 + new_tokens)
 
     def prefill():
-        jax.block_until_ready(engine.prefill(prompt, cache_len=cache_len)[0])
+        jax.block_until_ready(engine.prefill(prompt, cache_len=cache_len, sampling=sampling)[0])
 
-    def whole(n):
-        out = engine.generate(prompt, max_new_tokens=n, stop_ids=[], cache_len=cache_len)  # every new token
+    def whole(n):   # every new token: no stop ids
+        out = engine.generate(prompt, max_new_tokens=n, sampling=sampling, stop_ids=[], cache_len=cache_len)
         assert len(out) == n
         return out
 
@@ -56,7 +58,7 @@ class BenchError(ConfigError):
 
 
 def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: int, peer: str | None = None,
-        progress=None, bandwidth: float | None = None) -> dict:
+        progress=None, bandwidth: float | None = None, sampling: Sampling = Sampling()) -> dict:
     """Rates of each engine and of the peer on the first engine's GGUF with as many threads as pjinfer's host
     kernels use by default (the cores this process may use): llama-cpp (llama.cpp through llama-cpp-python, timed
     here as the engines are), or a native peer, llama-bench or powerinfer (pjinfer.measure.native_peer: a subprocess
@@ -68,11 +70,12 @@ def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: i
     (pjinfer.measure.machine); "peer" says what ran as the peer. An engine's "density": the share of FFN neurons
     its PowerInfer predictors chose over an untimed decode of the same request (predicted_density), None for
     other engines. bandwidth (bytes/s, default: measured here, again if a rate exceeds the first probe, and the
-    better of the two kept): a decode rate whose bytes per token exceed it raises BenchError."""
+    better of the two kept): a decode rate whose bytes per token exceed it raises BenchError. sampling: how the
+    engines choose each token (default greedy); a peer chooses its own way (llama-bench samples nothing)."""
     first = next(iter(engines.values()))
     prompt = bench_prompt(first, prompt_len)
     _, cache_len = first.plan(prompt_len, 1 + new_tokens)
-    runners = {name: _timed(_runner(e, prompt, new_tokens), new_tokens) for name, e in engines.items()}
+    runners = {name: _timed(_runner(e, prompt, new_tokens, sampling), new_tokens) for name, e in engines.items()}
     peer_info = None
     if peer is not None:
         name, runners[name], peer_info = _peer_runner(peer, first, prompt, new_tokens)
@@ -123,7 +126,8 @@ def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: i
             if results[peer_name]["prefill_s"]:
                 results[name]["prefill_over_peer"] = results[peer_name]["prefill_s"] / results[name]["prefill_s"]
     return {"prompt_len": prompt_len, "new_tokens": new_tokens, "runs": runs, "engines": results,
-            "read_bandwidth_gb_s": bandwidth / 1e9, "machine": busy, "peer": peer_info}
+            "read_bandwidth_gb_s": bandwidth / 1e9, "machine": busy, "peer": peer_info,
+            "sampling": dataclasses.asdict(sampling)}
 
 
 # The peer's row name in bench's results, by --peer.

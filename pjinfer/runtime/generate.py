@@ -15,7 +15,7 @@ from flax import nnx
 
 from pjinfer.runtime import host
 from pjinfer.runtime.model import KVCache
-from pjinfer.runtime.sampling import push_recent, recent_window, sample
+from pjinfer.runtime.sampling import argmax, push_recent, recent_window, sample
 
 MIN_PROMPT_BUCKET = 16
 MIN_CACHE_BUCKET = 256
@@ -111,7 +111,7 @@ def stepped_logprobs(graph, state, tokens, steps, *, cache_len):
         i = jnp.minimum(t, n - 1)            # t == n (the last token decoded) has no next token to score
         target, scored = tokens[0, i + 1], t < n
         logp = logp.at[i].set(jnp.where(scored, lp[target], logp[i]))
-        greedy = greedy.at[i].set(jnp.where(scored, jnp.argmax(lp) == target, greedy[i]))
+        greedy = greedy.at[i].set(jnp.where(scored, argmax(lp) == target, greedy[i]))
         return cache, logp, greedy, lp
 
     carry = (KVCache.create(model.config, 1, cache_len), jnp.zeros(n, jnp.float32), jnp.zeros(n, bool),
