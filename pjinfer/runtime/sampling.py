@@ -111,8 +111,8 @@ def sample(logits, key, params, greedy: bool, recent):
     previous ids the repetition penalty sees ([REPEAT_WINDOW] int32, -1 for none).
 
     No sort: each filter's cutoff is found by bisection over the logits' order (_order_keys), a pass over the
-    vocabulary per step, and the token is drawn by inverse CDF over rows of ROW logits. XLA's CPU sort of a 49152
-    vocabulary cost three decode steps (docs/performance.md, "Sampling without a sort")."""
+    vocabulary per step, and the token is drawn by inverse CDF over rows of ROW logits. XLA's CPU sort of the
+    vocabulary cost more than the decode step (docs/performance.md, "Sampling without a sort")."""
     temperature, top_k, top_p, min_p, penalty = params
     logits = penalize(logits.astype(jnp.float32), recent, penalty)
     if greedy:
@@ -135,7 +135,7 @@ ROW = 256   # argmax and the draw work on the vocabulary as rows of this many lo
 
 def argmax(x):
     """jnp.argmax of x [V] without NaN (the first index of the largest), as int32: the largest row, then the largest
-    in it. XLA's CPU argmax is a scalar loop, 0.2 ms over a 49152 vocabulary (a twentieth of a decode step)."""
+    in it. XLA's CPU argmax is a scalar loop, ten times slower over the default model's vocabulary."""
     rows = _rows(x, -jnp.inf)
     row = jnp.argmax(jnp.max(rows, axis=1))
     return (row * ROW + jnp.argmax(rows[row])).astype(jnp.int32)
