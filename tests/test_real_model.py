@@ -15,6 +15,7 @@ from pjinfer.load import data
 from pjinfer.runtime import host as pjinfer_host
 from pjinfer.runtime.engine import Engine
 from pjinfer.runtime.model import KVCache
+from pjinfer.runtime.sampling import Sampling
 
 pytestmark = pytest.mark.real_model
 
@@ -100,9 +101,12 @@ def test_breakdown_times_the_host_step_stage_by_stage(q4_engine, engine):
     stages = [r for r in rows if r["part"] in ("q, k, v", "o", "gate, up, activation", "down", "head")]
     assert len(stages) == 5 and all(r["ms"] > 0 for r in stages)
     assert sum(r["mb"] for r in stages) == pytest.approx(q4_engine.host.nbytes / 1e6)
-    xla = bench.breakdown(engine, 20.0, position=40, repeats=3)
-    assert [r["part"] for r in xla] == ["attention", "ffn", "head", "rest of the step", "step in the generate loop"]
-    assert all(r["ms"] > 0 for r in xla[:3])
+    assert rows[-3]["part"] == "choosing the token (greedy: the repetition penalty and argmax)" and rows[-3]["ms"] > 0
+    xla = bench.breakdown(engine, 20.0, position=40, repeats=3, sampling=Sampling(0.8, top_k=40, top_p=0.9))
+    assert [r["part"] for r in xla] == ["attention", "ffn", "head", "choosing the token (the filters and the draw)",
+                                        "rest of the step", "step in the generate loop"]
+    assert all(r["ms"] > 0 for r in xla[:4])
+    assert sum(r["ms"] for r in xla[:-1]) == pytest.approx(20.0)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "cache_len"))

@@ -22,7 +22,7 @@ from pjinfer.measure.peer import llama_cpp_runner
 from pjinfer.offline import teal
 from pjinfer.runtime.engine import Engine
 from pjinfer.runtime.model import KVCache, embedding_rows
-from pjinfer.runtime.sampling import Sampling
+from pjinfer.runtime.sampling import REPEAT_WINDOW, Sampling, push_recent, sample
 from pjinfer.runtime.sparse import SparseFFN, skipped_share
 
 
@@ -267,18 +267,47 @@ def _seconds(fn, *args) -> float:
     return time.perf_counter() - t
 
 
-def breakdown(engine: Engine, step_ms: float, *, position: int = 80, repeats: int = 9) -> list[dict]:
+def breakdown(engine: Engine, step_ms: float, *, position: int = 80, repeats: int = 9,
+              sampling: Sampling = Sampling()) -> list[dict]:
     """Where one decode step's time goes, as rows {part, ms, mb} (ms per token, median of repeats; mb: the bytes
     it reads, None where it reads no weights), the last row the whole step: step_ms, a token's time in the
     generate loop as run() measured it. On the dense host decode (host_stages) every stage of the layers and the
-    head; on XLA, every layer's attention, FFN and the head as jitted functions. position: the token's position
-    (the cache it attends over)."""
+    head; on XLA, every layer's attention, FFN and the head as jitted functions; on both, choosing the token as
+    `sampling` does (sampling_ms). position: the token's position (the cache it attends over)."""
     if engine.backend.host:
         if getattr(engine, "host", None) is None or engine.host.magic != host_decode.MAGIC:
             raise ConfigError("--breakdown times the dense host decode and XLA, not this engine's "
                               f"({engine.path})")
-        return host_stages(engine, step_ms, position=position, repeats=repeats)
-    return xla_stages(engine, step_ms, position=position, repeats=max(repeats, 20))
+        rows = host_stages(engine, step_ms, position=position, repeats=repeats)
+    else:
+        rows = xla_stages(engine, step_ms, position=position, repeats=max(repeats, 20))
+    choose = sampling_ms(engine.config.vocab_size, sampling, repeats)
+    what = "greedy: the repetition penalty and argmax" if sampling.greedy else "the filters and the draw"
+    rows[-2]["ms"] -= choose            # the rest of the step, less the sampling now timed on its own
+    return rows[:-2] + [{"part": f"choosing the token ({what})", "ms": choose, "mb": None}] + rows[-2:]
+
+
+SAMPLED_STEPS = 64   # sampling_ms's loop
+
+
+def sampling_ms(vocab: int, sampling: Sampling, repeats: int) -> float:
+    """One token's choice over `vocab` logits as the decode loop makes it (runtime.sampling.sample, with the key
+    split and the repetition window's update), ms: a jitted loop of SAMPLED_STEPS choices over fixed random
+    logits (the bisections take the same passes whatever the values), median of repeats."""
+    params = sampling.params()
+
+    @jax.jit
+    def loop(logits, key, recent):
+        def step(_, carry):
+            total, key, recent = carry
+            key, sub = jax.random.split(key)
+            token = sample(logits, sub, params, sampling.greedy, recent)   # recent changes: nothing is hoisted
+            return total + token, key, push_recent(recent, token)
+        return jax.lax.fori_loop(0, SAMPLED_STEPS, step, (jnp.int32(0), key, recent))
+
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal(vocab).astype(np.float32) * 3)
+    args = (logits, jax.random.key(sampling.seed), jnp.full(REPEAT_WINDOW, -1, jnp.int32))
+    return _median_ms(lambda: jax.block_until_ready(loop(*args)), repeats) / SAMPLED_STEPS
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -341,7 +370,7 @@ def host_stages(engine: Engine, step_ms: float, *, position: int, repeats: int) 
     host_ms = layer + rows[-1]["ms"]
     rows += [{"part": "hand-offs inside the stages above (an empty stage, 5 a layer)", "ms": handoff, "mb": None},
              {"part": "host step (the layers and the head)", "ms": host_ms, "mb": None},
-             {"part": "outside the host's calls (XLA, dispatch, sampling, the loop)", "ms": step_ms - host_ms,
+             {"part": "outside the host's calls (XLA, dispatch, the loop)", "ms": step_ms - host_ms,
               "mb": None},
              {"part": "step in the generate loop", "ms": step_ms, "mb": host.nbytes / 1e6 + cache_mb}]
     return rows
@@ -350,7 +379,7 @@ def host_stages(engine: Engine, step_ms: float, *, position: int, repeats: int) 
 def xla_stages(engine: Engine, step_ms: float, *, position: int, repeats: int) -> list[dict]:
     """XLA's step: every layer's attention, every layer's FFN and the output head, each timed as its own jitted
     function on a one-token input, against the generate loop's step (step_ms; the rest is embedding, norms,
-    sampling and hand-overs)."""
+    sampling and hand-overs: breakdown times the sampling on its own)."""
     graphdef, state = engine.graphdef, engine.state
     cache = KVCache.create(engine.config, 1, max(position + 1, 16))
     pos = jnp.int32(position)

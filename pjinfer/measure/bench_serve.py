@@ -2,7 +2,8 @@
 
 Starts the server as a child process on a free 127.0.0.1 port, then measures `pairs` alternated pairs: one stream
 alone (SINGLE_REQUESTS requests, one after another), then `requests` streaming completions from `clients` concurrent
-clients. Every request asks for `tokens` tokens (greedy, no end-of-text stop: a fixed amount of work). Reports, per
+clients. Every request asks for `tokens` tokens (greedy, or with `--sampled` the server's default sampling; no
+end-of-text stop: a fixed amount of work). Reports, per
 pair, the aggregate completion rate against that pair's single stream, and their median and range (the rate on a
 shared machine drifts, so each concurrent phase is compared with the single stream measured next to it); the time
 to the first token (p50, p99, over every concurrent request) and the requests lost (an error, a wrong token count,
@@ -33,6 +34,7 @@ from pjinfer.load.loader import DEFAULT_MODEL_WEIGHTS
 from pjinfer.runtime.batch import Batch
 from pjinfer.runtime.engine import Engine
 from pjinfer.runtime.sampling import Sampling
+from pjinfer.serve.bodies import DEFAULT_SAMPLING
 from pjinfer.serve.scheduler import STEPS
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The best way to learn is",
@@ -61,11 +63,12 @@ def wait_healthy(base: str, proc: subprocess.Popen | None = None, timeout: float
     raise RuntimeError(f"the server at {base} did not come up in {timeout:.0f} s")
 
 
-def _one(base: str, prompt: str, tokens: int) -> dict:
-    """One streaming request: seconds to the first token, total seconds, tokens received, whether it completed."""
+def _one(base: str, prompt: str, tokens: int, sampled: bool = False) -> dict:
+    """One streaming request, greedy or (sampled) with no sampling field (the server's defaults): seconds to the
+    first token, total seconds, tokens received, whether it completed."""
     start, first, pieces, done = time.perf_counter(), None, 0, False
-    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+    body = {"prompt": prompt, "max_tokens": tokens, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}} | ({} if sampled else {"temperature": 0})
     try:
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as r:
             if r.status_code != 200:
@@ -96,7 +99,7 @@ def _span(values) -> list:
     return [round(min(values), 1), round(max(values), 1)]
 
 
-def _concurrent(base: str, *, requests: int, clients: int, tokens: int, bar) -> tuple[list[dict], float]:
+def _concurrent(base: str, *, requests: int, clients: int, tokens: int, sampled: bool, bar) -> tuple[list[dict], float]:
     """`requests` requests from `clients` threads: their results and the phase's wall seconds."""
     results, lock, next_index = [], threading.Lock(), iter(range(requests))
 
@@ -106,7 +109,7 @@ def _concurrent(base: str, *, requests: int, clients: int, tokens: int, bar) -> 
                 i = next(next_index, None)
             if i is None:
                 return
-            r = _one(base, PROMPTS[i % len(PROMPTS)], tokens)
+            r = _one(base, PROMPTS[i % len(PROMPTS)], tokens, sampled)
             with lock:
                 results.append(r)
                 bar.update()
@@ -120,21 +123,22 @@ def _concurrent(base: str, *, requests: int, clients: int, tokens: int, bar) -> 
     return results, time.perf_counter() - start
 
 
-def run(base: str, *, requests: int, clients: int, tokens: int, pairs: int = 3) -> dict:
-    _one(base, PROMPTS[0], 4)                               # compile outside the measurement
+def run(base: str, *, requests: int, clients: int, tokens: int, pairs: int = 3, sampled: bool = False) -> dict:
+    _one(base, PROMPTS[0], 4, sampled)                      # compile outside the measurement
     bar = tqdm(total=pairs * (requests + SINGLE_REQUESTS), desc="requests", disable=None)
     singles, aggregates, ratios, ttfts, lost = [], [], [], [], 0
     for _ in range(pairs):
         alone = []
         for _ in range(SINGLE_REQUESTS):
-            alone.append(_one(base, PROMPTS[0], tokens))
+            alone.append(_one(base, PROMPTS[0], tokens, sampled))
             bar.update()
         alone = [r for r in alone if r["ok"]]
         lost += SINGLE_REQUESTS - len(alone)
         if not alone:   # nothing to compare the phase with: said, not a division by zero
             raise RuntimeError("every single-stream request of a pair failed")
         single = sum(r["tokens"] for r in alone) / sum(r["seconds"] for r in alone)
-        results, wall = _concurrent(base, requests=requests, clients=clients, tokens=tokens, bar=bar)
+        results, wall = _concurrent(base, requests=requests, clients=clients, tokens=tokens, sampled=sampled,
+                                    bar=bar)
         ok = [r for r in results if r["ok"]]
         lost += requests - len(ok)
         ttfts += [r["ttft"] for r in ok]
@@ -144,7 +148,7 @@ def run(base: str, *, requests: int, clients: int, tokens: int, pairs: int = 3) 
         ratios.append(aggregate / single)
     bar.close()
     ttfts.sort()
-    return {"requests": requests, "clients": clients, "tokens": tokens, "pairs": pairs,
+    return {"requests": requests, "clients": clients, "tokens": tokens, "pairs": pairs, "sampled": sampled,
             "single_stream_tok_s": _span(singles), "aggregate_tok_s": _span(aggregates),
             "aggregate_over_single": round(statistics.median(ratios), 2),
             "ratios": [round(r, 2) for r in ratios],
@@ -153,16 +157,17 @@ def run(base: str, *, requests: int, clients: int, tokens: int, pairs: int = 3) 
             "lost": lost}
 
 
-def run_direct(engine, *, requests: int, clients: int, tokens: int, pairs: int = 3) -> dict:
+def run_direct(engine, *, requests: int, clients: int, tokens: int, pairs: int = 3, sampled: bool = False) -> dict:
     """The --no-http measurement: tokens per second of `requests` requests decoded `clients` at a time (each
     wave prefilled, then stepped until every request has its `tokens`) against two requests one at a time."""
     batch = Batch(engine, clients)
+    sampling = Sampling(**DEFAULT_SAMPLING, seed=1) if sampled else Sampling()
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
 
     def rate(count: int, at_once: int) -> float:
         start, made = time.perf_counter(), 0
         for first in range(0, count, at_once):
-            states = [batch.start(slot, prompts[(first + slot) % len(prompts)], tokens, Sampling(), stop_ids=[])
+            states = [batch.start(slot, prompts[(first + slot) % len(prompts)], tokens, sampling, stop_ids=[])
                       for slot in range(min(at_once, count - first))]
             made += len(states)
             while any(s.remaining for s in states):
@@ -177,6 +182,7 @@ def run_direct(engine, *, requests: int, clients: int, tokens: int, pairs: int =
         aggregates.append(rate(requests, clients))
     ratios = [a / s for a, s in zip(aggregates, singles)]
     return {"requests": requests, "clients": clients, "tokens": tokens, "pairs": pairs, "http": False,
+            "sampled": sampled,
             "single_stream_tok_s": _span(singles), "aggregate_tok_s": _span(aggregates),
             "aggregate_over_single": round(statistics.median(ratios), 2), "ratios": [round(r, 2) for r in ratios]}
 
@@ -190,12 +196,14 @@ def main(argv=None) -> int:
     p.add_argument("--weights", default=DEFAULT_MODEL_WEIGHTS)
     p.add_argument("--model")
     p.add_argument("--no-http", action="store_true", help="the engine's part only: batched decode in this process")
+    p.add_argument("--sampled", action="store_true", help="requests sample with the server's defaults (temperature "
+                   "0.8, top-k 40, top-p 0.95, min-p 0.05), as a client that sends no sampling fields; default greedy")
     args = p.parse_args(argv)
     if args.no_http:
         try:
             engine = Engine.load(args.model, weights=args.weights)
             result = run_direct(engine, requests=args.requests, clients=args.clients, tokens=args.tokens,
-                                pairs=args.pairs)
+                                pairs=args.pairs, sampled=args.sampled)
         except ValueError as e:               # a model or weights the batched decode cannot run: one line
             print(f"pjinfer: error: {e}", file=sys.stderr)
             return 2
@@ -208,7 +216,8 @@ def main(argv=None) -> int:
     proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, env=os.environ.copy())
     try:
         wait_healthy(base, proc)
-        result = run(base, requests=args.requests, clients=args.clients, tokens=args.tokens, pairs=args.pairs)
+        result = run(base, requests=args.requests, clients=args.clients, tokens=args.tokens, pairs=args.pairs,
+                     sampled=args.sampled)
         died = proc.poll()        # a server that crashed loses requests; say why, not only how many
     except RuntimeError as e:
         print(f"pjinfer: error: {e}", file=sys.stderr)

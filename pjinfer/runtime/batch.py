@@ -124,9 +124,9 @@ def _steps(graph, state, decoder, waker, rows, tokens, pos, remaining, stops, po
     other per-slot arguments stand for. A slot leaves the loop after its `remaining` tokens or a stop id (stops
     [B, MAX_STOP_IDS]); the loop ends when no slot is live, after `steps`, or after the step during which the host
     called waker.wake(). keys [B, 2] key data, params: Sampling.params() stacked [B] each, recent [B, window] the
-    ids before each token, greedy [B]. mode "greedy": every live slot is greedy (argmax only); "mixed": sample
-    every slot, greedy ones take the argmax. Returns (out [steps, B], count [B]: the tokens each slot produced, in
-    out[:count[b], b]; pool, keys, recent)."""
+    ids before each token, greedy [B]. mode "greedy": every live slot is greedy (argmax only); "mixed": each live
+    slot samples as its request asks, the greedy ones by argmax. Returns (out [steps, B], count [B]: the tokens
+    each slot produced, in out[:count[b], b]; pool, keys, recent)."""
     model = graph.merge(state)
     whole = pool
     if rows is not None:       # the slots this call steps, gathered from the pool and written back at the end
@@ -151,12 +151,13 @@ def _steps(graph, state, decoder, waker, rows, tokens, pos, remaining, stops, po
         logits = head(hidden, pos)
         split = jax.vmap(jax.random.split)(jax.random.wrap_key_data(keys))
         next_keys, subs = split[:, 0], split[:, 1]
-        argmax = jax.vmap(lambda lg, r, p: sample(lg, None, p, True, r))(logits, recent, params)
         if mode == "greedy":
-            new = argmax
-        else:
-            drawn = jax.vmap(lambda lg, k, r, p: sample(lg, k, p, False, r))(logits, subs, recent, params)
-            new = jnp.where(greedy, argmax, drawn)
+            new = jax.vmap(lambda lg, r, p: sample(lg, None, p, True, r))(logits, recent, params)
+        else:   # row by row, so a greedy or empty slot skips the filters and the draw (a vmap would run them)
+            def choose(row):
+                lg, k, r, p, g, on = row
+                return jax.lax.cond(on & ~g, lambda: sample(lg, k, p, False, r), lambda: sample(lg, k, p, True, r))
+            new = jax.lax.map(choose, (logits, subs, recent, params, greedy, live))
         out = out.at[n].set(jnp.where(live, new, -1))
         remaining = remaining - live
         done = ~live | (remaining <= 0) | jnp.any(new[:, None] == stops, axis=1)

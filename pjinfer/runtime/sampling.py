@@ -159,13 +159,18 @@ def _mid(lo, hi, up: bool):
 
 
 def _kth_largest(keys, k):
-    """The largest t with at least k keys >= t: the k-th largest key (the smallest key when k > V)."""
-    def halve(_, bounds):            # the answer is in [lo, hi]
-        lo, hi = bounds
+    """A cutoff t that keeps what the k-th largest key keeps: {keys >= t} is {keys >= the k-th largest} (every
+    key when k > V). The largest t with at least k keys >= t, or sooner, the first t found with exactly k."""
+    def more(state):
+        lo, hi, exact = state
+        return (lo < hi) & ~exact
+
+    def halve(state):                # the answer is in [lo, hi]
+        lo, hi, _ = state
         mid = _mid(lo, hi, up=True)
-        enough = jnp.sum(keys >= mid) >= k
-        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid - 1)
-    return jax.lax.fori_loop(0, 32, halve, (jnp.min(keys), jnp.max(keys)))[0]
+        n = jnp.sum(keys >= mid)
+        return jnp.where(n >= k, mid, lo), jnp.where(n >= k, hi, mid - 1), n == k
+    return jax.lax.while_loop(more, halve, (jnp.min(keys), jnp.max(keys), jnp.bool_(False)))[0]
 
 
 def _nucleus(keys, weights, p):
