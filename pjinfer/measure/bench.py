@@ -293,20 +293,20 @@ SAMPLED_STEPS = 64   # sampling_ms's loop
 def sampling_ms(vocab: int, sampling: Sampling, repeats: int) -> float:
     """One token's choice over `vocab` logits as the decode loop makes it (runtime.sampling.sample, with the key
     split and the repetition window's update), ms: a jitted loop of SAMPLED_STEPS choices over fixed random
-    logits (the bisections take the same passes whatever the values), median of repeats."""
-    params = sampling.params()
-
+    logits, median of repeats. The settings are traced, as in the decode loop: as constants, XLA drops a penalty
+    of 1, and the choice, no longer reading the window the loop updates, would be hoisted out of it."""
     @jax.jit
-    def loop(logits, key, recent):
+    def loop(logits, key, recent, params):
         def step(_, carry):
             total, key, recent = carry
             key, sub = jax.random.split(key)
-            token = sample(logits, sub, params, sampling.greedy, recent)   # recent changes: nothing is hoisted
+            token = sample(logits, sub, params, sampling.greedy, recent)
             return total + token, key, push_recent(recent, token)
         return jax.lax.fori_loop(0, SAMPLED_STEPS, step, (jnp.int32(0), key, recent))
 
     logits = jnp.asarray(np.random.default_rng(0).standard_normal(vocab).astype(np.float32) * 3)
-    args = (logits, jax.random.key(sampling.seed), jnp.full(REPEAT_WINDOW, -1, jnp.int32))
+    args = (logits, jax.random.key(sampling.seed), jnp.full(REPEAT_WINDOW, -1, jnp.int32),
+            tuple(jnp.asarray(p) for p in sampling.params()))
     return _median_ms(lambda: jax.block_until_ready(loop(*args)), repeats) / SAMPLED_STEPS
 
 
