@@ -1,5 +1,8 @@
 """A fixed team of host threads that split one FFI call's work: the calling thread plus workers that wait by
-spinning, so handing them a stage costs about a microsecond.
+yielding the core in a loop (``sched_yield``), so handing them a stage costs about a microsecond. They do not spin
+with ``pause``: a spinning worker held its core against XLA's own threads between the FFI calls, and the passes of
+a sampled token's choice, which XLA splits over its threads, waited for it (docs/performance.md, "Sampling without
+a sort").
 
 Why not Numba's ``prange``: a parallel launch through the workqueue layer costs about as much as a whole decode
 stage (and the OpenMP layer spins for milliseconds when XLA's threads compete). A decode layer has five short
@@ -12,9 +15,8 @@ Protocol (all words int64 in one control block that is never freed):
   ``fn(arg, 0, n)`` itself, then waits until every worker has stored the new generation in its done word.
 - worker ``w`` (1..n-1, a daemon Python thread inside a nogil Numba loop): waits for a new generation, takes the
   caller's floating-point environment (MXCSR: denormal flushing), runs ``fn(arg, w, n)``, stores the generation
-  in its done word. It spins with ``pause`` for a while, then yields the core with ``sched_yield``, and after
-  YIELDS rounds without work sleeps SLEEP_US between looks, so an idle team costs almost nothing while back-to-back
-  decode steps find it awake.
+  in its done word. It waits by ``sched_yield``, and after YIELDS rounds without work sleeps SLEEP_US between
+  looks, so an idle team costs almost nothing while back-to-back decode steps find it awake.
 - Tasks split their work by ``tid`` and ``n`` and write disjoint outputs; ``run`` returns once all are done.
 
 The team size is fixed when the team starts (``PJINFER_HOST_THREADS``, default: the CPUs this process may use).
@@ -41,14 +43,13 @@ from numba.extending import intrinsic  # noqa: E402
 
 C_GEN, C_FN, C_ARG, C_SIZE, C_STOP, C_USLEEP, C_YIELD, C_FPENV = range(8)
 LINE = 8  # int64 words per 64-byte cache line: each worker's done word sits on its own line
-SPINS = 4000  # pause rounds before yielding
 YIELDS = 20000  # sched_yield rounds before sleeping
 SLEEP_US = 200
 
 
 @intrinsic
 def _pause(typingctx):
-    """The x86 spin-wait hint: lets the sibling hyperthread run and saves power while spinning."""
+    """The x86 spin-wait hint, for a wait without sched_yield: lets the sibling hyperthread run."""
     def codegen(context, builder, sig, args):
         fn = builder.module.declare_intrinsic("llvm.x86.sse2.pause", fnty=ir.FunctionType(ir.VoidType(), []))
         builder.call(fn, [])
@@ -138,12 +139,13 @@ def _call_usleep(typingctx, fnaddr, us):
 
 @njit(**NOJIT)
 def _wait_round(rounds, yield_fn, usleep_fn):
-    """One round of waiting: pause, then yield, then sleep, as the rounds add up."""
-    if rounds < SPINS:
-        _pause()
-    elif rounds < SPINS + YIELDS or usleep_fn == 0:
+    """One round of waiting: yield the core (pause where there is no sched_yield), then, after YIELDS rounds,
+    sleep."""
+    if rounds < YIELDS or usleep_fn == 0:
         if yield_fn != 0:
             call_void0(yield_fn)
+        else:
+            _pause()
     else:
         _call_usleep(usleep_fn, SLEEP_US)
 
