@@ -130,19 +130,22 @@ def test_kth_largest_matches_a_sort(v):
 
 @pytest.mark.parametrize("v", [7, 257, 49157])
 def test_nucleus_matches_a_sort(v):
-    nucleus = jax.jit(lambda x, w, p: sampling._nucleus(sampling._order_keys(x), w, p))
+    """Over every token (floor: the lowest key), and over top-k's tokens (the weights 0 below the k-th largest,
+    floor: its key), as sample() calls it."""
+    nucleus = jax.jit(lambda x, w, p, floor: sampling._nucleus(sampling._order_keys(x), w, p, floor))
     for x in logits_cases(v, v + 2):
-        w = np.exp(x.astype(np.float64) - x.max())
+        keys = np.asarray(sampling._order_keys(jnp.asarray(x)))
         order = np.argsort(-x, kind="stable")
-        before = np.cumsum(w[order]) - w[order]
-        for p in (0.05, 0.5, 0.9, 0.999):
-            inside = before < p * w.sum()
-            if np.any(np.abs(before - p * w.sum()) < 1e-5 * w.sum()):
-                continue                                      # a boundary float rounding may settle either way
-            want = x[order][inside].min()
-            t = int(nucleus(jnp.asarray(x), jnp.asarray(w, jnp.float32), jnp.float32(p)))
-            assert set(np.flatnonzero(np.asarray(sampling._order_keys(jnp.asarray(x))) >= t)) == \
-                set(np.flatnonzero(x >= want)), (v, p)
+        for floor in (np.iinfo(np.int32).min, np.sort(keys)[::-1][min(5, v) - 1]):
+            w = np.where(keys >= floor, np.exp(x.astype(np.float64) - x.max()), 0.0)
+            before = np.cumsum(w[order]) - w[order]
+            for p in (0.05, 0.5, 0.9, 0.999):
+                inside = (before < p * w.sum()) & (w[order] > 0)
+                if np.any(np.abs(before - p * w.sum()) < 1e-5 * w.sum()):
+                    continue                                  # a boundary float rounding may settle either way
+                want = x[order][inside].min()
+                t = int(nucleus(jnp.asarray(x), jnp.asarray(w, jnp.float32), jnp.float32(p), np.int32(floor)))
+                assert set(np.flatnonzero(keys >= t)) == set(np.flatnonzero(x >= want)), (v, p, floor)
 
 
 @pytest.mark.parametrize("v", [1, 7, 257, 49157])

@@ -124,7 +124,7 @@ def sample(logits, key, params, greedy: bool, recent):
     cutoff = jnp.where(top_k > 0, _kth_largest(keys, top_k), lowest)
     weights = jnp.where(keys >= cutoff, jnp.exp(z - jnp.max(z)), 0.0)
     # top-p, over what top-k kept: the smallest set of the most likely tokens whose probability reaches top_p.
-    cutoff = jnp.maximum(cutoff, jnp.where(top_p < 1, _nucleus(keys, weights, top_p), lowest))
+    cutoff = jnp.maximum(cutoff, jnp.where(top_p < 1, _nucleus(keys, weights, top_p, cutoff), lowest))
     # min-p: p_i >= min_p * p_max, i.e. logit_i >= logit_max + log(min_p).
     cutoff = jnp.maximum(cutoff, _order_keys(jnp.max(z) + jnp.log(min_p)))
     return _draw(jnp.where(keys >= cutoff, weights, 0.0), jax.random.uniform(key))
@@ -173,17 +173,19 @@ def _kth_largest(keys, k):
     return jax.lax.while_loop(more, halve, (jnp.min(keys), jnp.max(keys), jnp.bool_(False)))[0]
 
 
-def _nucleus(keys, weights, p):
+def _nucleus(keys, weights, p, floor):
     """The smallest key t whose tokens above it (keys > t) hold less than p of the weights (0 < p < 1): the
-    nucleus is the tokens at or above t."""
+    nucleus is the tokens at or above t. floor: a key at or below the answer (top-k's cutoff: below it every
+    weight is 0, so the answer is not lower), which narrows the search."""
     below = p * jnp.sum(weights)
 
-    def halve(_, bounds):            # the answer is in [lo, hi]
+    def halve(bounds):               # the answer is in [lo, hi]
         lo, hi = bounds
         mid = _mid(lo, hi, up=False)
         small = jnp.sum(jnp.where(keys > mid, weights, 0.0)) < below
         return jnp.where(small, lo, mid + 1), jnp.where(small, mid, hi)
-    return jax.lax.fori_loop(0, 32, halve, (jnp.min(keys), jnp.max(keys)))[0]
+    start = (jnp.maximum(floor, jnp.min(keys)), jnp.max(keys))
+    return jax.lax.while_loop(lambda bounds: bounds[0] < bounds[1], halve, start)[0]
 
 
 def _draw(weights, u):

@@ -60,7 +60,7 @@ FAULTS = [
           "pjinfer/load/powerinfer.py", "    cutoff = np.nextafter(np.float32(threshold), np.float32(-np.inf))\n",
           "    cutoff = np.float32(threshold)\n", ("tests/test_powerinfer.py",)),
     Fault("the sampler ignores top-p", "pjinfer/runtime/sampling.py",
-          "cutoff = jnp.maximum(cutoff, jnp.where(top_p < 1, _nucleus(keys, weights, top_p), lowest))",
+          "cutoff = jnp.maximum(cutoff, jnp.where(top_p < 1, _nucleus(keys, weights, top_p, cutoff), lowest))",
           "cutoff = cutoff",
           ("tests/test_sampling.py",)),
     Fault("the Pallas threshold decode reads o's every input (its threshold ignored)", "pjinfer/runtime/gathered.py",
