@@ -118,17 +118,17 @@ def sample(logits, key, params, greedy: bool, recent):
     if greedy:
         return argmax(logits)
     z = logits / temperature
-    keys = _order_keys(z)
+    keys, top = _order_keys(z), jnp.max(z)
     lowest = jnp.int32(jnp.iinfo(jnp.int32).min)
     # top-k: keep logits at least as large as the k-th largest. The settings are traced: a cond, not a where,
     # skips a search that is off.
     cutoff = jax.lax.cond(top_k > 0, lambda: _kth_largest(keys, top_k), lambda: lowest)
-    weights = jnp.where(keys >= cutoff, jnp.exp(z - jnp.max(z)), 0.0)
+    weights = jnp.where(keys >= cutoff, jnp.exp(z - top), 0.0)
     # top-p, over what top-k kept: the smallest set of the most likely tokens whose probability reaches top_p.
     cutoff = jnp.maximum(cutoff, jax.lax.cond(top_p < 1, lambda: _nucleus(keys, weights, top_p, cutoff),
                                               lambda: lowest))
     # min-p: p_i >= min_p * p_max, i.e. logit_i >= logit_max + log(min_p).
-    cutoff = jnp.maximum(cutoff, _order_keys(jnp.max(z) + jnp.log(min_p)))
+    cutoff = jnp.maximum(cutoff, _order_keys(top + jnp.log(min_p)))
     return _draw(jnp.where(keys >= cutoff, weights, 0.0), jax.random.uniform(key))
 
 
