@@ -4,6 +4,7 @@ stop strings and the timing fields of `generate`; `eval`'s result files (--outpu
 import io
 import json
 import sys
+import time
 
 import pytest
 
@@ -152,7 +153,6 @@ def refuse_loading(monkeypatch):
 
 def test_more_threads_than_usable_cores_are_refused_before_loading(capsys, monkeypatch):
     import os
-    import time
 
     from cpu_offload import team
 
@@ -181,6 +181,24 @@ def test_decode_rate_counts_only_the_timed_decode_steps():
     assert decode_rate([0.0, 10.0, 11.0]) is None          # one decode step: nothing to time
     assert decode_rate([0.0, 10.0]) is None and decode_rate([0.0]) is None
     assert decode_rate([0.0, 10.0, 10.0, 10.0]) is None    # no time passed: no rate rather than infinity
+
+
+def test_bench_decode_is_not_made_fast_by_a_slow_one_token_run():
+    """bench's decode = whole(1 + n) less the fastest whole(1) beside it: a whole(1) slowed by other work (here a
+    sleep on the first timed one) must not make the decode read faster than it is."""
+    from pjinfer.measure.bench import _timed
+
+    calls = []
+
+    def whole(n):   # 20 ms of prompt, 10 ms a token; the warm-up's and the first run's first whole(1) are slow
+        calls.append(n)
+        time.sleep(0.02 + 0.01 * n + (0.2 if len(calls) in (1, 4) else 0.0))
+
+    measure = _timed((lambda: None, whole), new_tokens=4)
+    for _ in range(3):
+        prefill_s, decode_s = measure()
+        assert 0.04 <= decode_s < 0.1, decode_s
+    assert calls == [1, 5, 1] * 3
 
 
 @pytest.mark.parametrize("seed", ["-2", str(2**32)])
