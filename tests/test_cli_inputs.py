@@ -197,7 +197,7 @@ def test_bench_decode_is_not_made_fast_by_a_slow_one_token_run():
     measure = _timed((lambda: None, whole), new_tokens=4)
     for _ in range(3):
         prefill_s, decode_s = measure()
-        assert 0.04 <= decode_s < 0.1, decode_s
+        assert decode_s > 0.03, decode_s   # 40 ms of tokens (a sleep may overrun); a slow whole(1) read: < 0
     assert calls == [1, 5, 1] * 3
 
 
