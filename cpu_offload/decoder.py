@@ -16,6 +16,8 @@ weights live as long as the HostDecoder (a jitted function holding the model hol
 """
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,8 +28,8 @@ from . import ffi, int8, kernels, tables, team
 from .blocks import FORMATS, INT8
 from .ffi import RUNTIME_ADDR
 from .host_call import check_bridge, through
-from .host_decode import (F_BLOCKS, F_BLOCKS_FLOAT, F_INT8, H_ACT, H_D, H_EPS, H_FF, H_FORMAT, H_HD, H_HEAD,
-                          H_HEAD_KIND, H_HEAD_SCALES, H_HEADS, H_INV_FREQ, H_KV, H_MAGIC, H_MAXLEN, H_NLAYERS,
+from .host_decode import (CLOCKS, F_BLOCKS, F_BLOCKS_FLOAT, F_INT8, H_ACT, H_CLOCKS, H_D, H_EPS, H_FF, H_FORMAT, H_HD,
+                          H_HEAD, H_HEAD_KIND, H_HEAD_SCALES, H_HEADS, H_INV_FREQ, H_KV, H_MAGIC, H_MAXLEN, H_NLAYERS,
                           H_RUNTIME, H_SCRATCH, H_STAGE, H_TABLE, H_TASK, H_TEAM, H_VOCAB, H_WIDTH, L_ATTN_NORM,
                           L_FFN_NORM, L_QKV_BIAS, L_WIDTH, MAGIC, MATRICES, TARGET_NAME, handler_cfunc, new_scratch,
                           stage_cfunc)
@@ -164,6 +166,18 @@ class HostDecoder:
             raise ConfigError("host decode: a stored matrix is not C-contiguous; it would be copied")
         self._keep.append(b)
         return int(b.ctypes.data)
+
+    @contextlib.contextmanager
+    def clocked(self):
+        """Within: this decoder's handler adds the time-stamp cycles (ffi.cycles) of its calls and of their team
+        stages into a fresh int64 [host_decode.CLOCKS] array, which it yields (slots host_decode.ST_* and CLK_*);
+        the counting stops on leaving. For timing a decode where it runs (pjinfer.measure.bench.host_stages)."""
+        clocks = np.zeros(CLOCKS, np.int64)
+        self.header[H_CLOCKS] = clocks.ctypes.data
+        try:
+            yield clocks
+        finally:
+            self.header[H_CLOCKS] = 0
 
     @property
     def nbytes(self) -> int:

@@ -38,7 +38,7 @@ import numpy as np
 
 from . import activation, attention, blocks, ffi, int8, kernels, q4, quants, tables, team, vector_ir
 from .ffi import (BUF_DATA, BUF_DIMS, BUF_DTYPE, BUF_RANK, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F16, DT_F32, DT_S32,
-                  ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, buffer_numel, cstr,
+                  ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, buffer_numel, cstr, cycles,
                   last_dim, load_i32, load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i8, ptr_i32, ptr_u8, ptr_u16,
                   store_i64, unlock)
 from .activation import act_span
@@ -55,8 +55,13 @@ MAGIC = 0x706A686F7374_0001  # "pjhost" + 1
 
 # Header slots (int64; eps as a float64 bit pattern).
 (H_MAGIC, H_NLAYERS, H_D, H_HEADS, H_KV, H_HD, H_FF, H_VOCAB, H_ACT, H_EPS, H_MAXLEN, H_TABLE, H_HEAD,
- H_HEAD_SCALES, H_INV_FREQ, H_SCRATCH, H_TASK, H_TEAM, H_STAGE, H_RUNTIME, H_FORMAT, H_HEAD_KIND) = range(22)
+ H_HEAD_SCALES, H_INV_FREQ, H_SCRATCH, H_TASK, H_TEAM, H_STAGE, H_RUNTIME, H_FORMAT, H_HEAD_KIND, H_CLOCKS) = range(23)
 H_WIDTH = 24
+# H_CLOCKS: 0, or the address of int64 [CLOCKS] counters the handler adds time-stamp cycles (ffi.cycles) into while
+# a decode is timed where it runs (HostDecoder.clocked): slots ST_* each stage on the calling thread, its share and
+# then the wait for the workers'; CLK_WAIT those waits; CLK_LAYERS and CLK_HEADS the layer and head calls, whole.
+CLK_WAIT, CLK_LAYERS, CLK_HEADS = 6, 7, 8
+CLOCKS = 9
 # H_FORMAT: how the layers' matrices are stored (int8, or GGUF blocks), and so how they are read. F_BLOCKS reads
 # the types q8_dot has against rounded inputs (quants.gemv's rounded), F_BLOCKS_FLOAT against float32
 # inputs (PredictedHostDecoder: its tests hold it to XLA's masked model, neuron by neuron).
@@ -292,10 +297,20 @@ stage_cfunc = DeferredCFunc(STAGE, _stage_py)
 
 
 @njit(**NOJIT)
+def add_i64(addr, value):
+    store_i64(addr, load_i64(addr) + value)
+
+
+@njit(**NOJIT)
 def run_stage(header, stage):
     """Stage `stage` of the header's task on its team (the decoders' handlers share it: task slot 0 is the stage)."""
     store_i64(load_i64(header + 8 * H_TASK) + 8 * K_STAGE, stage)
-    team.run(load_i64(header + 8 * H_TEAM), load_i64(header + 8 * H_STAGE), header)
+    clocks = load_i64(header + 8 * H_CLOCKS)
+    start = cycles()
+    waited = team.run(load_i64(header + 8 * H_TEAM), load_i64(header + 8 * H_STAGE), header)
+    if clocks != 0:
+        add_i64(clocks + 8 * stage, cycles() - start)
+        add_i64(clocks + 8 * CLK_WAIT, waited)
 
 
 @njit(**NOJIT)
@@ -451,6 +466,7 @@ def serve(frame, magic, layer_step, not_mine, bad_form):
     done, result = ffi.prelude(frame)
     if done:
         return result
+    start = cycles()
     api = load_i64(frame + ffi.CF_API)
     header = tables.find_table(frame)
     if header == 0 or load_i64(header + 8 * H_MAGIC) != magic:
@@ -474,6 +490,9 @@ def serve(frame, magic, layer_step, not_mine, bad_form):
         layer_step(header, layer, pos, x, k_ptr, v_ptr)
     team.leave(env)
     unlock(load_i64(header + 8 * H_RUNTIME))
+    clocks = load_i64(header + 8 * H_CLOCKS)
+    if clocks != 0:
+        add_i64(clocks + 8 * (CLK_HEADS if nargs == 1 else CLK_LAYERS), cycles() - start)
     return 0
 
 

@@ -33,7 +33,7 @@ import numpy as np
 from .contract import ConfigError
 
 from . import ffi
-from .ffi import (NOJIT, RUNTIME, R_YIELD, call_void0, load_acquire_i64, load_i64, store_i64,
+from .ffi import (NOJIT, RUNTIME, R_YIELD, call_void0, cycles, load_acquire_i64, load_i64, store_i64,
                   store_release_i64)
 
 from llvmlite import ir  # noqa: E402
@@ -174,28 +174,31 @@ def _worker(ctrl, w):
 
 @njit(**NOJIT)
 def run(ctrl, fn, arg):
-    """Run task fn(arg, tid, n) on the whole team (tid 0 on this thread); returns when every part is done. On a
-    stopped team (Team.stop: its workers are gone) this thread runs every part itself, in tid order."""
+    """Run task fn(arg, tid, n) on the whole team (tid 0 on this thread); returns when every part is done, with the
+    time-stamp cycles this thread then waited for the workers (ffi.cycles; 0 without workers). On a stopped team
+    (Team.stop: its workers are gone) this thread runs every part itself, in tid order."""
     n = load_i64(ctrl + 8 * C_SIZE)
     if n <= 1:
         _call_task(fn, arg, 0, 1)
-        return
+        return 0
     if load_i64(ctrl + 8 * C_STOP) != 0:
         for tid in range(n):
             _call_task(fn, arg, tid, n)
-        return
+        return 0
     store_i64(ctrl + 8 * C_FN, fn)
     store_i64(ctrl + 8 * C_ARG, arg)
     store_i64(ctrl + 8 * C_FPENV, get_fpenv())
     g = load_i64(ctrl + 8 * C_GEN) + 1
     store_release_i64(ctrl + 8 * C_GEN, g)
     _call_task(fn, arg, 0, n)
+    start = cycles()
     yield_fn = load_i64(ctrl + 8 * C_YIELD)
     for w in range(1, n):
         rounds = 0
         while load_acquire_i64(ctrl + 8 * LINE * w) != g:
             _wait_round(rounds, yield_fn, 0)  # never sleep here: the worker is due any moment
             rounds += 1
+    return cycles() - start
 
 
 ffi.purge_stale_cache("team", ffi)

@@ -233,6 +233,30 @@ def test_host_decode_equals_xla_on_the_same_values(activation, fmt):
     assert np.abs(original - want).max() > 1e-3
 
 
+def test_a_clocked_decoder_counts_its_stages_and_calls_only_while_clocked():
+    """HostDecoder.clocked: every stage of the layers and the head, the waits at their ends and the calls
+    themselves get time-stamp cycles, nested as they run and within the wall time; outside the block, nothing."""
+    from cpu_offload.ffi import read_cycles
+    from cpu_offload.host_decode import CLK_HEADS, CLK_LAYERS, CLK_WAIT, ST_DOWN, ST_HEAD
+
+    config = tiny_config(d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=192)
+    model, _, host = _models(config, fmt="q4_1")
+    tokens = np.random.default_rng(2).integers(0, config.vocab_size, 5)
+    _decode(model, tokens, 8)   # compiled
+    with host.clocked() as clocks:
+        start = read_cycles()
+        _decode(model, tokens, 8)
+        wall = read_cycles() - start
+    stages = clocks[:ST_HEAD + 1]
+    assert (stages > 0).all(), clocks
+    assert clocks[CLK_LAYERS] >= stages[:ST_DOWN + 1].sum() and clocks[CLK_HEADS] >= stages[ST_HEAD]
+    assert clocks[CLK_LAYERS] + clocks[CLK_HEADS] < wall
+    assert 0 <= clocks[CLK_WAIT] < stages.sum() and (clocks[CLK_WAIT] == 0) == (team.default_size() == 1)
+    counted = clocks.copy()
+    _decode(model, tokens, 8)
+    np.testing.assert_array_equal(clocks, counted)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "q4_1"])
 def test_callback_bridge_decodes_as_the_ffi_bridge_bit_for_bit(fmt):
     """The host decode through host_call.on_host (forced on the CPU), against the FFI target called directly, on the

@@ -91,18 +91,25 @@ def test_native_peer_runs_in_bench_alternated_with_pjinfer(q4_engine, peer):
 
 
 def test_breakdown_times_the_host_step_stage_by_stage(q4_engine, engine):
-    """bench --breakdown: the dense host decode's stages, with the bytes each reads (the layers' matrices by stage,
-    then the head: together every weight the step reads), and XLA's step by parts; both end on the given step."""
+    """bench --breakdown: the dense host decode's stages timed inside the generate loop, with the bytes each reads
+    (the layers' matrices by stage, then the head: together every weight the step reads), adding up to the loop's
+    step; and XLA's step by parts, adding up to the given step."""
     from pjinfer.measure import bench
 
-    rows = bench.breakdown(q4_engine, 7.0, position=40, repeats=3)
-    parts = [r["part"] for r in rows]
-    assert parts[0] == "q, k, v" and parts[-1] == "step in the generate loop" and rows[-1]["ms"] == 7.0
+    rows = bench.breakdown(q4_engine, 7.0, prompt_len=16, new_tokens=16, repeats=3)
+    parts = {r["part"]: r["ms"] for r in rows}
+    assert rows[0]["part"] == "q, k, v" and rows[-1]["part"] == "step in the generate loop"
     stages = [r for r in rows if r["part"] in ("q, k, v", "o", "gate, up, activation", "down", "head")]
     assert len(stages) == 5 and all(r["ms"] > 0 for r in stages)
     assert sum(r["mb"] for r in stages) == pytest.approx(q4_engine.host.nbytes / 1e6)
     assert rows[-3]["part"] == "choosing the token (greedy: the repetition penalty and argmax)" and rows[-3]["ms"] > 0
-    xla = bench.breakdown(engine, 20.0, position=40, repeats=3, sampling=Sampling(0.8, top_k=40, top_p=0.9))
+    inside = [r["ms"] for r in rows[:7]] + [parts["choosing the token (greedy: the repetition penalty and argmax)"],
+                                           parts["outside the host's calls (XLA, dispatch, the loop)"]]
+    assert sum(inside) == pytest.approx(rows[-1]["ms"])
+    assert sum(inside[:7]) == pytest.approx(parts["host step (the layers and the head)"])
+    assert 0 <= parts["waiting for the other threads (in the stages above)"] < sum(r["ms"] for r in rows[:5])
+    xla = bench.breakdown(engine, 20.0, prompt_len=16, new_tokens=48, repeats=3,
+                          sampling=Sampling(0.8, top_k=40, top_p=0.9))
     assert [r["part"] for r in xla] == ["attention", "ffn", "head", "choosing the token (the filters and the draw)",
                                         "rest of the step", "step in the generate loop"]
     assert all(r["ms"] > 0 for r in xla[:4])

@@ -103,8 +103,8 @@ def cmd_bench(args):
     if args.breakdown:
         for name, engine in engines.items():
             result["engines"][name]["breakdown"] = bench.breakdown(
-                engine, result["engines"][name]["decode_ms_per_token"], position=args.prompt_len + args.new_tokens // 2,
-                sampling=sampling)
+                engine, result["engines"][name]["decode_ms_per_token"], prompt_len=args.prompt_len,
+                new_tokens=args.new_tokens, sampling=sampling)
     if sparse:
         result["sparse_over_dense"] = result["engines"]["sparse"]["decode_over"][bench.engine_name(sparse.weights)]
     if args.json:

@@ -12,7 +12,8 @@ import numpy as np
 from flax import nnx
 from numba import njit, prange
 
-from cpu_offload import host_decode, stage_timer
+from cpu_offload import host_decode
+from cpu_offload.ffi import read_cycles
 from cpu_offload.predicted_decode import PredictedHostDecoder
 from cpu_offload.team import usable_cores
 from pjinfer.config import ConfigError
@@ -22,7 +23,7 @@ from pjinfer.measure import machine, native_peer
 from pjinfer.measure.peer import llama_cpp_runner
 from pjinfer.offline import teal
 from pjinfer.runtime.engine import Engine
-from pjinfer.runtime.model import KVCache, embedding_rows
+from pjinfer.runtime.model import KVCache
 from pjinfer.runtime.sampling import REPEAT_WINDOW, Sampling, push_recent, sample
 from pjinfer.runtime.sparse import SparseFFN, skipped_share
 
@@ -64,8 +65,8 @@ def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: i
     kernels use by default (the cores this process may use): llama-cpp (llama.cpp through llama-cpp-python, timed
     here as the engines are), or a native peer, llama-bench or powerinfer (pjinfer.measure.native_peer: a subprocess
     per run, timed by its own output). An engine's decode is timed as generate(1 + new_tokens) minus the fastest
-    generate(1) timed beside it (_timed), both with the same prompt: the prefill's time and noise cancel (subtracting a separately timed
-    prefill reported llama.cpp faster after 512 tokens than after 16). Runs alternate between the engines and the
+    generate(1) timed beside it (_timed), both with the same prompt: the prefill's time and noise cancel
+    (subtracting a separately timed prefill reported llama.cpp faster after 512 tokens than after 16). Runs alternate between the engines and the
     peer so a noisy machine affects all alike; each figure is the median over runs, each ratio the median of the
     runs' ratios. "machine" holds the shares of CPU time stolen and used by other work during the runs
     (pjinfer.measure.machine); "peer" says what ran as the peer. An engine's "density": the share of FFN neurons
@@ -275,20 +276,21 @@ def _seconds(fn, *args) -> float:
     return time.perf_counter() - t
 
 
-def breakdown(engine: Engine, step_ms: float, *, position: int = 80, repeats: int = 9,
+def breakdown(engine: Engine, step_ms: float, *, prompt_len: int = 16, new_tokens: int = 128, repeats: int = 9,
               sampling: Sampling = Sampling()) -> list[dict]:
     """Where one decode step's time goes, as rows {part, ms, mb} (ms per token, median of repeats; mb: the bytes
-    it reads, None where it reads no weights), the last row the whole step: step_ms, a token's time in the
-    generate loop as run() measured it. On the dense host decode (host_stages) every stage of the layers and the
-    head; on XLA, every layer's attention, FFN and the head as jitted functions; on both, choosing the token as
-    `sampling` does (sampling_ms). position: the token's position (the cache it attends over)."""
+    it reads, None where it reads no weights), the last row the whole step. On the dense host decode (host_stages)
+    every stage of the layers and the head, timed inside the generate loop of prompt_len and new_tokens, whose own
+    step ends the rows; on XLA, every layer's attention, FFN and the head as jitted functions at the loop's middle
+    position, against step_ms (a token's time in the generate loop as run() measured it); on both, choosing the
+    token as `sampling` does (sampling_ms), taken out of the rest of the step."""
     if engine.backend.host:
         if getattr(engine, "host", None) is None or engine.host.magic != host_decode.MAGIC:
             raise ConfigError("--breakdown times the dense host decode and XLA, not this engine's "
                               f"({engine.path})")
-        rows = host_stages(engine, step_ms, position=position, repeats=repeats)
+        rows = host_stages(engine, prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, sampling=sampling)
     else:
-        rows = xla_stages(engine, step_ms, position=position, repeats=max(repeats, 20))
+        rows = xla_stages(engine, step_ms, position=prompt_len + new_tokens // 2, repeats=max(repeats, 20))
     choose = sampling_ms(engine.config.vocab_size, sampling, repeats)
     what = "greedy: the repetition penalty and argmax" if sampling.greedy else "the filters and the draw"
     rows[-2]["ms"] -= choose            # the rest of the step, less the sampling now timed on its own
@@ -328,59 +330,58 @@ def _median_ms(fn, repeats: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def host_stages(engine: Engine, step_ms: float, *, position: int, repeats: int) -> list[dict]:
-    """The dense host decode's step part by part, each part timed over every layer in one call
-    (cpu_offload.stage_timer.repeat, on real hidden states of wiki text and caches filled to position): the team's
-    stages, the layer's work on the calling thread (norms, RoPE, residuals: the whole layer less its stages), the
-    hand-offs inside those stages (an empty stage's time, five a layer), the head; then the host's whole step, and
-    what the generate loop's step (step_ms) costs beyond it: XLA's work and dispatch around the FFI calls,
-    sampling, the loop."""
+def host_stages(engine: Engine, *, prompt_len: int, new_tokens: int, repeats: int,
+                sampling: Sampling = Sampling()) -> list[dict]:
+    """The dense host decode's step part by part, timed where it runs: the handler's time-stamp counts
+    (HostDecoder.clocked) over generate(1 + new_tokens) less those over generate(1), per decode step, against the
+    step as run() times it (_timed), the median of `repeats`. Rows: each team stage as the calling thread sees it (its share, then the wait for the
+    workers'), the rest of the layer calls on the calling thread (norms, RoPE, residuals, the cache write and
+    attention's merge, the handler's checks), the head call; the waits at the stages' ends (inside those rows:
+    the hand-offs and uneven shares); the host's calls together; and the rest of the measured step (XLA's
+    embedding, norm and sampling, the loop, dispatch), up to the step's own time. Timed apart, a part whose
+    weights fit in the last-level cache found them there (the head's 30 MB read at 48 GB/s of a 34 GB/s memory),
+    and the rest of the step looked like XLA's."""
     host, c = engine.host, engine.config
-    header = host.address
-    cache_len = max(position + 1, 16)
-    k = np.zeros((c.n_layers, cache_len, c.n_kv_heads, c.head_dim), np.float16)
-    v = np.zeros_like(k)
-    prompt = bench_prompt(engine, 32)
-    _, cache = engine.prefill(prompt, cache_len=engine.plan(len(prompt), 1)[1])
-    for l in range(c.n_layers):   # the prompt's keys and values, repeated up to position
-        for at in range(0, position + 1, len(prompt)):
-            n = min(len(prompt), position + 1 - at)
-            k[l, at:at + n] = np.asarray(cache.k[l])[0, :n]
-            v[l, at:at + n] = np.asarray(cache.v[l])[0, :n]
-    k_ptrs = np.array([k[l].ctypes.data for l in range(c.n_layers)], np.int64)
-    v_ptrs = np.array([v[l].ctypes.data for l in range(c.n_layers)], np.int64)
-    x0 = np.asarray(embedding_rows(nnx.merge(engine.graphdef, engine.state).embed, jnp.asarray([prompt[-1]])),
-                    np.float32).reshape(c.d_model)
-    logits = np.zeros(c.vocab_size, np.float32)
-
-    def part(which, reps=1):
-        x = x0.copy()   # PART_LAYER updates its input in place
-        return _median_ms(lambda: stage_timer.repeat(header, which, reps, position, k_ptrs, v_ptrs, x, logits),
-                          repeats) / reps
-
-    layer = part(stage_timer.PART_LAYER)   # also leaves the scratch holding a real layer's vectors
+    _, whole = _runner(engine, bench_prompt(engine, prompt_len), new_tokens, sampling)
+    whole(1 + new_tokens)   # compiled
+    parts, steps, fastest_one = [], [], math.inf
+    for _ in range(repeats):
+        with host.clocked() as clocks:
+            c0, t0 = read_cycles(), time.perf_counter()
+            whole(1)
+            one, t1 = clocks.copy(), time.perf_counter()
+            whole(1 + new_tokens)
+            both, c2, t2 = clocks.copy(), read_cycles(), time.perf_counter()
+            whole(1)
+            t3 = time.perf_counter()
+        fastest_one = min(fastest_one, t1 - t0, t3 - t2)
+        # whole(1) calls the head once, for the prompt's token, as whole(1 + new_tokens) does before its steps
+        parts.append((both - 2 * one) * ((t2 - t0) / (c2 - c0) * 1000 / new_tokens))   # ms a step
+        steps.append(1000 * (t2 - t1 - fastest_one) / new_tokens)
+    ms = np.median(np.stack(parts), axis=0)
+    step = statistics.median(steps)
     mb = {slot: sum(host._quantized[(l, slot)].nbytes for l in range(c.n_layers)) / 1e6
           for slot in host_decode.MATRICES.values()}
-    cache_mb = 2 * c.n_layers * (position + 1) * c.n_kv_heads * c.head_dim * 2 / 1e6
+    mean_position = prompt_len + new_tokens // 2
+    cache_mb = 2 * c.n_layers * mean_position * c.n_kv_heads * c.head_dim * 2 / 1e6
     rows = [
-        {"part": "q, k, v", "ms": part(host_decode.ST_QKV),
+        {"part": "q, k, v", "ms": ms[host_decode.ST_QKV],
          "mb": mb[host_decode.L_Q] + mb[host_decode.L_K] + mb[host_decode.L_V]},
-        {"part": "attention (cache write, scores, softmax, V)", "ms": part(host_decode.ST_ATTN), "mb": cache_mb},
-        {"part": "o", "ms": part(host_decode.ST_O), "mb": mb[host_decode.L_O]},
-        {"part": "gate, up, activation", "ms": part(host_decode.ST_GATE_UP),
+        {"part": "attention (scores, softmax, V)", "ms": ms[host_decode.ST_ATTN], "mb": cache_mb},
+        {"part": "o", "ms": ms[host_decode.ST_O], "mb": mb[host_decode.L_O]},
+        {"part": "gate, up, activation", "ms": ms[host_decode.ST_GATE_UP],
          "mb": mb[host_decode.L_GATE] + mb[host_decode.L_UP]},
-        {"part": "down", "ms": part(host_decode.ST_DOWN), "mb": mb[host_decode.L_DOWN]},
+        {"part": "down", "ms": ms[host_decode.ST_DOWN], "mb": mb[host_decode.L_DOWN]},
     ]
-    rows.append({"part": "calling thread (norms, RoPE, residuals)", "ms": layer - sum(r["ms"] for r in rows),
-                 "mb": None})
-    rows.append({"part": "head", "ms": part(host_decode.ST_HEAD, reps=5), "mb": host._head.nbytes / 1e6})
-    handoff = 5 * part(stage_timer.PART_HANDOFF)
-    host_ms = layer + rows[-1]["ms"]
-    rows += [{"part": "hand-offs inside the stages above (an empty stage, 5 a layer)", "ms": handoff, "mb": None},
-             {"part": "host step (the layers and the head)", "ms": host_ms, "mb": None},
-             {"part": "outside the host's calls (XLA, dispatch, the loop)", "ms": step_ms - host_ms,
+    layers, head = ms[host_decode.CLK_LAYERS], ms[host_decode.CLK_HEADS]
+    rows += [{"part": "calling thread (norms, RoPE, residuals, cache write)", "ms": layers - sum(r["ms"] for r in rows),
               "mb": None},
-             {"part": "step in the generate loop", "ms": step_ms, "mb": host.nbytes / 1e6 + cache_mb}]
+             {"part": "head", "ms": head, "mb": host._head.nbytes / 1e6},
+             {"part": "waiting for the other threads (in the stages above)", "ms": ms[host_decode.CLK_WAIT],
+              "mb": None},
+             {"part": "host step (the layers and the head)", "ms": layers + head, "mb": None},
+             {"part": "outside the host's calls (XLA, dispatch, the loop)", "ms": step - layers - head, "mb": None},
+             {"part": "step in the generate loop", "ms": step, "mb": host.nbytes / 1e6 + cache_mb}]
     return rows
 
 
