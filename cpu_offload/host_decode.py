@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import activation, attention, blocks, ffi, int8, kernels, q4, quants, tables, team, vector_ir
+from . import activation, attention, blocks, ffi, int8, kernels, q4, q8_dot, quants, tables, team, vector_ir
 from .ffi import (BUF_DATA, BUF_DIMS, BUF_DTYPE, BUF_RANK, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F16, DT_F32, DT_S32,
                   ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, buffer_numel, cstr, cycles,
                   last_dim, load_i32, load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i8, ptr_i32, ptr_u8, ptr_u16,
@@ -167,25 +167,38 @@ def int8_matrix(header, layer, slot, rows, cols):
 
 
 @njit(**NOJIT)
-def gemv_at(code, addr, scales, rows, x, y, lo, hi, rounded):
-    """y[lo:hi] = rows lo..hi-1 of the matrix at addr (block type code, blocks.TYPES; int8's scales at scales)
-    times x: the type's host GEMV (rounded: quants.gemv's)."""
-    cols = x.shape[0]
-    if code == INT8:
-        int8.gemv(i8_view(addr, rows, cols), f32_view_2d(scales, rows, cols // QBLOCK), x, y, lo, hi)
-    else:
-        quants.gemv(code, carray(ptr_u8(addr), (rows, quants.row_bytes(code, cols))), x, y, lo, hi, rounded)
+def rounded_input(header, x):
+    """x rounded once (q8_dot.quantize_input) for every GEMV of a stage that reads it, under F_BLOCKS; for the other
+    formats, which read x itself, an empty rounding."""
+    if load_i64(header + 8 * H_FORMAT) == F_BLOCKS:
+        return q8_dot.quantize_input(x)
+    return q8_dot.quantize_input(x[:0])
 
 
 @njit(**NOJIT)
-def _matvec(header, layer, slot, rows, x, y, lo, hi):
-    """y[lo:hi] = rows lo..hi-1 of the layer's matrix in slot times x."""
+def gemv_at(code, addr, scales, rows, x, xr, y, lo, hi, rounded):
+    """y[lo:hi] = rows lo..hi-1 of the matrix at addr (block type code, blocks.TYPES; int8's scales at scales)
+    times x: the type's host GEMV; with rounded, a type q8_dot reads takes x as rounded in xr (rounded_input)."""
+    cols = x.shape[0]
+    if code == INT8:
+        int8.gemv(i8_view(addr, rows, cols), f32_view_2d(scales, rows, cols // QBLOCK), x, y, lo, hi)
+        return
+    q = carray(ptr_u8(addr), (rows, quants.row_bytes(code, cols)))
+    if rounded and q8_dot.BLOCK_OF[code]:
+        q8_dot.gemv_rounded(code, q, xr, y, lo, hi)
+    else:
+        quants.gemv(code, q, x, y, lo, hi, False)
+
+
+@njit(**NOJIT)
+def _matvec(header, layer, slot, rows, x, xr, y, lo, hi):
+    """y[lo:hi] = rows lo..hi-1 of the layer's matrix in slot times x (xr: rounded_input(header, x))."""
     entry = load_i64(header + 8 * H_TABLE) + 8 * (L_WIDTH * layer + slot)
     fmt = load_i64(header + 8 * H_FORMAT)
     if fmt == F_INT8:
-        gemv_at(INT8, load_i64(entry), load_i64(entry + 8), rows, x, y, lo, hi, False)
+        gemv_at(INT8, load_i64(entry), load_i64(entry + 8), rows, x, xr, y, lo, hi, False)
     else:
-        gemv_at(load_i64(entry + 8), load_i64(entry), 0, rows, x, y, lo, hi, fmt == F_BLOCKS)
+        gemv_at(load_i64(entry + 8), load_i64(entry), 0, rows, x, xr, y, lo, hi, fmt == F_BLOCKS)
 
 
 @njit(**NOJIT)
@@ -238,20 +251,21 @@ def head_share(header, h, tid, n):
     logits = f32_view(load_i64(load_i64(header + 8 * H_TASK) + 8 * K_OUT), vocab)
     lo, hi = thread_share(vocab, tid, n, 4)
     gemv_at(load_i64(header + 8 * H_HEAD_KIND), load_i64(header + 8 * H_HEAD), load_i64(header + 8 * H_HEAD_SCALES),
-            vocab, h, logits, lo, hi, load_i64(header + 8 * H_FORMAT) == F_BLOCKS)
+            vocab, h, rounded_input(header, h), logits, lo, hi, load_i64(header + 8 * H_FORMAT) == F_BLOCKS)
 
 
 @njit(**NOJIT)
 def qkv_share(header, layer, tid, n):
-    """Thread tid's share of the QKV stage: q, k and v (three matrices) = W h, their rows split as one."""
+    """Thread tid's share of the QKV stage: q, k and v (three matrices) = W h, each matrix's rows split, h rounded
+    once. (Splitting the three as one block of rows gave one thread all of q and the other the rest of q, k and v:
+    three GEMV calls against one, and the first thread waited for the second.)"""
     d, nh, nkv, hd, ff = dims(header)
     h, qkv, att, o, gate, up, down, scores = scratch(header)
-    lo, hi = thread_share(qkv.shape[0], tid, n, 4)
     nq, nk = nh * hd, nkv * hd
+    hr = rounded_input(header, h)
     for slot, r0, r1 in ((L_Q, 0, nq), (L_K, nq, nq + nk), (L_V, nq + nk, nq + 2 * nk)):
-        a, b = max(lo, r0), min(hi, r1)
-        if a < b:
-            _matvec(header, layer, slot, r1 - r0, h, qkv[r0:r1], a - r0, b - r0)
+        lo, hi = thread_share(r1 - r0, tid, n, 4)
+        _matvec(header, layer, slot, r1 - r0, h, hr, qkv[r0:r1], lo, hi)
 
 
 @njit(**NOJIT)
@@ -260,7 +274,7 @@ def o_share(header, layer, tid, n):
     d = load_i64(header + 8 * H_D)
     h, qkv, att, o, gate, up, down, scores = scratch(header)
     lo, hi = thread_share(d, tid, n, 4)
-    _matvec(header, layer, L_O, d, att, o, lo, hi)
+    _matvec(header, layer, L_O, d, att, rounded_input(header, att), o, lo, hi)
 
 
 def _stage_py(header, tid, n):
@@ -277,20 +291,21 @@ def _stage_py(header, tid, n):
         o_share(header, layer, tid, n)
     elif stage == ST_GATE_UP:
         lo, hi = thread_share(ff, tid, n, 4)
-        _matvec(header, layer, L_GATE, ff, h, gate, lo, hi)
-        _matvec(header, layer, L_UP, ff, h, up, lo, hi)
+        hr = rounded_input(header, h)
+        _matvec(header, layer, L_GATE, ff, h, hr, gate, lo, hi)
+        _matvec(header, layer, L_UP, ff, h, hr, up, lo, hi)
         code = load_i64(header + 8 * H_ACT)
         act_span(gate, up, lo, hi, code)
     elif stage == ST_DOWN:
         lo, hi = thread_share(d, tid, n, 4)
-        _matvec(header, layer, L_DOWN, d, gate, down, lo, hi)
+        _matvec(header, layer, L_DOWN, d, gate, rounded_input(header, gate), down, lo, hi)
     elif stage == ST_HEAD:
         head_share(header, h, tid, n)
 
 
 
-ffi.purge_stale_cache("host_decode", attention, activation, blocks, kernels, ffi, int8, q4, quants, tables, team,
-                      vector_ir)
+ffi.purge_stale_cache("host_decode", attention, activation, blocks, kernels, ffi, int8, q4, q8_dot, quants, tables,
+                      team, vector_ir)
 
 # void stage(int64 header, int64 tid, int64 n): what the team runs.
 stage_cfunc = DeferredCFunc(STAGE, _stage_py)

@@ -416,12 +416,20 @@ def row_dot(kind, p, nb, codes, residues, dx4, sums, lane_sums):
 @njit(**_JIT)
 def gemv(kind, q, x, y, lo, hi):
     """y[r] = row r of q (uint8 [rows, row bytes], blocks of kind, one of KINDS) dotted with x rounded by
-    quantize_input, for r in [lo, hi). Each call rounds x itself (microseconds: the caller's threads need no shared
-    step)."""
+    quantize_input, for r in [lo, hi). Each call rounds x itself (microseconds); gemv_rounded takes x rounded once
+    for several matrices."""
     if hi <= lo:
         return
-    cols = x.shape[0]
-    codes, residues, dx4, sums, lane_sums = quantize_input(x)
+    gemv_rounded(kind, q, quantize_input(x), y, lo, hi)
+
+
+@njit(**_JIT)
+def gemv_rounded(kind, q, xr, y, lo, hi):
+    """gemv of an input already rounded: xr = quantize_input(x)."""
+    if hi <= lo:
+        return
+    codes, residues, dx4, sums, lane_sums = xr
+    cols = codes.shape[0]
     nb = cols // BLOCK_OF[kind]
     base = q.ctypes.data
     into_l2 = ahead_into_l2(3 * cols + sums.nbytes + lane_sums.nbytes, q.shape[1], PREFETCH_ROWS)

@@ -120,6 +120,25 @@ def test_gemv_matches_float64_on_gguf_values_and_writes_its_rows_only(kind, rows
     assert np.isnan(y[:lo]).all() and np.isnan(y[hi:]).all()
 
 
+@pytest.mark.parametrize("kind", [t for t in TYPES if q8_dot.BLOCK_OF[t.value]], ids=lambda k: k.name)
+def test_an_input_rounded_once_serves_several_matrices_as_each_gemv_rounds_it(kind):
+    """q8_dot.gemv_rounded (a stage rounds its input once for q, k and v, or gate and up): each matrix's rows, and
+    only those asked for, bit for bit what gemv gives, which rounds x itself."""
+    rng = np.random.default_rng()
+    n_blocks = int(rng.integers(1, 6))
+    cols = n_blocks * blocks.TYPES[kind].block
+    x = rng.standard_normal(cols).astype(np.float32)
+    xr = q8_dot.quantize_input(x)
+    for rows, lo, hi in ((int(rng.integers(1, 40)), 0, None), (11, 3, 9), (5, 2, 2)):
+        data = random_blocks(rng, kind, rows, n_blocks)
+        hi = rows if hi is None else hi
+        want, got = np.full(rows, np.nan, np.float32), np.full(rows, np.nan, np.float32)
+        q8_dot.gemv(kind.value, data, x, want, lo, hi)
+        q8_dot.gemv_rounded(kind.value, data, xr, got, lo, hi)
+        np.testing.assert_array_equal(got, want)
+        assert np.isnan(got[:lo]).all() and np.isnan(got[hi:]).all() and not np.isnan(got[lo:hi]).any()
+
+
 def test_gemv_reads_a_row_through_its_stride():
     """A matrix whose rows are a slice of wider rows (as a memory map's views can be) reads each row's own bytes."""
     kind = blocks.Q6_K
