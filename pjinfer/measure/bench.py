@@ -61,19 +61,19 @@ class BenchError(ConfigError):
 
 def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: int, peer: str | None = None,
         progress=None, bandwidth: float | None = None, sampling: Sampling = Sampling()) -> dict:
-    """Rates of each engine and of the peer on the first engine's GGUF with as many threads as pjinfer's host
-    kernels use by default (the cores this process may use): llama-cpp (llama.cpp through llama-cpp-python, timed
-    here as the engines are), or a native peer, llama-bench or powerinfer (pjinfer.measure.native_peer: a subprocess
-    per run, timed by its own output). An engine's decode is timed as generate(1 + new_tokens) minus the fastest
-    generate(1) timed beside it (_timed), both with the same prompt: the prefill's time and noise cancel
-    (subtracting a separately timed prefill reported llama.cpp faster after 512 tokens than after 16). Runs alternate between the engines and the
-    peer so a noisy machine affects all alike; each figure is the median over runs, each ratio the median of the
-    runs' ratios. "machine" holds the shares of CPU time stolen and used by other work during the runs
-    (pjinfer.measure.machine); "peer" says what ran as the peer. An engine's "density": the share of FFN neurons
-    its PowerInfer predictors chose over an untimed decode of the same request (predicted_density), None for
-    other engines. bandwidth (bytes/s, default: measured here, again if a rate exceeds the first probe, and the
-    better of the two kept): a decode rate whose bytes per token exceed it raises BenchError. sampling: how the
-    engines choose each token (default greedy); a peer chooses its own way (llama-bench samples nothing)."""
+    """Rates of each engine and of the peer on the first engine's GGUF with as many threads as pjinfer's host kernels
+    use by default (the cores this process may use): llama-cpp (llama.cpp through llama-cpp-python, timed here as the
+    engines are), or a native peer, llama-bench or powerinfer (pjinfer.measure.native_peer: a subprocess per run, timed
+    by its own output). An engine's decode is timed as generate(1 + new_tokens) minus the fastest generate(1) timed
+    beside it (_timed), both with the same prompt: the prefill's time and noise cancel (subtracting a separately timed
+    prefill reported llama.cpp faster after 512 tokens than after 16). Runs alternate between the engines and the peer
+    so a noisy machine affects all alike; each figure is the median over runs, each ratio the median of the runs'
+    ratios. "machine" holds the shares of CPU time stolen and used by other work during the runs
+    (pjinfer.measure.machine); "peer" says what ran as the peer. An engine's "density": the share of FFN neurons its
+    PowerInfer predictors chose over an untimed decode of the same request (predicted_density), None for other engines.
+    bandwidth (bytes/s, default: measured here, again if a rate exceeds the first probe, and the better of the two
+    kept): a decode rate whose bytes per token exceed it raises BenchError. sampling: how the engines choose each token
+    (default greedy); a peer chooses its own way (llama-bench samples nothing)."""
     first = next(iter(engines.values()))
     prompt = bench_prompt(first, prompt_len)
     _, cache_len = first.plan(prompt_len, 1 + new_tokens)
@@ -333,14 +333,13 @@ def _median_ms(fn, repeats: int) -> float:
 def host_stages(engine: Engine, *, prompt_len: int, new_tokens: int, repeats: int,
                 sampling: Sampling = Sampling()) -> list[dict]:
     """The dense host decode's step part by part, timed where it runs: the handler's time-stamp counts
-    (HostDecoder.clocked) over generate(1 + new_tokens) less those over generate(1), per decode step, against the
-    step as run() times it (_timed), the median of `repeats`. Rows: each team stage as the calling thread sees it (its share, then the wait for the
-    workers'), the rest of the layer calls on the calling thread (norms, RoPE, residuals, the cache write and
-    attention's merge, the handler's checks), the head call; the waits at the stages' ends (inside those rows:
-    the hand-offs and uneven shares); the host's calls together; and the rest of the measured step (XLA's
-    embedding, norm and sampling, the loop, dispatch), up to the step's own time. Timed apart, a part whose
-    weights fit in the last-level cache found them there (the head's 30 MB read at 48 GB/s of a 34 GB/s memory),
-    and the rest of the step looked like XLA's."""
+    (HostDecoder.clocked) over generate(1 + new_tokens) less those over generate(1), per decode step, against the step
+    as run() times it (_timed), the median of `repeats`. Rows: each team stage as the calling thread sees it (its share,
+    then the wait for the workers'), the rest of the layer calls on the calling thread (norms, RoPE, residuals, the
+    cache write and attention's merge, the handler's checks), the head call; the waits at the stages' ends (inside those
+    rows: the hand-offs and uneven shares); the host's calls together; and the rest of the measured step (XLA's
+    embedding, norm and sampling, the loop, dispatch), up to the step's own time. Timed apart, a part whose weights fit
+    in the last-level cache found them there, and the rest of the step looked like XLA's (docs/performance.md)."""
     host, c = engine.host, engine.config
     _, whole = _runner(engine, bench_prompt(engine, prompt_len), new_tokens, sampling)
     whole(1 + new_tokens)   # compiled
