@@ -292,22 +292,26 @@ def _emit_q6_k(rows, bp, e):
         row.offsets(e, b.fmul(scales, ir.Constant(V16F, [-32.0] * 16)))          # w = d sc (q - 32)
 
 
-def _nibble_codes(b, addr):
-    """The 32 codes of a 4-bit block's 16 bytes at addr as <32 x i8>: the low nibbles (elements 0..15), then the
-    high ones (16..31)."""
-    nib = load(b, addr, V16I8, 1)
-    return _concat(b, b.and_(nib, _i8s(15, 16)), b.lshr(nib, _i8s(4, 16)))
-
-
-def _small_codes(b, kind, bp):
-    """A block of 32's codes as <32 x i8>: Q4_0's and Q4_1's nibbles, Q5_0's with their fifth bits from the
-    uint32 qh (bit j belongs to element j), Q8_0's signed bytes."""
+def _small_codes(b, kind, bps):
+    """The codes of one or two blocks of 32 at addresses bps as <32 len(bps) x i8>, block by block: Q4_0's and
+    Q4_1's nibbles (the low ones are elements 0..15, the high ones 16..31), Q5_0's with their fifth bits from the
+    uint32 qh (bit j belongs to element j), Q8_0's signed bytes. Two blocks' nibbles are split in one 32-byte
+    vector and put in order by one shuffle (a split and an insert per block took three more instructions a run)."""
     if kind == Q8_0:
-        return load(b, b.add(bp, I64(2)), V32I8, 1)
+        codes = [load(b, b.add(bp, I64(2)), V32I8, 1) for bp in bps]
+        return codes[0] if len(bps) == 1 else _concat(b, *codes)
+    at = {Q4_0: 2, Q4_1: 4, Q5_0: 6}[kind]
+    nib = [load(b, b.add(bp, I64(at)), V16I8, 1) for bp in bps]
+    nib = nib[0] if len(bps) == 1 else _concat(b, *nib)
+    n = nib.type.count
+    low, high = b.and_(nib, _i8s(15, n)), b.lshr(nib, _i8s(4, n))
+    order = [j for i in range(0, n, 16) for j in [*range(i, i + 16), *range(n + i, n + i + 16)]]
+    q = b.shuffle_vector(low, high, ir.Constant(ir.VectorType(I32, 2 * n), order))
     if kind != Q5_0:
-        return _nibble_codes(b, b.add(bp, I64(4 if kind == Q4_1 else 2)))
-    fifth = b.bitcast(load(b, b.add(bp, I64(2)), I32, 1), ir.VectorType(ir.IntType(1), 32))
-    return b.or_(_nibble_codes(b, b.add(bp, I64(6))), b.select(fifth, _i8s(16, 32), _i8s(0, 32)))
+        return q
+    fifth = [b.bitcast(load(b, b.add(bp, I64(2)), I32, 1), ir.VectorType(ir.IntType(1), 32)) for bp in bps]
+    fifth = fifth[0] if len(bps) == 1 else _concat(b, *fifth)
+    return b.or_(q, b.select(fifth, _i8s(16, 2 * n), _i8s(0, 2 * n)))
 
 
 def _two_halves(b, addr):
@@ -322,12 +326,11 @@ def _emit_small(rows, kind, bp, e, blocks_in_run):
     sums. Q4_1's w = d q + m: q . x, and m times its groups' sums of x^ (m_terms). Q8_0's codes are signed: their
     signs move to the input's codes."""
     b = rows[0].b
-    q = _small_codes(b, kind, bp)
+    bps = [bp] if blocks_in_run == 1 else [bp, b.add(bp, I64(GGUF_TYPES[kind].nbytes))]
+    q = _small_codes(b, kind, bps)
     dm = _two_halves(b, bp)                 # (d, m) of Q4_1; d and the next two bytes of the others
     if blocks_in_run == 2:
-        nxt = b.add(bp, I64(GGUF_TYPES[kind].nbytes))
-        q = _concat(b, q, _small_codes(b, kind, nxt))
-        dm = _concat(b, dm, _two_halves(b, nxt))
+        dm = _concat(b, dm, _two_halves(b, bps[1]))
     dm = b.fpext(dm, ir.VectorType(F32, dm.type.count))
     d = _lanes(b, dm, [0] * 8 + [2] * 8 if blocks_in_run == 2 else [0] * 8)
     m = _lanes(b, dm, [1, 1, 3, 3] if blocks_in_run == 2 else [1, 1]) if kind == Q4_1 else None
