@@ -42,12 +42,12 @@ from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_
                   load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i32, ptr_u8, ptr_u16, store_i64, unlock)
 from .host_decode import (F_BLOCKS, H_EPS, H_FORMAT, H_HEAD, H_HEAD_SCALES, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS,
                           H_RUNTIME, H_STAGE, H_TABLE, H_TASK, H_TEAM, H_VOCAB, H_WIDTH, L_ATTN_NORM, L_DOWN,
-                          L_FFN_NORM, L_GATE, L_K, L_O, L_Q, L_UP, L_V, L_WIDTH, ST_ATTN, ST_DOWN,
-                          ST_GATE_UP, ST_HEAD, ST_O, ST_QKV, add_qkv_bias, cache_rows, dims, f32_view, int8_matrix, rmsnorm, rope,
-                          thread_share)
+                          L_FFN_NORM, L_GATE, L_K, L_O, L_Q, L_UP, L_V, L_WIDTH, ST_ATTN, ST_DOWN, ST_GATE_UP, ST_HEAD,
+                          ST_O, ST_QKV, add_qkv_bias, cache_rows, dims, f32_view, int8_matrix, thread_share)
 from .activation import act_span
 from .blocks import INT8, TYPES
 from .cfuncs import HANDLER, STAGE, DeferredCFunc
+from .kernels import rmsnorm, rope
 from .qtensor import aligned_zeros
 
 

@@ -169,7 +169,7 @@ class HostDecoder:
 
     @contextlib.contextmanager
     def clocked(self):
-        """Within: this decoder's handler adds the time-stamp cycles (ffi.cycles) of its calls and of their team
+        """Within: this decoder's handler adds the time-stamp cycles (team.cycles) of its calls and of their team
         stages into a fresh int64 [host_decode.CLOCKS] array, which it yields (slots host_decode.ST_* and CLK_*);
         the counting stops on leaving. For timing a decode where it runs (pjinfer.measure.bench.host_stages)."""
         clocks = np.zeros(CLOCKS, np.int64)

@@ -283,16 +283,6 @@ def call_void0(typingctx, fnaddr):
     return types.int64(fnaddr), codegen
 
 
-@intrinsic
-def cycles(typingctx):
-    """The CPU's time-stamp counter (llvm.readcyclecounter: rdtsc on x86), for timing a decode's stages where they
-    run; its rate is measured against a clock by whoever reads the counts."""
-    def codegen(context, builder, sig, args):
-        fn = builder.module.declare_intrinsic("llvm.readcyclecounter", fnty=ir.FunctionType(_i64, []))
-        return builder.call(fn, [])
-    return types.int64(), codegen
-
-
 @intrinsic(prefer_literal=True)
 def cstr(typingctx, text):
     """Address of a NUL-terminated constant copy of a string literal, embedded in the compiled code."""
@@ -334,12 +324,6 @@ def make_error(typingctx, api, errc, message):
 
 # ---------------------------------------------------------------------------------------------------------------
 NOJIT = dict(nogil=True, cache=True)
-
-
-@njit(**NOJIT)
-def read_cycles():
-    """cycles() from Python."""
-    return cycles()
 
 
 @njit(**NOJIT)

@@ -38,12 +38,13 @@ import numpy as np
 
 from . import activation, attention, blocks, ffi, int8, kernels, q4, q8_dot, quants, tables, team, vector_ir
 from .ffi import (BUF_DATA, BUF_DIMS, BUF_DTYPE, BUF_RANK, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_F16, DT_F32, DT_S32,
-                  ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, buffer_numel, cstr, cycles,
+                  ERRC_INVALID_ARGUMENT, ERRC_OUT_OF_RANGE, NOJIT, buffer_numel, cstr,
                   last_dim, load_i32, load_i64, lock, make_error, ptr_f32, ptr_f64, ptr_i8, ptr_i32, ptr_u8, ptr_u16,
                   store_i64, unlock)
 from .activation import act_span
 from .blocks import INT8
-from .kernels import QBLOCK
+from .kernels import QBLOCK, rmsnorm, rope
+from .team import cycles
 from .qtensor import aligned_zeros
 
 from numba import carray, njit  # noqa: E402
@@ -57,7 +58,7 @@ MAGIC = 0x706A686F7374_0001  # "pjhost" + 1
 (H_MAGIC, H_NLAYERS, H_D, H_HEADS, H_KV, H_HD, H_FF, H_VOCAB, H_ACT, H_EPS, H_MAXLEN, H_TABLE, H_HEAD,
  H_HEAD_SCALES, H_INV_FREQ, H_SCRATCH, H_TASK, H_TEAM, H_STAGE, H_RUNTIME, H_FORMAT, H_HEAD_KIND, H_CLOCKS) = range(23)
 H_WIDTH = 24
-# H_CLOCKS: 0, or the address of int64 [CLOCKS] counters the handler adds time-stamp cycles (ffi.cycles) into while
+# H_CLOCKS: 0, or the address of int64 [CLOCKS] counters the handler adds time-stamp cycles (team.cycles) into while
 # a decode is timed where it runs (HostDecoder.clocked): slots ST_* each stage on the calling thread, its share and
 # then the wait for the workers'; CLK_WAIT those waits; CLK_LAYERS and CLK_HEADS the layer and head calls, whole.
 CLK_WAIT, CLK_LAYERS, CLK_HEADS = 6, 7, 8
@@ -77,37 +78,7 @@ MATRICES = {"wq": L_Q, "wk": L_K, "wv": L_V, "wo": L_O, "w_gate": L_GATE, "w_up"
 K_STAGE, K_LAYER, K_POS, K_KCACHE, K_VCACHE, K_OUT = range(6)
 ST_QKV, ST_ATTN, ST_O, ST_GATE_UP, ST_DOWN, ST_HEAD = range(6)
 
-_F0 = np.float32(0.0)
-_ONE = np.float32(1.0)
 _JIT = dict(fastmath=True, cache=True, nogil=True)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Kernels (plain Numba; the stage function below picks each thread's share).
-
-@njit(**_JIT)
-def rmsnorm(x, scale, eps, out):
-    ss = _F0
-    for j in range(x.shape[0]):
-        ss += x[j] * x[j]
-    r = _ONE / np.sqrt(ss / np.float32(x.shape[0]) + eps)
-    for j in range(x.shape[0]):
-        out[j] = x[j] * r * scale[j]
-
-
-@njit(**_JIT)
-def rope(v, heads, hd, inv_freq, pos):
-    """Rotate-half RoPE in place on v = [heads * hd] at position pos (pjinfer.runtime.model.rope's layout)."""
-    half = hd // 2
-    for i in range(half):
-        angle = np.float32(pos) * inv_freq[i]
-        c = np.cos(angle)
-        s = np.sin(angle)
-        for h in range(heads):
-            a = v[h * hd + i]
-            b = v[h * hd + half + i]
-            v[h * hd + i] = a * c - b * s
-            v[h * hd + half + i] = b * c + a * s
 
 
 # ---------------------------------------------------------------------------------------------------------------

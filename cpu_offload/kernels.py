@@ -403,6 +403,35 @@ def cold_ffn_call(x, w_gate, w_up, w_down_t, b_up, ids, count, activation, out=N
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# A decode layer's vector work on the calling thread (cpu_offload.host_decode, batched_decode)
+
+@njit(**_JIT)
+def rmsnorm(x, scale, eps, out):
+    """out = x / sqrt(mean(x^2) + eps) * scale (float32 [d] each)."""
+    ss = _F0
+    for j in range(x.shape[0]):
+        ss += x[j] * x[j]
+    r = np.float32(1.0) / np.sqrt(ss / np.float32(x.shape[0]) + eps)
+    for j in range(x.shape[0]):
+        out[j] = x[j] * r * scale[j]
+
+
+@njit(**_JIT)
+def rope(v, heads, hd, inv_freq, pos):
+    """Rotate-half RoPE in place on v = [heads * hd] at position pos (pjinfer.runtime.model.rope's layout)."""
+    half = hd // 2
+    for i in range(half):
+        angle = np.float32(pos) * inv_freq[i]
+        c = np.cos(angle)
+        s = np.sin(angle)
+        for h in range(heads):
+            a = v[h * hd + i]
+            b = v[h * hd + half + i]
+            v[h * hd + i] = a * c - b * s
+            v[h * hd + half + i] = b * c + a * s
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # numpy reference (float64 internally)
 
 def cold_ffn_ref(x, w_gate, w_up, w_down_t, b_up, ids, count, activation) -> np.ndarray:

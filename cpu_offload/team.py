@@ -33,7 +33,7 @@ import numpy as np
 from .contract import ConfigError
 
 from . import ffi
-from .ffi import (NOJIT, RUNTIME, R_YIELD, call_void0, cycles, load_acquire_i64, load_i64, store_i64,
+from .ffi import (NOJIT, RUNTIME, R_YIELD, call_void0, load_acquire_i64, load_i64, store_i64,
                   store_release_i64)
 
 from llvmlite import ir  # noqa: E402
@@ -45,6 +45,22 @@ C_GEN, C_FN, C_ARG, C_SIZE, C_STOP, C_USLEEP, C_YIELD, C_FPENV = range(8)
 LINE = 8  # int64 words per 64-byte cache line: each worker's done word sits on its own line
 YIELDS = 20000  # sched_yield rounds before sleeping
 SLEEP_US = 200
+
+
+@intrinsic
+def cycles(typingctx):
+    """The CPU's time-stamp counter (llvm.readcyclecounter: rdtsc on x86), for timing a decode's stages where they
+    run; its rate is measured against a clock by whoever reads the counts."""
+    def codegen(context, builder, sig, args):
+        fn = builder.module.declare_intrinsic("llvm.readcyclecounter", fnty=ir.FunctionType(ir.IntType(64), []))
+        return builder.call(fn, [])
+    return types.int64(), codegen
+
+
+@njit(**NOJIT)
+def read_cycles():
+    """cycles() from Python."""
+    return cycles()
 
 
 @intrinsic
@@ -175,7 +191,7 @@ def _worker(ctrl, w):
 @njit(**NOJIT)
 def run(ctrl, fn, arg):
     """Run task fn(arg, tid, n) on the whole team (tid 0 on this thread); returns when every part is done, with the
-    time-stamp cycles this thread then waited for the workers (ffi.cycles; 0 without workers). On a stopped team
+    time-stamp cycles this thread then waited for the workers (cycles; 0 without workers). On a stopped team
     (Team.stop: its workers are gone) this thread runs every part itself, in tid order."""
     n = load_i64(ctrl + 8 * C_SIZE)
     if n <= 1:

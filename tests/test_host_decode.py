@@ -236,7 +236,7 @@ def test_host_decode_equals_xla_on_the_same_values(activation, fmt):
 def test_a_clocked_decoder_counts_its_stages_and_calls_only_while_clocked():
     """HostDecoder.clocked: every stage of the layers and the head, the waits at their ends and the calls
     themselves get time-stamp cycles, nested as they run and within the wall time; outside the block, nothing."""
-    from cpu_offload.ffi import read_cycles
+    from cpu_offload.team import read_cycles
     from cpu_offload.host_decode import CLK_HEADS, CLK_LAYERS, CLK_WAIT, ST_DOWN, ST_HEAD
 
     config = tiny_config(d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=192)

@@ -13,7 +13,7 @@ from flax import nnx
 from numba import njit, prange
 
 from cpu_offload import host_decode
-from cpu_offload.ffi import read_cycles
+from cpu_offload.team import read_cycles
 from cpu_offload.predicted_decode import PredictedHostDecoder
 from cpu_offload.team import usable_cores
 from pjinfer.config import ConfigError
