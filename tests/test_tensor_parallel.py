@@ -195,8 +195,8 @@ def test_a_second_run_s_processes_all_read_process_0_s_executables(tmp_path):
         counts = [re.search(r"\((\d+) executables, (\d+) from the disk cache\)", err) for _, err in outs]
         return outs[0][0], [(int(c[1]), int(c[2])) for c in counts]
 
-    text, ((_, read0), (_, read1)) = run()
-    assert read0 == read1 == 0
+    text, ((_, read0), _) = run()
+    assert read0 == 0   # a fresh cache (process 1 may already find one that process 0 wrote moments before)
     again, ((built0, read0), (built1, read1)) = run()
     assert again == text
     assert read0 == built0 and built1 - read1 <= 1
