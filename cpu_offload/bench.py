@@ -7,7 +7,11 @@
 (c) 30 such layers through the bridge in one jitted function (fori_loop over layers): ms per token;
 (d) ``--gemv`` (alone): each block type's host GEMV (quants.gemv) on one thread over rows of 1536 columns, GB/s of
     matrix bytes from cache (one 4 MB matrix again and again) and from DRAM (16 such matrices in turn), with the
-    ratio to Q4_1's and an MD5 of the output (equal across trees when the arithmetic is). Random bytes: speed only.
+    ratio to Q4_1's and an MD5 of the output (equal across trees when the arithmetic is). Random bytes: speed only;
+(e) ``--attention`` (alone): the host decode's attention (attention.attend_share) for one token on one thread, a
+    SmolLM2 layer's shape (9 query heads, 3 KV heads, head_dim 64, float16 caches of 1024 positions), at several
+    cache lengths: us a layer from L2 (one layer again and again) and from the last-level cache or DRAM (30 layers in
+    turn, as a decode step reads them), with the GB/s of cache bytes read. Random values: speed only.
 Reports medians over repeats (the machine may be shared; the load average is printed).
 """
 from __future__ import annotations
@@ -25,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
-from . import blocks, bridge, cold_handler, kernels, quants  # noqa: E402
+from . import attention, blocks, bridge, cold_handler, kernels, quants  # noqa: E402
 
 
 def _median_time(fn, repeats: int, inner: int = 1) -> float:
@@ -43,10 +47,13 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repeats")
     ap.add_argument("--gemv", action="store_true", help="only (d): each block type's GEMV on one thread")
+    ap.add_argument("--attention", action="store_true", help="only (e): one token's attention on one thread")
     args = ap.parse_args(argv)
     reps = 5 if args.quick else 15
     if args.gemv:
         return gemv_table(reps)
+    if args.attention:
+        return attention_table(reps)
 
     print(f"numba {numba.__version__} layer {numba.config.THREADING_LAYER} threads {numba.config.NUMBA_NUM_THREADS}"
           f" | jax {jax.__version__} | load average {os.getloadavg()}")
@@ -64,6 +71,28 @@ def main(argv=None) -> None:
     kernel_bandwidth(setup, reps)
     bridge_token(setup, reps)
     print(f"load average after: {os.getloadavg()}")
+
+
+def attention_table(reps: int, lengths=(16, 128, 576, 1024), layers: int = 30) -> None:
+    """(e) See the module docstring."""
+    rng = np.random.default_rng(0)
+    heads, kv, hd, rows = 9, 3, 64, 1024
+    q = rng.standard_normal((heads, hd), dtype=np.float32)
+    caches = [[rng.standard_normal((rows, kv, hd)).astype(np.float16).view(np.uint16) for _ in range(2)]
+              for _ in range(layers)]
+    scores, out = np.empty((heads, rows), np.float32), np.empty((heads, hd), np.float32)
+    print(f"(e) one thread, {heads} query heads, {kv} KV heads, head_dim {hd}; us a layer from L2 | from the "
+          f"last-level cache or DRAM ({layers} layers in turn, {layers * 2 * rows * kv * hd * 2 >> 20} MB)")
+
+    def run(layer_ids, pos):
+        for l in layer_ids:
+            attention.attend_share(q, caches[l][0], caches[l][1], pos, 0, 1, scores, out)
+    for length in lengths:
+        cache_bytes = 2 * length * kv * hd * 2
+        hot = _median_time(lambda: run([0], length - 1), reps, inner=200)
+        turn = _median_time(lambda: run(range(layers), length - 1), reps, inner=10) / layers
+        print(f"  {length:5d} positions: {hot * 1e6:7.1f} us ({cache_bytes / hot / 1e9:5.1f} GB/s) | "
+              f"{turn * 1e6:7.1f} us ({cache_bytes / turn / 1e9:5.1f} GB/s)")
 
 
 def gemv_table(reps: int, cols: int = 1536, matrix_bytes: int = 4 << 20, matrices: int = 16) -> None:

@@ -107,3 +107,15 @@ def test_exp_matches_numpy_down_to_the_clamp():
     np.testing.assert_allclose(got[kept], want[kept], rtol=1e-6)
     assert (got[~kept] <= 2e-38).all() and (got[~kept] >= 0).all()
     np.testing.assert_allclose(total, want.sum(), rtol=1e-5)
+
+
+def test_the_attention_benchmark_reports_each_length_from_l2_and_in_turn(capsys):
+    """`python -m cpu_offload.bench --attention`'s table (docs/performance.md): a row per cache length, each with a
+    time and a rate from L2 and over the layers in turn."""
+    from cpu_offload import bench
+
+    bench.attention_table(1, lengths=(16, 300), layers=2)
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert [r.split()[0] for r in rows] == ["16", "300"]
+    for r in rows:
+        assert r.count("us (") == 2 and r.count("GB/s)") == 2, r
