@@ -14,11 +14,12 @@ How a team of n threads shares one token's attention (``share``, ``attend_share`
 - short context: the query heads are split; each thread writes its heads' outputs directly (merge is a no-op).
 
 The two products over the positions are LLVM vector IR (``_dots``, ``_weighted``), one case per head_dim / 16
-(vector_ir.by_count): a query head's scores widen each key row from float16 in registers against the query's
-vectors, held in registers across the positions, and sum 16 rows' products at once by a shuffle tree; its values
-sum rows of V weighted by the probabilities into accumulators held in registers (Numba's loops kept them in
-memory, and summed each score's products alone). head_dim must be a multiple of LANES (every real model's is; the
-host decoders refuse others).
+and per count of heads taken together (vector_ir.by_count): the query heads of one KV head (a GQA group, as many
+as REGISTER_BUDGET allows) share each key row, widened once from float16 in registers, against their vectors, held
+in registers across the positions, and each head sums 16 rows' products at once by a shuffle tree; their values sum
+rows of V, widened once, weighted by each head's probabilities into accumulators held in registers (Numba's loops
+kept them in memory, and summed each score's products alone). Each head's arithmetic is the same whichever heads
+share its rows. head_dim must be a multiple of LANES (every real model's is; the host decoders refuse others).
 
 Usage (inside Numba)::
 
@@ -52,6 +53,10 @@ PARTIAL_EXTRA = 2   # a chunk's partial: max score, sum of exponentials, then hd
 MIN_CHUNK = 128     # positions per thread below which the heads are split instead (and at least hd + 2)
 LANES = 16          # float32 lanes of one vector: head_dim is a whole number of them
 MAX_CHUNKS = 16     # head_dim up to 256
+MAX_TOGETHER = 4    # query heads of one KV head that one call of the products takes together
+# 16-lane query vectors (heads together x chunks) one call keeps in registers: 12 of AVX-512's 32 (more heads together
+# spilled); AVX2's 16 registers hold 8 such vectors, and 4 keeps the one-head-a-call form at head_dim 64
+REGISTER_BUDGET = 12 if vector_ir.cpu_has("avx512f") else 4
 _V16H = ir.VectorType(ir.HalfType(), LANES)
 
 
@@ -144,79 +149,117 @@ def _fold(builder, a, b, width):
     return strict(builder.fadd(pick(firsts), pick(seconds)))
 
 
+def _passes(chunks):
+    """The heads one call of _dots or _weighted takes together at this head_dim: each row is widened once for all of
+    them, and their query vectors (chunks each) and accumulators stay in the 32 vector registers."""
+    return range(1, max(1, min(MAX_TOGETHER, REGISTER_BUDGET // chunks)) + 1)
+
+
+def _emit_by_size(builder, chunks, together, emit):
+    """IR: emit(c, g) for the chunk count c == chunks and head count g == together (both known at run time)."""
+    vector_ir.by_count(builder, chunks, range(1, MAX_CHUNKS + 1),
+                       lambda c: vector_ir.by_count(builder, together, _passes(c), lambda g: emit(c, g)))
+
+
 @intrinsic
-def _dots(typingctx, chunks, n, q, rows, step, out):
-    """out[i] = q . row i for i < n: q float32 [16 chunks] at address q, row i float16 [16 chunks] at rows + i * step
-    bytes, out float32 at address out (addresses as integers). Per row the chunks' products go into one vector (an
-    FMA chain in chunk order); 16 rows' vectors are then summed lane-wise by a fixed tree of _folds into one vector
-    of their 16 dots, and the last n % 16 rows each by vector_ir.hsum."""
-    if not all(isinstance(a, types.Integer) for a in (chunks, n, q, rows, step, out)):
+def _dots(typingctx, chunks, together, n, q, rows, step, out, out_step):
+    """out_g[i] = q_g . row i for i < n and each of `together` query heads g: q_g float32 [16 chunks] at address
+    q + g * 64 * chunks, row i float16 [16 chunks] at rows + i * step bytes, out_g float32 at out + g * out_step
+    (addresses as integers). Each row is widened once for all the heads. Per head and row the chunks' products go
+    into one vector (an FMA chain in chunk order); 16 rows' vectors are then summed lane-wise by a fixed tree of
+    _folds into one vector of their 16 dots (built as the rows come, the same tree), and the last n % 16 rows each
+    by vector_ir.hsum."""
+    if not all(isinstance(a, types.Integer) for a in (chunks, together, n, q, rows, step, out, out_step)):
         return None
 
     def codegen(context, builder, sig, args):
-        chunks, n, q, rows, step, out = args
+        chunks, together, n, q, rows, step, out, out_step = args
         fma = vector_ir.vector_intrinsic(builder, "llvm.fma", 3)
 
-        def emit(c):
-            qv = [load(builder, builder.add(q, I64(4 * LANES * j)), V16F, 4) for j in range(c)]
+        def emit(c, heads):
+            qv = [[load(builder, builder.add(q, I64(4 * LANES * (g * c + j))), V16F, 4) for j in range(c)]
+                  for g in range(heads)]
+            outs = [builder.add(out, builder.mul(out_step, I64(g))) for g in range(heads)]
 
-            def product(i):
-                acc = strict(builder.fmul(qv[0], _row(builder, rows, i, step, 0)))
-                for j in range(1, c):
-                    acc = builder.call(fma, [qv[j], _row(builder, rows, i, step, j), acc])
-                return acc
+            def products(i):
+                row = [_row(builder, rows, i, step, j) for j in range(c)]
+                found = []
+                for g in range(heads):
+                    acc = strict(builder.fmul(qv[g][0], row[0]))
+                    for j in range(1, c):
+                        acc = builder.call(fma, [qv[g][j], row[j], acc])
+                    found.append(acc)
+                return found
             blocks = builder.udiv(n, I64(LANES))
             with cgutils.for_range(builder, blocks) as loop:
                 first = builder.mul(loop.index, I64(LANES))
-                parts, width = [product(builder.add(first, I64(t))) for t in range(LANES)], LANES
-                while len(parts) > 1:
-                    parts, width = [_fold(builder, parts[t], parts[t + 1], width)
-                                    for t in range(0, len(parts), 2)], width // 2
-                at = builder.add(out, builder.mul(first, I64(4)))
-                builder.store(parts[0], builder.inttoptr(at, V16F.as_pointer()), align=4)
+                stacks = [[] for _ in range(heads)]   # (width, vector): a binary counter over the tree's levels
+                for t in range(LANES):
+                    for g, p in enumerate(products(builder.add(first, I64(t)))):
+                        stack, width = stacks[g], LANES
+                        while stack and stack[-1][0] == width:
+                            p = _fold(builder, stack.pop()[1], p, width)
+                            width //= 2
+                        stack.append((width, p))
+                for g in range(heads):
+                    at = builder.add(outs[g], builder.mul(first, I64(4)))
+                    builder.store(stacks[g][0][1], builder.inttoptr(at, V16F.as_pointer()), align=4)
             with cgutils.for_range(builder, builder.sub(n, builder.mul(blocks, I64(LANES)))) as loop:
                 i = builder.add(builder.mul(blocks, I64(LANES)), loop.index)
-                at = builder.add(out, builder.mul(i, I64(4)))
-                builder.store(vector_ir.hsum(builder, product(i)), builder.inttoptr(at, F32.as_pointer()), align=4)
-        vector_ir.by_count(builder, chunks, range(1, MAX_CHUNKS + 1), emit)
+                for g, p in enumerate(products(i)):
+                    at = builder.add(outs[g], builder.mul(i, I64(4)))
+                    builder.store(vector_ir.hsum(builder, p), builder.inttoptr(at, F32.as_pointer()), align=4)
+        _emit_by_size(builder, chunks, together, emit)
         return context.get_dummy_value()
-    return types.void(*[types.int64] * 6), codegen
+    return types.void(*[types.int64] * 8), codegen
 
 
 @intrinsic
-def _weighted(typingctx, chunks, n, p, rows, step, acc):
-    """acc += sum over i < n of p[i] * row i: acc float32 [16 chunks] at address acc, p float32 at address p, row i
-    float16 [16 chunks] at rows + i * step bytes. Even rows sum into one set of registers and odd rows into another,
-    each in row order; acc + (even + odd) at the end."""
-    if not all(isinstance(a, types.Integer) for a in (chunks, n, p, rows, step, acc)):
+def _weighted(typingctx, chunks, together, n, p, p_step, rows, step, acc):
+    """acc_g += sum over i < n of p_g[i] * row i for each of `together` heads g: acc_g float32 [16 chunks] at address
+    acc + g * 64 * chunks, p_g float32 at p + g * p_step, row i float16 [16 chunks] at rows + i * step bytes. Each
+    row is widened once for all the heads. Per head, even rows sum into one set of registers and odd rows into
+    another, each in row order; acc_g + (even + odd) at the end."""
+    if not all(isinstance(a, types.Integer) for a in (chunks, together, n, p, p_step, rows, step, acc)):
         return None
 
     def codegen(context, builder, sig, args):
-        chunks, n, p, rows, step, acc = args
+        chunks, together, n, p, p_step, rows, step, acc = args
         fma = vector_ir.vector_intrinsic(builder, "llvm.fma", 3)
         zero = ir.Constant(V16F, [0.0] * LANES)
 
-        def emit(c):
-            sets = [[cgutils.alloca_once_value(builder, zero) for _ in range(c)] for _ in range(2)]
+        def emit(c, heads):
+            sets = [[[cgutils.alloca_once_value(builder, zero) for _ in range(c)] for _ in range(2)]
+                    for _ in range(heads)]
+            ps = [builder.add(p, builder.mul(p_step, I64(g))) for g in range(heads)]
 
-            def add_row(i, regs):
-                w = splat(builder, load(builder, builder.add(p, builder.mul(i, I64(4))), F32, 4))
-                for j in range(c):
-                    builder.store(builder.call(fma, [w, _row(builder, rows, i, step, j), builder.load(regs[j])]),
-                                  regs[j])
+            def add_row(i, parity):
+                row = [_row(builder, rows, i, step, j) for j in range(c)]
+                for g in range(heads):
+                    w = splat(builder, load(builder, builder.add(ps[g], builder.mul(i, I64(4))), F32, 4))
+                    regs = sets[g][parity]
+                    for j in range(c):
+                        builder.store(builder.call(fma, [w, row[j], builder.load(regs[j])]), regs[j])
             with cgutils.for_range(builder, builder.udiv(n, I64(2))) as loop:
                 i = builder.mul(loop.index, I64(2))
-                add_row(i, sets[0])
-                add_row(builder.add(i, I64(1)), sets[1])
+                add_row(i, 0)
+                add_row(builder.add(i, I64(1)), 1)
             with cgutils.if_unlikely(builder, builder.trunc(n, ir.IntType(1))):   # an odd last row
-                add_row(builder.sub(n, I64(1)), sets[0])
-            for j in range(c):
-                ptr = builder.inttoptr(builder.add(acc, I64(4 * LANES * j)), V16F.as_pointer())
-                both = strict(builder.fadd(builder.load(sets[0][j]), builder.load(sets[1][j])))
-                builder.store(strict(builder.fadd(builder.load(ptr, align=4), both)), ptr, align=4)
-        vector_ir.by_count(builder, chunks, range(1, MAX_CHUNKS + 1), emit)
+                add_row(builder.sub(n, I64(1)), 0)
+            for g in range(heads):
+                for j in range(c):
+                    ptr = builder.inttoptr(builder.add(acc, I64(4 * LANES * (g * c + j))), V16F.as_pointer())
+                    both = strict(builder.fadd(builder.load(sets[g][0][j]), builder.load(sets[g][1][j])))
+                    builder.store(strict(builder.fadd(builder.load(ptr, align=4), both)), ptr, align=4)
+        _emit_by_size(builder, chunks, together, emit)
         return context.get_dummy_value()
-    return types.void(*[types.int64] * 6), codegen
+    return types.void(*[types.int64] * 8), codegen
+
+
+@njit(**_JIT)
+def _together(hd, group):
+    """Heads a call takes together: the largest count _passes allows at this head_dim, at most the group."""
+    return min(group, max(1, min(MAX_TOGETHER, REGISTER_BUDGET // (hd // LANES))))
 
 
 @njit(**_JIT)
@@ -225,11 +268,16 @@ def _scores(q, k, lo, hi, qa, qb, scores):
     heads, hd = q.shape
     group = heads // k.shape[1]
     scale = np.float32(1.0 / np.sqrt(hd))
+    most = _together(hd, group)
+    h = qa
+    while h < qb:
+        g = min(most, qb - h, group - h % group)   # heads of one KV head
+        _dots(hd // LANES, g, hi - lo, q[h].ctypes.data, k[lo:, h // group].ctypes.data, k.strides[0],
+              scores[h, lo:hi].ctypes.data, scores.strides[0])
+        h += g
     for h in range(qa, qb):
-        row = scores[h, lo:hi]
-        _dots(hd // LANES, hi - lo, q[h].ctypes.data, k[lo:, h // group].ctypes.data, k.strides[0], row.ctypes.data)
-        for s in range(hi - lo):
-            row[s] *= scale
+        for s in range(lo, hi):
+            scores[h, s] *= scale
 
 
 @njit(**_JIT)
@@ -240,8 +288,13 @@ def _values(v, lo, hi, qa, qb, scores, acc):
     for h in range(qa, qb):
         for j in range(hd):
             acc[h, j] = _F0
-        _weighted(hd // LANES, hi - lo, scores[h, lo:hi].ctypes.data, v[lo:, h // group].ctypes.data, v.strides[0],
-                  acc[h].ctypes.data)
+    most = _together(hd, group)
+    h = qa
+    while h < qb:
+        g = min(most, qb - h, group - h % group)
+        _weighted(hd // LANES, g, hi - lo, scores[h, lo:hi].ctypes.data, scores.strides[0],
+                  v[lo:, h // group].ctypes.data, v.strides[0], acc[h].ctypes.data)
+        h += g
 
 
 @njit(**_JIT)

@@ -94,7 +94,7 @@ def _widen(bits, out):
     one = np.ones(1, np.float32)
     for i in range(0, bits.shape[0], att.LANES):
         acc = np.zeros(att.LANES, np.float32)
-        att._weighted(1, 1, one.ctypes.data, bits[i:].ctypes.data, 2 * att.LANES, acc.ctypes.data)
+        att._weighted(1, 1, 1, one.ctypes.data, 0, bits[i:].ctypes.data, 2 * att.LANES, acc.ctypes.data)
         out[i:i + att.LANES] = acc
 
 
@@ -119,3 +119,20 @@ def test_the_attention_benchmark_reports_each_length_from_l2_and_in_turn(capsys)
     assert [r.split()[0] for r in rows] == ["16", "300"]
     for r in rows:
         assert r.count("us (") == 2 and r.count("GB/s)") == 2, r
+
+
+@pytest.mark.parametrize("heads,kv,hd", [(9, 3, 64), (14, 2, 64), (8, 2, 128), (12, 3, 32), (8, 1, 16)])
+@pytest.mark.parametrize("length,n", [(13, 1), (301, 1), (301, 2), (1031, 2)])
+def test_heads_that_share_a_kv_head_get_the_bits_each_gets_alone(heads, kv, hd, length, n):
+    """A GQA group's heads taken together (each cache row widened once for all of them) against each head run as a
+    one-head model over its own KV head: the same bits, remainder rows of the 16-row tree included."""
+    rng = np.random.default_rng(heads * 1000 + length)
+    q = rng.standard_normal((heads, hd)).astype(np.float32)
+    k = rng.standard_normal((length + 2, kv, hd)).astype(np.float16)
+    v = rng.standard_normal((length + 2, kv, hd)).astype(np.float16)
+    together = att.attend(q, k, v, length - 1, n)
+    group = heads // kv
+    for h in range(heads):
+        g = h // group
+        alone = att.attend(q[h:h + 1], k[:, g:g + 1], v[:, g:g + 1], length - 1, n)
+        np.testing.assert_array_equal(together[h].view(np.uint32), alone[0].view(np.uint32))
