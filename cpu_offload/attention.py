@@ -151,7 +151,7 @@ def _fold(builder, a, b, width):
 
 def _passes(chunks):
     """The heads one call of _dots or _weighted takes together at this head_dim: each row is widened once for all of
-    them, and their query vectors (chunks each) and accumulators stay in the 32 vector registers."""
+    them, and their query vectors (chunks each) and accumulators stay in the vector registers (REGISTER_BUDGET)."""
     return range(1, max(1, min(MAX_TOGETHER, REGISTER_BUDGET // chunks)) + 1)
 
 
