@@ -149,10 +149,14 @@ def _fold(builder, a, b, width):
     return strict(builder.fadd(pick(firsts), pick(seconds)))
 
 
+# The most heads one call of _dots or _weighted takes together, by chunks - 1 (head_dim / 16 - 1): each row is
+# widened once for all of them, and their query vectors (chunks each) and accumulators stay in the vector registers.
+MOST_TOGETHER = tuple(max(1, min(MAX_TOGETHER, REGISTER_BUDGET // c)) for c in range(1, MAX_CHUNKS + 1))
+
+
 def _passes(chunks):
-    """The heads one call of _dots or _weighted takes together at this head_dim: each row is widened once for all of
-    them, and their query vectors (chunks each) and accumulators stay in the vector registers (REGISTER_BUDGET)."""
-    return range(1, max(1, min(MAX_TOGETHER, REGISTER_BUDGET // chunks)) + 1)
+    """The head counts the products emit a case for at this chunk count."""
+    return range(1, MOST_TOGETHER[chunks - 1] + 1)
 
 
 def _emit_by_size(builder, chunks, together, emit):
@@ -257,9 +261,10 @@ def _weighted(typingctx, chunks, together, n, p, p_step, rows, step, acc):
 
 
 @njit(**_JIT)
-def _together(hd, group):
-    """Heads a call takes together: the largest count _passes allows at this head_dim, at most the group."""
-    return min(group, max(1, min(MAX_TOGETHER, REGISTER_BUDGET // (hd // LANES))))
+def _together(h, qb, group, chunks):
+    """Heads the call that starts at query head h (of heads up to qb) takes together: those of h's KV head, at most
+    MOST_TOGETHER at this chunk count."""
+    return min(MOST_TOGETHER[chunks - 1], qb - h, group - h % group)
 
 
 @njit(**_JIT)
@@ -268,10 +273,9 @@ def _scores(q, k, lo, hi, qa, qb, scores):
     heads, hd = q.shape
     group = heads // k.shape[1]
     scale = np.float32(1.0 / np.sqrt(hd))
-    most = _together(hd, group)
     h = qa
     while h < qb:
-        g = min(most, qb - h, group - h % group)   # heads of one KV head
+        g = _together(h, qb, group, hd // LANES)
         _dots(hd // LANES, g, hi - lo, q[h].ctypes.data, k[lo:, h // group].ctypes.data, k.strides[0],
               scores[h, lo:hi].ctypes.data, scores.strides[0])
         h += g
@@ -288,10 +292,9 @@ def _values(v, lo, hi, qa, qb, scores, acc):
     for h in range(qa, qb):
         for j in range(hd):
             acc[h, j] = _F0
-    most = _together(hd, group)
     h = qa
     while h < qb:
-        g = min(most, qb - h, group - h % group)
+        g = _together(h, qb, group, hd // LANES)
         _weighted(hd // LANES, g, hi - lo, scores[h, lo:hi].ctypes.data, scores.strides[0],
                   v[lo:, h // group].ctypes.data, v.strides[0], acc[h].ctypes.data)
         h += g
