@@ -23,8 +23,8 @@ position ``pos`` in place.
 Matrices are stored one row per output (a stored w_down_t is [d, d_ff], untransposed: pjinfer.runtime.model's rule for
 quantized matrices), so every stage is a GEMV over contiguous rows (``gemv_at``, the row's type's GEMV):
 ``int8.gemv`` takes four rows at a time against one pass over x; ``quants.gemv`` takes one row at a time: under
-F_BLOCKS the types ``q8_dot`` reads (Q4_0, Q4_1, Q5_0, Q8_0, the K-quants) multiply their codes with x rounded to
-about 15 bits, in integers; other types, and every type under F_BLOCKS_FLOAT, dequantize each block in registers.
+F_BLOCKS the types ``q8_dot`` reads (``q8_dot.KINDS``: every GGUF type the loader keeps) multiply their codes with x
+rounded to about 15 bits, in integers; under F_BLOCKS_FLOAT each block is dequantized in registers.
 
 Supported: the Llama family (RMSNorm, RoPE, grouped-query attention, gated FFN, no biases but Qwen2's q/k/v ones)
 with d_model, n_heads*head_dim and d_ff multiples of 64. Anything else is refused with a ConfigError-style ValueError.

@@ -1,4 +1,4 @@
-"""The host GEMVs of Q4_0, Q4_1, Q5_0, Q8_0 and the K-quants (Q4_K, Q5_K, Q6_K) in integers, against an input
+"""The host GEMVs of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants (Q4_K, Q5_K, Q6_K) in integers, against an input
 rounded to two 8-bit parts, and the batched decode's Q4_1 GEMM.
 
 ``gemv(kind, q, x, y, lo, hi)``: y[r] = row r of q (uint8 [rows, row bytes], blocks of ggml type kind, one of KINDS)
@@ -27,9 +27,9 @@ input's codes) in one <64 x i8>, the 64 input codes and residues, and ``dot4`` o
 sum of products 4l..4l+3 (vpdpbusd with AVX512-VNNI; vpmaddubsw then vpmaddwd otherwise: the same integers, none of
 them saturate). Each lane's FINE p_codes + p_residues is converted to float32 and multiplied by its weights' d sc
 and its inputs' dx (one FMA into a 16-lane accumulator). The offsets take the input's sums: Q4_K and Q5_K's
--dmin m and Q6_K's -32 d sc the groups' sums of x^, once a block; Q4_1's m its two groups' sums of x^; Q4_0's -8 and
-Q5_0's -16 the lanes' sums, in integers. Float32 rounding aside, a row's result is sum_i w_i x^_i, with w_i gguf's
-dequantized weight (tests/test_quants.py holds it to float64).
+-dmin m and Q6_K's -32 d sc the groups' sums of x^, once a block; Q4_1's and Q5_1's m their two groups' sums of x^;
+Q4_0's -8 and Q5_0's -16 the lanes' sums, in integers. Float32 rounding aside, a row's result is sum_i w_i x^_i,
+with w_i gguf's dequantized weight (tests/test_quants.py holds it to float64).
 """
 from __future__ import annotations
 
@@ -43,15 +43,17 @@ from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import blocks, ffi, kernels, vector_ir  # noqa: E402
-from .blocks import GGUF_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0  # noqa: E402
+from .blocks import GGUF_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0  # noqa: E402
 from .kernels import ahead_into_l2, prefetch_lines  # noqa: E402
 from .vector_ir import F32, I32, I64, V16F, V16I8, V16I32, ZERO16, half_splat, hsum, load, strict  # noqa: E402
 
 ffi.purge_stale_cache("q8_dot", kernels, blocks, vector_ir)
 
-KINDS = (Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q5_0, Q8_0)   # the block types read here
-SMALL = (Q4_0, Q4_1, Q5_0, Q8_0)   # blocks of 32, read two to a run
+KINDS = (Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0)   # the block types read here
+SMALL = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)   # blocks of 32, read two to a run
 MINUS = {Q4_0: 8, Q5_0: 16}         # w = d (q - MINUS): taken from the lanes' code sums, in integers
+WITH_M = (Q4_1, Q5_1)               # w = d q + m: m times the groups' sums of x^ (_Row.m_terms)
+CODES_AT = {Q4_0: 2, Q4_1: 4, Q5_0: 6, Q5_1: 8, Q8_0: 2}   # where a block of 32's codes start
 GROUP_TOKENS = 4                    # tokens per pass over a row in gemm (8 was slower a token: docs/performance.md)
 GROUP = 16                 # input elements per sum of x^
 FINE = 256                 # a code's step over its residue's: x^ has about 15 bits a lane (quantize_input)
@@ -206,7 +208,7 @@ class _Row:
 
     def m_terms(self, e, m):
         """off4 += m (<n x float>, n 4 or 2: each group of 16 inputs from element e its block's m) times the groups'
-        sums of x^: Q4_1's w = d q + m."""
+        sums of x^: the m of WITH_M's w = d q + m."""
         b = self.b
         sums = load(b, b.add(self.sums, b.mul(b.udiv(e, I64(GROUP)), I64(4))), m.type, 4)
         if m.type.count == 4:
@@ -219,7 +221,7 @@ class _Row:
         """The row's dot: the product lanes summed, plus the offsets of a type that has them."""
         b = self.b
         acc = hsum(b, b.load(self.acc))
-        if kind == Q4_1:
+        if kind in WITH_M:
             return strict(b.fadd(acc, hsum(b, _widen(b, b.load(self.off4), 16))))
         if kind in SMALL:
             return acc
@@ -306,16 +308,18 @@ def _nibbles(b, addrs):
 
 def _small_codes(b, kind, bps):
     """The codes of one or two blocks of 32 at addresses bps as <32 len(bps) x i8>, block by block: Q4_0's and
-    Q4_1's nibbles, Q5_0's with their fifth bits from the uint32 qh (bit j belongs to element j), Q8_0's signed
-    bytes."""
+    Q4_1's nibbles, Q5_0's and Q5_1's with their fifth bits from the uint32 qh just before the nibbles (bit j
+    belongs to element j), Q8_0's signed bytes."""
+    at = CODES_AT[kind]
     if kind == Q4_0 or kind == Q4_1:
-        return _nibbles(b, [b.add(bp, I64(4 if kind == Q4_1 else 2)) for bp in bps])
+        return _nibbles(b, [b.add(bp, I64(at)) for bp in bps])
     if kind == Q8_0:
-        codes = [load(b, b.add(bp, I64(2)), V32I8, 1) for bp in bps]
-    else:   # Q5_0 block by block: both blocks' nibbles in one shuffle ran 5x slower in the AVX2 code
-        codes = [b.or_(_nibbles(b, [b.add(bp, I64(6))]),
-                       b.select(b.bitcast(load(b, b.add(bp, I64(2)), I32, 1), ir.VectorType(ir.IntType(1), 32)),
-                                _i8s(16, 32), _i8s(0, 32))) for bp in bps]
+        codes = [load(b, b.add(bp, I64(at)), V32I8, 1) for bp in bps]
+    else:   # Q5_0, Q5_1 block by block: both blocks' nibbles in one shuffle ran 5x slower in the AVX2 code
+        fifth = ir.VectorType(ir.IntType(1), 32)
+        codes = [b.or_(_nibbles(b, [b.add(bp, I64(at))]),
+                       b.select(b.bitcast(load(b, b.add(bp, I64(at - 4)), I32, 1), fifth), _i8s(16, 32), _i8s(0, 32)))
+                 for bp in bps]
     return codes[0] if len(bps) == 1 else _concat(b, *codes)
 
 
@@ -328,17 +332,17 @@ def _two_halves(b, addr):
 def _emit_small(rows, kind, bp, e, blocks_in_run):
     """One run of blocks of 32 (two, or a row's odd last one) at address bp, input from element e, for each of
     rows, each block scaled by its d. Q4_0's and Q5_0's w = d (q - MINUS): q . x minus MINUS times the lanes' code
-    sums. Q4_1's w = d q + m: q . x, and m times its groups' sums of x^ (m_terms). Q8_0's codes are signed: their
+    sums. WITH_M's w = d q + m: q . x, and m times its groups' sums of x^ (m_terms). Q8_0's codes are signed: their
     signs move to the input's codes."""
     b = rows[0].b
     bps = [bp] if blocks_in_run == 1 else [bp, b.add(bp, I64(GGUF_TYPES[kind].nbytes))]
     q = _small_codes(b, kind, bps)
-    dm = _two_halves(b, bp)                 # (d, m) of Q4_1; d and the next two bytes of the others
+    dm = _two_halves(b, bp)                 # (d, m) of WITH_M; d and the next two bytes of the others
     if blocks_in_run == 2:
         dm = _concat(b, dm, _two_halves(b, bps[1]))
     dm = b.fpext(dm, ir.VectorType(F32, dm.type.count))
     d = _lanes(b, dm, [0] * 8 + [2] * 8 if blocks_in_run == 2 else [0] * 8)
-    m = _lanes(b, dm, [1, 1, 3, 3] if blocks_in_run == 2 else [1, 1]) if kind == Q4_1 else None
+    m = _lanes(b, dm, [1, 1, 3, 3] if blocks_in_run == 2 else [1, 1]) if kind in WITH_M else None
     for row in rows:
         row.run(q, e, d, minus=MINUS.get(kind, 0), signed=kind == Q8_0)
         if m is not None:
@@ -414,6 +418,8 @@ def row_dot(kind, p, nb, codes, residues, dx4, sums, lane_sums):
         return _dot_row(Q6_K, p, nb, codes, residues, dx4, sums, lane_sums)
     if kind == Q5_0:
         return _dot_row(Q5_0, p, nb, codes, residues, dx4, sums, lane_sums)
+    if kind == Q5_1:
+        return _dot_row(Q5_1, p, nb, codes, residues, dx4, sums, lane_sums)
     if kind == Q8_0:
         return _dot_row(Q8_0, p, nb, codes, residues, dx4, sums, lane_sums)
     if kind == Q4_0:

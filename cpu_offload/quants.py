@@ -3,10 +3,10 @@
 ``gemv(kind, q, x, y, lo, hi, rounded=True)``: y[r] = row r of the matrix q (uint8 [rows, row bytes], rows of
 ``kind``'s blocks, ``blocks.py`` has the layouts) dotted with x (float32 [cols]), for r in [lo, hi). Only y[lo:hi]
 is written. No bounds checks beyond the shapes: the caller owns them. With ``rounded`` the rows of the types
-q8_dot reads (Q4_0, Q4_1, Q5_0, Q8_0 and the K-quants) go to ``q8_dot.gemv``, which multiplies them with x rounded
+q8_dot reads (every type here; q8_dot.KINDS) go to ``q8_dot.gemv``, which multiplies them with x rounded
 to about 15 bits, in integers. Without it, Q4_0 and Q4_1 rows go to ``q4.gemv`` (its nibbles through vpermps are
-faster than the general form below: docs/performance.md), and so do ``row_dot``'s. Every other type is walked
-here, and so are those without ``rounded`` and their rows of ``row_dot`` (predicted_ffn's row dots).
+faster than the general form below: docs/performance.md), and so do ``row_dot``'s. The other types are walked
+here without ``rounded``, and so are their rows of ``row_dot`` (predicted_ffn's row dots).
 ``emit_block`` reads Q4_0 and Q4_1 too (predicted_ffn's AXPY rows).
 
 How: each row's dot is one function of LLVM vector IR per type (``row_dot``: Numba's autovectorizer turns byte
