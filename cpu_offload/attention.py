@@ -14,7 +14,7 @@ How a team of n threads shares one token's attention (``share``, ``attend_share`
 - short context: the query heads are split; each thread writes its heads' outputs directly (merge is a no-op).
 
 The two products over the positions are LLVM vector IR (``_dots``, ``_weighted``), one case per head_dim / 16
-and per count of heads taken together (vector_ir.by_count): the query heads of one KV head (a GQA group, as many
+and per count of heads taken together (vector_ir.by_value): the query heads of one KV head (a GQA group, as many
 as REGISTER_BUDGET allows) share each key row, widened once from float16 in registers, against their vectors, held
 in registers across the positions, and each head sums 16 rows' products at once by a shuffle tree; their values sum
 rows of V, widened once, weighted by each head's probabilities into accumulators held in registers (Numba's loops
@@ -161,8 +161,8 @@ def _passes(chunks):
 
 def _emit_by_size(builder, chunks, together, emit):
     """IR: emit(c, g) for the chunk count c == chunks and head count g == together (both known at run time)."""
-    vector_ir.by_count(builder, chunks, range(1, MAX_CHUNKS + 1),
-                       lambda c: vector_ir.by_count(builder, together, _passes(c), lambda g: emit(c, g)))
+    vector_ir.by_value(builder, chunks, range(1, MAX_CHUNKS + 1),
+                       lambda c: vector_ir.by_value(builder, together, _passes(c), lambda g: emit(c, g)))
 
 
 @intrinsic

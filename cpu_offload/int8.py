@@ -157,7 +157,7 @@ def _int8_dot(typingctx, k, w, s, nb, x, x_stride, y, y_stride, y_rows):
                 out = vector_ir.load(builder, builder.add(y_rows, I64(8 * t)), I64, 8)
                 addr = builder.add(y, builder.mul(y_stride, out))
                 builder.store(total, builder.inttoptr(addr, F32.as_pointer()), align=4)
-        vector_ir.by_count(builder, k, range(1, GEMM_TOKENS + 1), emit)
+        vector_ir.by_value(builder, k, range(1, GEMM_TOKENS + 1), emit)
         return context.get_dummy_value()
     return types.void(*[types.int64] * 9), codegen
 

@@ -41,7 +41,6 @@ from numba.extending import intrinsic  # noqa: E402
 from . import activation, blocks, ffi, kernels, quants, vector_ir  # noqa: E402
 from .contract import ConfigError  # noqa: E402
 from .activation import act  # noqa: E402
-from .blocks import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0  # noqa: E402
 from .kernels import prefetch_lines  # noqa: E402
 
 ffi.purge_stale_cache("predicted_ffn", activation, blocks, kernels, quants, vector_ir)
@@ -106,68 +105,37 @@ def _emit_row(row, kind, p, nb):
             quants.emit_block(row, kind, bp, x0)
 
 
-def _float_dot_intrinsic(kind):
-    """(p, nb, xa) -> float32: the dot of an F32 / F16 row of nb blocks of 32 at address p with the input at xa."""
-    @intrinsic
-    def dot(typingctx, p, nb, xa):
-        def codegen(context, builder, sig, args):
-            row = quants._Row(builder, args[2])
-            _emit_row(row, kind, args[0], args[1])
+@intrinsic
+def row_dot(typingctx, kind, p, nb, xa):
+    """An intrinsic (kind, p, nb, xa) -> float32: the dot of one row (nb blocks of type kind, of KINDS: each type's
+    code is a case of a switch on kind) at address p with the float32 input at address xa."""
+    if not all(isinstance(t, types.Integer) for t in (kind, p, nb, xa)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        def emit(code):
+            if code not in (F32, F16):
+                return quants.emit_row_dot(builder, *args[1:], code)
+            row = quants._Row(builder, args[3])
+            _emit_row(row, code, args[1], args[2])
             return row.total()
-        return types.float32(types.int64, types.int64, types.int64), codegen
-    return dot
+        kind = context.cast(builder, args[0], sig.args[0], types.int64)
+        return vector_ir.by_value(builder, kind, KINDS, emit, vector_ir.F32)
+    return types.float32(kind, types.int64, types.int64, types.int64), codegen
 
 
 @intrinsic
-def _axpy(typingctx, kind, p, nb, ya, a):
-    """(kind, p, nb, ya, a): y += a * the row of nb blocks of type kind at address p (y float32 at address ya). kind
-    is a type constant of KINDS (a literal where it is called: each call emits that type's code)."""
-    if not isinstance(kind, types.IntegerLiteral):
+def row_axpy(typingctx, kind, p, nb, ya, a):
+    """An intrinsic (kind, p, nb, ya, a): y += a * the row of nb blocks of type kind (of KINDS; each type's code is
+    a case of a switch on kind) at address p, y float32 at address ya."""
+    if not all(isinstance(t, types.Integer) for t in (kind, p, nb, ya)):
         return None
-    code = kind.literal_value
 
     def codegen(context, builder, sig, args):
-        _emit_row(_AxpyRow(builder, args[3], args[4]), code, args[1], args[2])
+        emit = lambda code: _emit_row(_AxpyRow(builder, args[3], args[4]), code, args[1], args[2])  # noqa: E731
+        vector_ir.by_value(builder, context.cast(builder, args[0], sig.args[0], types.int64), KINDS, emit)
         return context.get_dummy_value()
     return types.void(kind, types.int64, types.int64, types.int64, types.float32), codegen
-
-
-_dot_f32, _dot_f16 = _float_dot_intrinsic(F32), _float_dot_intrinsic(F16)
-
-
-@njit(inline="always", **_JIT)
-def row_dot(kind, p, nb, xa):
-    """float32 dot of one row (nb blocks of type kind at address p) with the float32 input at address xa."""
-    if kind > F16:   # a block type
-        return quants.row_dot(kind, p, nb, xa)
-    if kind == F16:
-        return _dot_f16(p, nb, xa)
-    return _dot_f32(p, nb, xa)
-
-
-@njit(inline="always", **_JIT)
-def row_axpy(kind, p, nb, ya, a):
-    """y += a * one row (nb blocks of type kind at address p), y float32 at address ya."""
-    if kind == Q4_0:
-        _axpy(Q4_0, p, nb, ya, a)
-    elif kind == F16:
-        _axpy(F16, p, nb, ya, a)
-    elif kind == Q8_0:
-        _axpy(Q8_0, p, nb, ya, a)
-    elif kind == Q4_1:
-        _axpy(Q4_1, p, nb, ya, a)
-    elif kind == F32:
-        _axpy(F32, p, nb, ya, a)
-    elif kind == Q4_K:
-        _axpy(Q4_K, p, nb, ya, a)
-    elif kind == Q6_K:
-        _axpy(Q6_K, p, nb, ya, a)
-    elif kind == Q5_K:
-        _axpy(Q5_K, p, nb, ya, a)
-    elif kind == Q5_0:
-        _axpy(Q5_0, p, nb, ya, a)
-    else:
-        _axpy(Q5_1, p, nb, ya, a)
 
 
 # ---------------------------------------------------------------------------------------------------------------

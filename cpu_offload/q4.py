@@ -27,8 +27,8 @@ from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import blocks, ffi, kernels, vector_ir  # noqa: E402
-from .vector_ir import (I64, V16F, V16I8, V16I32, ZERO16, half_splat, hsum, ints, load, strict,  # noqa: E402
-                        vector_intrinsic)
+from .vector_ir import (F32, I64, V16F, V16I8, V16I32, ZERO16, by_value, half_splat, hsum, ints, load,  # noqa: E402
+                        strict, vector_intrinsic)
 from .kernels import ahead_into_l2, prefetch_lines  # noqa: E402
 
 ffi.purge_stale_cache("q4", kernels, vector_ir, blocks)  # prefetch is compiled into this module's cached functions
@@ -37,6 +37,7 @@ BLOCK, BLOCK_BYTES = blocks.TYPES[blocks.Q4_1].block, blocks.TYPES[blocks.Q4_1].
 # The two 4-bit block types this GEMV reads: where their 16 nibble bytes start. Q4_1 stores its m after d; Q4_0's
 # elements are d (q - 8), so its m is -8 d.
 NIBBLES_AT = {blocks.Q4_0: 2, blocks.Q4_1: 4}
+KINDS = tuple(NIBBLES_AT)
 Q4_0_BYTES = blocks.TYPES[blocks.Q4_0].nbytes
 PREFETCH_ROWS = 8   # rows ahead to prefetch (8 beat 16 and 32 on one thread: docs/performance.md)
 
@@ -104,22 +105,19 @@ def emit_row_dot(builder, row, nb, x, kind=blocks.Q4_1):
     return hsum(builder, strict(builder.fadd(builder.load(acc_lo), builder.load(acc_hi))))
 
 
-def _row_dot_intrinsic(kind):
-    """An intrinsic (row, nb, x) -> float32: the dot of one row of kind (nb blocks at address row) with the float32
-    input at address x. Integer addresses, no bounds checks: the caller owns the shapes."""
-    @intrinsic
-    def row_dot(typingctx, row, nb, x):
-        if not all(isinstance(a, types.Integer) for a in (row, nb, x)):
-            return None
+@intrinsic
+def row_dot(typingctx, kind, row, nb, x):
+    """An intrinsic (kind, row, nb, x) -> float32: the dot of one row of kind (Q4_0 or Q4_1: a case each; nb blocks
+    at address row) with the float32 input at address x. Integer addresses, no bounds checks: the caller owns the
+    shapes."""
+    if not all(isinstance(a, types.Integer) for a in (kind, row, nb, x)):
+        return None
 
-        def codegen(context, builder, sig, args):
-            row, nb, x = args
-            return emit_row_dot(builder, row, nb, x, kind)
-        return types.float32(types.int64, types.int64, types.int64), codegen
-    return row_dot
-
-
-row_dot_with_m, row_dot_minus_8 = _row_dot_intrinsic(blocks.Q4_1), _row_dot_intrinsic(blocks.Q4_0)
+    def codegen(context, builder, sig, args):
+        kind, row, nb, x = args
+        emit = lambda code: emit_row_dot(builder, row, nb, x, code)  # noqa: E731
+        return by_value(builder, context.cast(builder, kind, sig.args[0], types.int64), KINDS, emit, F32)
+    return types.float32(kind, types.int64, types.int64, types.int64), codegen
 
 
 @njit(**_JIT)
@@ -133,7 +131,4 @@ def gemv(q, x, y, lo, hi, kind=blocks.Q4_1):
     for r in range(lo, hi):
         if r + PREFETCH_ROWS < hi:
             prefetch_lines(q, r + PREFETCH_ROWS, into_l2)
-        if kind == blocks.Q4_0:
-            y[r] = row_dot_minus_8(rows + r * q.strides[0], nb, x.ctypes.data)
-        else:
-            y[r] = row_dot_with_m(rows + r * q.strides[0], nb, x.ctypes.data)
+        y[r] = row_dot(kind, rows + r * q.strides[0], nb, x.ctypes.data)

@@ -370,14 +370,16 @@ def _emit_rows(b, code, p, nb, rows):
 
 
 @intrinsic
-def _dot_row(typingctx, kind, p, nb, codes, residues, dx4, sums, lane_sums):
+def row_dot(typingctx, kind, p, nb, codes, residues, dx4, sums, lane_sums):
     """An intrinsic (kind, p, nb, codes, residues, dx4, sums, lane_sums) -> float32: the dot of the row of nb blocks
-    of kind (a literal, one of KINDS) at address p with the input quantize_input made (its arrays' addresses)."""
-    if not isinstance(kind, types.IntegerLiteral):
+    of kind (one of KINDS; each type's code is a case of a switch on kind) at address p with the input
+    quantize_input made (its arrays' addresses)."""
+    if not all(isinstance(a, types.Integer) for a in (kind, p, nb, codes, residues, dx4, sums, lane_sums)):
         return None
 
     def codegen(context, builder, sig, args):
-        return _emit_rows(builder, kind.literal_value, args[1], args[2], [_Row(builder, *args[3:])])[0]
+        emit = lambda code: _emit_rows(builder, code, args[1], args[2], [_Row(builder, *args[3:])])[0]  # noqa: E731
+        return vector_ir.by_value(builder, context.cast(builder, args[0], sig.args[0], types.int64), KINDS, emit, F32)
     return types.float32(kind, *[types.int64] * 7), codegen
 
 
@@ -386,7 +388,7 @@ def _q4_1_dots(typingctx, k, p, nb, codes, residues, dx4, sums, lane_sums, cols,
     """An intrinsic: the dots of the Q4_1 row of nb blocks at address p with k (1..GROUP_TOKENS) inputs, token t's
     arrays at row t of quantize_into's [tokens, ...] arrays for inputs of cols elements (codes and residues + t
     cols, dx4 + t cols, sums + t cols / 4, lane_sums + t cols bytes); token t's result is stored at y + t y_stride
-    bytes. Each token takes the operations _dot_row takes for it alone."""
+    bytes. Each token takes the operations row_dot takes for it alone."""
     if not all(isinstance(a, types.Integer) for a in (k, p, nb, codes, residues, dx4, sums, lane_sums, cols, y,
                                                       y_stride)):
         return None
@@ -401,30 +403,9 @@ def _q4_1_dots(typingctx, k, p, nb, codes, residues, dx4, sums, lane_sums, cols,
             for t, total in enumerate(_emit_rows(builder, Q4_1, p, nb, rows)):
                 out = vector_ir.pointer(builder, builder.add(y, builder.mul(y_stride, I64(t))), F32)
                 builder.store(total, out, align=4)
-        vector_ir.by_count(builder, k, range(1, GROUP_TOKENS + 1), emit)
+        vector_ir.by_value(builder, k, range(1, GROUP_TOKENS + 1), emit)
         return context.get_dummy_value()
     return types.void(*[types.int64] * 11), codegen
-
-
-@njit(inline="always", **_JIT)
-def row_dot(kind, p, nb, codes, residues, dx4, sums, lane_sums):
-    """float32 dot of one row (nb blocks of kind, one of KINDS, at address p) with a quantize_input input (its
-    arrays' addresses)."""
-    if kind == Q4_1:
-        return _dot_row(Q4_1, p, nb, codes, residues, dx4, sums, lane_sums)
-    if kind == Q4_K:
-        return _dot_row(Q4_K, p, nb, codes, residues, dx4, sums, lane_sums)
-    if kind == Q6_K:
-        return _dot_row(Q6_K, p, nb, codes, residues, dx4, sums, lane_sums)
-    if kind == Q5_0:
-        return _dot_row(Q5_0, p, nb, codes, residues, dx4, sums, lane_sums)
-    if kind == Q5_1:
-        return _dot_row(Q5_1, p, nb, codes, residues, dx4, sums, lane_sums)
-    if kind == Q8_0:
-        return _dot_row(Q8_0, p, nb, codes, residues, dx4, sums, lane_sums)
-    if kind == Q4_0:
-        return _dot_row(Q4_0, p, nb, codes, residues, dx4, sums, lane_sums)
-    return _dot_row(Q5_K, p, nb, codes, residues, dx4, sums, lane_sums)
 
 
 @njit(**_JIT)

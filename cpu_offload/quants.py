@@ -197,43 +197,29 @@ def emit_block(row, kind, bp, x0):
 
 
 @intrinsic
-def _dot_row(typingctx, kind, p, nb, xa):
-    """An intrinsic (kind, p, nb, xa) -> float32: the dot of the row of nb blocks of ggml type kind at address p with
-    the float32 input at address xa (addresses as integers). kind is a block type constant of blocks.TYPES (a
-    literal where it is called: each call emits that type's code; Q4_0 and Q4_1 are q4's)."""
-    if not isinstance(kind, types.IntegerLiteral):
+def row_dot(typingctx, kind, p, nb, xa):
+    """An intrinsic (kind, p, nb, xa) -> float32: the dot of the row of nb blocks of ggml type kind (of GGUF_TYPES;
+    each type's code is a case of a switch on kind; Q4_0 and Q4_1 are q4's) at address p with the float32 input at
+    address xa (addresses as integers)."""
+    if not all(isinstance(a, types.Integer) for a in (kind, p, nb, xa)):
         return None
-    code = kind.literal_value
-    block, nbytes = GGUF_TYPES[code].block, GGUF_TYPES[code].nbytes
 
     def codegen(context, builder, sig, args):
-        _, p, nb, xa = args
-        row = _Row(builder, xa)
-        with cgutils.for_range(builder, nb) as loop:
-            bp = builder.add(p, builder.mul(loop.index, I64(nbytes)))
-            emit_block(row, code, bp, builder.mul(loop.index, I64(block)))
-        return row.total()
+        emit = lambda code: emit_row_dot(builder, *args[1:], code)  # noqa: E731
+        return vector_ir.by_value(builder, context.cast(builder, args[0], sig.args[0], types.int64), GGUF_TYPES, emit,
+                                  F32)
     return types.float32(kind, types.int64, types.int64, types.int64), codegen
 
 
-@njit(inline="always", **_JIT)
-def row_dot(kind, p, nb, xa):
-    """float32 dot of one row (nb blocks of ggml type kind at address p) with the float32 input at address xa."""
-    if kind == Q4_K:
-        return _dot_row(Q4_K, p, nb, xa)
-    if kind == Q6_K:
-        return _dot_row(Q6_K, p, nb, xa)
-    if kind == Q5_0:
-        return _dot_row(Q5_0, p, nb, xa)
-    if kind == Q8_0:
-        return _dot_row(Q8_0, p, nb, xa)
-    if kind == Q5_K:
-        return _dot_row(Q5_K, p, nb, xa)
-    if kind == Q4_0:
-        return q4.row_dot_minus_8(p, nb, xa)
-    if kind == Q5_1:
-        return _dot_row(Q5_1, p, nb, xa)
-    return q4.row_dot_with_m(p, nb, xa)
+def emit_row_dot(builder, p, nb, xa, code):
+    """IR: row_dot's case for the block type code (a float32 value), as q4.emit_row_dot's for its types."""
+    if code in q4.KINDS:
+        return q4.emit_row_dot(builder, p, nb, xa, code)
+    row = _Row(builder, xa)
+    with cgutils.for_range(builder, nb) as loop:
+        bp = builder.add(p, builder.mul(loop.index, I64(GGUF_TYPES[code].nbytes)))
+        emit_block(row, code, bp, builder.mul(loop.index, I64(GGUF_TYPES[code].block)))
+    return row.total()
 
 
 @njit(**_JIT)

@@ -81,18 +81,29 @@ def ints(value: int):
     return ir.Constant(V16I32, [value] * 16)
 
 
-def by_count(builder, k, counts, emit) -> None:
-    """IR: emit(n) for the n in counts that equals k (an i64 known at run time); another k does nothing. A kernel
-    whose unrolled form depends on a size (tokens in a group, 16-lane chunks of a head) emits one case per size."""
-    end = builder.append_basic_block("count_end")
+def by_value(builder, k, values, emit, result=None):
+    """IR: emit(v) for the v in values that equals k (an i64 known at run time); another k does nothing. A kernel
+    whose unrolled form depends on a size (tokens in a group, 16-lane chunks of a head) or on a block type emits one
+    case per value. With result (an IR type) each emit returns a value of that type, and so does this: the case's,
+    or zero for a k not in values."""
+    start = builder.block
+    end = builder.append_basic_block("case_end")
     switch = builder.switch(k, end)
-    for n in counts:
-        block = builder.append_basic_block(f"count_{n}")
-        switch.add_case(I64(n), block)
+    incoming = []
+    for v in values:
+        block = builder.append_basic_block(f"case_{v}")
+        switch.add_case(I64(v), block)
         builder.position_at_end(block)
-        emit(n)
+        incoming.append((emit(v), builder.block))
         builder.branch(end)
     builder.position_at_end(end)
+    if result is None:
+        return None
+    phi = builder.phi(result)
+    phi.add_incoming(ir.Constant(result, None), start)
+    for value, block in incoming:
+        phi.add_incoming(value, block)
+    return phi
 
 
 def hsum(builder, v):
