@@ -1,9 +1,12 @@
 """Numba as cpu_offload's kernel modules import it: after the threading layer is set (_threading), and with its
 BLAS check answered without SciPy (skip_blas_check). Each module that imports numba imports this first; the package
-itself imports only _threading, so importing cpu_offload.qtensor (the float32 engine does) does not import Numba."""
+itself imports only _threading, so importing cpu_offload.qtensor (the float32 engine does) does not import Numba.
+``JIT`` is how the kernels are compiled: ``@njit(**JIT)``."""
 import sys
 
 from . import _threading  # noqa: F401  (sets NUMBA_THREADING_LAYER before numba is imported)
+
+JIT = dict(fastmath=True, cache=True, nogil=True)   # float operations the IR does not mark strict may reorder
 
 
 def skip_blas_check() -> None:

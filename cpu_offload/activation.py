@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
+from ._numba import JIT  # (first: the threading layer and the BLAS check, before numba is imported)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -87,7 +87,6 @@ def reference(name: str, gate: np.ndarray | None, up: np.ndarray) -> np.ndarray:
     return np.maximum(u, 0.0)
 
 
-_JIT = dict(fastmath=True, cache=True, nogil=True)
 _F0 = np.float32(0.0)
 _HALF = np.float32(0.5)
 _ONE = np.float32(1.0)
@@ -159,7 +158,7 @@ def _swiglu16(typingctx, gate, up):
     return types.void(gate, up), codegen
 
 
-@njit(inline="always", **_JIT)
+@njit(inline="always", **JIT)
 def act(g, u, code):
     """The activation with this `code` (ACTIVATIONS), in Numba (float32)."""
     if code == 0:  # swiglu
@@ -173,7 +172,7 @@ def act(g, u, code):
     return max(u, _F0)  # relu (no gate)
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def act_span(gate, up, lo, hi, code):
     """gate[i] = act(gate[i], up[i], code) for i in [lo, hi) (float32, contiguous): SwiGLU 16 at a time, with the
     same bits as act."""

@@ -33,7 +33,7 @@ products read them by address).
 """
 from __future__ import annotations
 
-from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
+from ._numba import JIT  # (first: the threading layer and the BLAS check, before numba is imported)
 
 import numpy as np  # noqa: E402
 from llvmlite import ir  # noqa: E402
@@ -46,7 +46,6 @@ from .vector_ir import F32, I64, V16F, load, splat, strict  # noqa: E402
 
 ffi.purge_stale_cache("attention", vector_ir)  # the products' IR is compiled into this module's cached functions
 
-_JIT = dict(fastmath=True, cache=True, nogil=True)
 _F0 = np.float32(0.0)
 _ONE = np.float32(1.0)
 PARTIAL_EXTRA = 2   # a chunk's partial: max score, sum of exponentials, then hd weighted value sums
@@ -71,7 +70,7 @@ def f32_to_f16(typingctx, x):
     return types.uint16(x), codegen
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def store(k, v, k_row, v_row):
     """k_row, v_row (uint16 [KV, hd], a cache's row at one position) <- k, v (float32 [KV * hd]) as float16."""
     kf = k_row.reshape(-1)
@@ -103,7 +102,7 @@ def _pow2(typingctx, k):
     return types.float32(k), codegen
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def exp_shifted(v, top):
     """v[s] <- exp(v[s] - top) for v[s] <= top; returns the sum."""
     total = _F0
@@ -117,7 +116,7 @@ def exp_shifted(v, top):
     return total
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def share(pos, hd, tid, n, heads):
     """Thread tid's work: (lo, hi, qa, qb, split): positions [lo, hi) and query heads [qa, qb); split says the
     positions are divided (partials to merge) rather than the heads."""
@@ -260,14 +259,14 @@ def _weighted(typingctx, chunks, together, n, p, p_step, rows, step, acc):
     return types.void(*[types.int64] * 8), codegen
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def _together(h, qb, group, chunks):
     """Heads the call that starts at query head h (of heads up to qb) takes together: those of h's KV head, at most
     MOST_TOGETHER at this chunk count."""
     return min(MOST_TOGETHER[chunks - 1], qb - h, group - h % group)
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def _scores(q, k, lo, hi, qa, qb, scores):
     """scores[h, s] = q[h] . k[s, h // group] / sqrt(hd) for s in [lo, hi), h in [qa, qb)."""
     heads, hd = q.shape
@@ -284,7 +283,7 @@ def _scores(q, k, lo, hi, qa, qb, scores):
             scores[h, s] *= scale
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def _values(v, lo, hi, qa, qb, scores, acc):
     """acc[h] = sum over s in [lo, hi) of scores[h, s] * v[s, h // group], h in [qa, qb)."""
     heads, hd = acc.shape
@@ -300,7 +299,7 @@ def _values(v, lo, hi, qa, qb, scores, acc):
         h += g
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def attend_share(q, k, v, pos, tid, n, scores, out):
     """Thread tid of n's share of softmax(q K^T / sqrt(hd)) V over positions 0..pos (see the module docstring):
     head-split, its heads' rows of out; position-split, its chunk's partials in scores[:, lo:lo + hd + 2]."""
@@ -332,7 +331,7 @@ def attend_share(q, k, v, pos, tid, n, scores, out):
                 out[h, j] = acc[h, j] * inv
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def merge(pos, n, scores, out):
     """After every thread's attend_share: out[h] from the chunks' partials when the positions were split."""
     heads, hd = out.shape

@@ -78,8 +78,6 @@ MATRICES = {"wq": L_Q, "wk": L_K, "wv": L_V, "wo": L_O, "w_gate": L_GATE, "w_up"
 K_STAGE, K_LAYER, K_POS, K_KCACHE, K_VCACHE, K_OUT = range(6)
 ST_QKV, ST_ATTN, ST_O, ST_GATE_UP, ST_DOWN, ST_HEAD = range(6)
 
-_JIT = dict(fastmath=True, cache=True, nogil=True)
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # Views of the host memory a header describes.

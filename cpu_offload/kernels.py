@@ -29,7 +29,7 @@ the threading layer (workqueue by default).
 """
 from __future__ import annotations
 
-from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
+from ._numba import JIT  # (first: the threading layer and the BLAS check, before numba is imported)
 
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
@@ -54,7 +54,6 @@ MIN_NEURONS_PER_THREAD = 8
 
 _F0 = np.float32(0.0)
 
-_JIT = dict(fastmath=True, cache=True, nogil=True)
 
 
 L1_BYTES = 32 * 1024   # the smallest L1 data cache of this project's machine kinds (AMD Zen 3 and 4)
@@ -86,7 +85,7 @@ prefetch = _prefetch_intrinsic(3, "into every cache level (prefetcht0)")
 prefetch_l2 = _prefetch_intrinsic(2, "into L2 and L3, not L1 (prefetcht1)")
 
 
-@njit(inline="always", **_JIT)
+@njit(inline="always", **JIT)
 def ahead_into_l2(input_bytes, row_bytes, rows_ahead):
     """Whether a GEMV should prefetch its rows ahead into L2 rather than L1: when its input and those rows would take
     more than three quarters of L1 (the lines streaming through need the rest). Prefetched into L1, the rows evict
@@ -95,7 +94,7 @@ def ahead_into_l2(input_bytes, row_bytes, rows_ahead):
     return input_bytes + rows_ahead * row_bytes > L1_BYTES * 3 // 4
 
 
-@njit(inline="always", **_JIT)
+@njit(inline="always", **JIT)
 def prefetch_lines(rows, i, into_l2=False):
     """Prefetch every 64-byte line of row i of a byte matrix (uint8 or int8 [rows, row bytes]), into L1, or into
     L2 with into_l2."""
@@ -109,7 +108,7 @@ def prefetch_lines(rows, i, into_l2=False):
 PREFETCH_LINES = 4  # the first cache lines of a row; the hardware streamer takes over after that
 
 
-@njit(inline="always", **_JIT)
+@njit(inline="always", **JIT)
 def _prefetch_row(w, n, d):
     step = 64 // w.itemsize  # elements per 64-byte line: 16 float32, 64 int8
     for j in range(0, min(d, PREFETCH_LINES * step), step):
@@ -122,7 +121,7 @@ QBLOCK = 64  # int8 weights: one float32 scale per 64 consecutive elements of a 
 # The int8 dot products look the scale up per element (scales[k, n, j // QBLOCK]) rather than summing block by
 # block: LLVM vectorizes that form, while a horizontal sum per 32-element block measured several times slower.
 
-@njit(inline="always", **_JIT)
+@njit(inline="always", **JIT)
 def _dot(w, n, x, scales, k):
     """Row n of w (float32, or int8 with scales[k, n, block]) dotted with x."""
     s = _F0
@@ -135,7 +134,7 @@ def _dot(w, n, x, scales, k):
     return s
 
 
-@njit(inline="always", **_JIT)
+@njit(inline="always", **JIT)
 def _gate_up(w_gate, w_up, n, x, scales):
     """(gate, up) dot products of neuron n in one pass over x (one loop: half the x loads of two _dot calls)."""
     g = _F0
@@ -151,7 +150,7 @@ def _gate_up(w_gate, w_up, n, x, scales):
     return g, u
 
 
-@njit(inline="always", **_JIT)
+@njit(inline="always", **JIT)
 def _axpy(acc, a, w, n, scales, k):
     """acc += a * row n of w (float32, or int8 with scales[k, n, block])."""
     d = acc.shape[0]
@@ -171,7 +170,7 @@ def _axpy(acc, a, w, n, scales, k):
             acc[j] += ab * np.float32(w[n, j])
 
 
-@njit(inline="always", **_JIT)
+@njit(inline="always", **JIT)
 def _accumulate(x, w_gate, w_up, w_down_t, b_up, scales, ids, lo, hi, code, acc):
     """acc[:] += contribution of neurons ids[lo:hi] (acc is a private [d] row)."""
     d = x.shape[0]
@@ -203,14 +202,14 @@ def _accumulate(x, w_gate, w_up, w_down_t, b_up, scales, ids, lo, hi, code, acc)
             _axpy(acc, a, w_down_t, n, scales, 2)
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def _cold_ffn_serial(x, w_gate, w_up, w_down_t, b_up, scales, ids, count, code, out):
     for j in range(out.shape[0]):
         out[j] = _F0
     _accumulate(x, w_gate, w_up, w_down_t, b_up, scales, ids, 0, count, code, out)
 
 
-@njit(parallel=True, **_JIT)
+@njit(parallel=True, **JIT)
 def _cold_ffn_parallel(x, w_gate, w_up, w_down_t, b_up, scales, ids, count, code, out, nt):
     d = x.shape[0]
     partial = np.zeros((nt, d), dtype=np.float32)
@@ -225,7 +224,7 @@ def _cold_ffn_parallel(x, w_gate, w_up, w_down_t, b_up, scales, ids, count, code
         out[j] = s
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def cold_ffn_nt(x, w_gate, w_up, w_down_t, b_up, scales, ids, count, act_code, out, max_threads):
     """``cold_ffn`` with an explicit upper bound on the threads used (1 = serial)."""
     count = min(max(count, 0), ids.shape[0])
@@ -238,7 +237,7 @@ def cold_ffn_nt(x, w_gate, w_up, w_down_t, b_up, scales, ids, count, act_code, o
         _cold_ffn_parallel(x, w_gate, w_up, w_down_t, b_up, scales, ids, count, act_code, out, nt)
 
 
-@njit(inline="always", **_JIT)
+@njit(inline="always", **JIT)
 def _neuron_one(xs, w_gate, w_up, w_down_t, b_up, scales, n, b, code, outs):
     """outs[b] += token b's contribution of neuron n."""
     if w_gate.shape[0] > 0:
@@ -252,7 +251,7 @@ def _neuron_one(xs, w_gate, w_up, w_down_t, b_up, scales, n, b, code, outs):
         _axpy(outs[b], a, w_down_t, n, scales, 2)
 
 
-@njit(inline="always", **_JIT)
+@njit(inline="always", **JIT)
 def _dot4(w, n, xs, b0, b1, b2, b3, scales, k):
     """Row n of w dotted with four tokens' x: each weight element loaded once for the four, which takes the
     loop from load-bound towards FMA-bound."""
@@ -274,7 +273,7 @@ def _dot4(w, n, xs, b0, b1, b2, b3, scales, k):
     return s0, s1, s2, s3
 
 
-@njit(inline="always", **_JIT)
+@njit(inline="always", **JIT)
 def _axpy4(outs, b0, b1, b2, b3, c0, c1, c2, c3, w, n, lo, hi):
     for j in range(lo, hi):
         wd = np.float32(w[n, j])
@@ -284,7 +283,7 @@ def _axpy4(outs, b0, b1, b2, b3, c0, c1, c2, c3, w, n, lo, hi):
         outs[b3, j] += c3 * wd
 
 
-@njit(inline="always", **_JIT)
+@njit(inline="always", **JIT)
 def _neuron_four(xs, w_gate, w_up, w_down_t, b_up, scales, n, b0, b1, b2, b3, code, outs):
     """outs[b0..b3] += the contributions of neuron n to four tokens."""
     g0 = g1 = g2 = g3 = _F0
@@ -310,7 +309,7 @@ def _neuron_four(xs, w_gate, w_up, w_down_t, b_up, scales, n, b0, b1, b2, b3, co
         _axpy4(outs, b0, b1, b2, b3, a0 * scale, a1 * scale, a2 * scale, a3 * scale, w_down_t, n, full * QBLOCK, d)
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def _masked_range(xs, w_gate, w_up, w_down_t, b_up, scales, mask, code, outs, lo, hi):
     """outs[lo:hi] = the cold FFN of tokens lo..hi-1, where token b computes neuron n iff mask[b, n].
     Neuron-major: each row is read from memory once for all the tokens of the range."""
@@ -335,7 +334,7 @@ def _masked_range(xs, w_gate, w_up, w_down_t, b_up, scales, mask, code, outs, lo
             i += 1
 
 
-@njit(parallel=True, **_JIT)
+@njit(parallel=True, **JIT)
 def _masked_parallel(xs, w_gate, w_up, w_down_t, b_up, scales, mask, code, outs, nt):
     nb = xs.shape[0]
     for t in prange(nt):  # one contiguous range of tokens per thread: disjoint output rows, no reduction
@@ -343,7 +342,7 @@ def _masked_parallel(xs, w_gate, w_up, w_down_t, b_up, scales, mask, code, outs,
                       (nb * (t + 1)) // nt)
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def cold_ffn_masked_nt(xs, w_gate, w_up, w_down_t, b_up, scales, mask, act_code, outs, max_threads):
     """The cold FFN of many tokens of one layer at once: xs [N, d] f32, mask [N, C] (bool or uint8: token b
     computes row n iff mask[b, n]) -> outs [N, d] (overwritten). Each row is read from memory once per call,
@@ -405,7 +404,7 @@ def cold_ffn_call(x, w_gate, w_up, w_down_t, b_up, ids, count, activation, out=N
 # ----------------------------------------------------------------------------------------------------------------
 # A decode layer's vector work on the calling thread (cpu_offload.host_decode, batched_decode)
 
-@njit(**_JIT)
+@njit(**JIT)
 def rmsnorm(x, scale, eps, out):
     """out = x / sqrt(mean(x^2) + eps) * scale (float32 [d] each)."""
     ss = _F0
@@ -416,7 +415,7 @@ def rmsnorm(x, scale, eps, out):
         out[j] = x[j] * r * scale[j]
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def rope(v, heads, hd, inv_freq, pos):
     """Rotate-half RoPE in place on v = [heads * hd] at position pos (pjinfer.runtime.model.rope's layout)."""
     half = hd // 2

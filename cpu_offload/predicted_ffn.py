@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
+from ._numba import JIT  # (first: the threading layer and the BLAS check, before numba is imported)
 
 from llvmlite import ir  # noqa: E402
 from numba import njit, types  # noqa: E402
@@ -52,7 +52,6 @@ KINDS = {F32: ("F32", 32, 128), F16: ("F16", 32, 64)} | {k: (t.name, t.block, t.
 RELU_GATED = (2, 3)   # activation codes (cpu_offload.activation) whose activation is 0 wherever the gate is <= 0
 _F0 = np.float32(0.0)
 PREFETCH_AHEAD = 4   # neurons() prefetches the rows this many places ahead in its share, in each pass
-_JIT = dict(fastmath=True, cache=True, nogil=True)
 KINDS_BLOCK = np.zeros(16, np.int64)   # weights per block by type number, as a table Numba code can index
 for _k, (_, _b, _) in KINDS.items():
     KINDS_BLOCK[_k] = _b
@@ -141,7 +140,7 @@ def row_axpy(typingctx, kind, p, nb, ya, a):
 # ---------------------------------------------------------------------------------------------------------------
 # The stages. Each takes its share [lo, hi) of rows or ids; the caller picks the shares (share()).
 
-@njit(**_JIT)
+@njit(**JIT)
 def share(count, tid, n):
     """Thread tid's part [lo, hi) of count items split into n contiguous parts."""
     chunk = (count + n - 1) // n
@@ -149,7 +148,7 @@ def share(count, tid, n):
     return lo, min(count, lo + chunk)
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def hidden(fc1_kind, fc1, r, z, lo, hi):
     """z[k] = relu(fc1[k] . r) for k in [lo, hi): the predictor's hidden layer (fc1: uint8 rows of len(r) weights of
     row type fc1_kind, predictor_rows')."""
@@ -158,7 +157,7 @@ def hidden(fc1_kind, fc1, r, z, lo, hi):
         z[k] = max(row_dot(fc1_kind, fc1.ctypes.data + k * fc1.strides[0], nb, xa), _F0)
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def predict(fc2_kind, fc2, z, threshold, mask, lo, hi):
     """mask[i] = 1 where fc2[i] . z >= threshold, else 0, for neurons i in [lo, hi) (fc2: uint8 rows of len(z)
     weights of row type fc2_kind, predictor_rows')."""
@@ -167,7 +166,7 @@ def predict(fc2_kind, fc2, z, threshold, mask, lo, hi):
         mask[i] = 1 if row_dot(fc2_kind, fc2.ctypes.data + i * fc2.strides[0], nb, za) >= threshold else 0
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def compact(mask, ids):
     """ids[:count] = the neurons whose mask is set, ascending; returns count."""
     count = 0
@@ -178,7 +177,7 @@ def compact(mask, ids):
     return count
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def neurons(gate_kind, gate, up_kind, up, down_kind, down, h, ids, lo, hi, code, part, vals):
     """part = sum over ids[lo:hi] of act(gate_i . h, up_i . h) * down_i (part float32 [d], overwritten). gate and
     up: uint8 [d_ff, row bytes] rows of d = len(h) weights; down: uint8 [d_ff, row bytes] rows of len(part).
@@ -216,7 +215,7 @@ def neurons(gate_kind, gate, up_kind, up, down_kind, down, h, ids, lo, hi, code,
             row_axpy(down_kind, down.ctypes.data + ids[k] * down.strides[0], nb_out, ya, vals[k])
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def reduce(parts, n, y):
     """y = parts[0] + parts[1] + ... + parts[n - 1], added in that order."""
     for j in range(y.shape[0]):

@@ -19,7 +19,7 @@ quants.py.
 """
 from __future__ import annotations
 
-from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
+from ._numba import JIT  # (first: the threading layer and the BLAS check, before numba is imported)
 
 from llvmlite import ir  # noqa: E402
 from numba import njit, types  # noqa: E402
@@ -41,7 +41,6 @@ KINDS = tuple(NIBBLES_AT)
 Q4_0_BYTES = blocks.TYPES[blocks.Q4_0].nbytes
 PREFETCH_ROWS = 8   # rows ahead to prefetch (8 beat 16 and 32 on one thread: docs/performance.md)
 
-_JIT = dict(fastmath=True, cache=True, nogil=True)
 
 
 PERMUTE = vector_ir.cpu_has("avx512f")   # AVX-512F's vpermps picks 16 floats by 4-bit index
@@ -120,7 +119,7 @@ def row_dot(typingctx, kind, row, nb, x):
     return types.float32(kind, types.int64, types.int64, types.int64), codegen
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def gemv(q, x, y, lo, hi, kind=blocks.Q4_1):
     """y[r] = row r of the Q4_1 (or Q4_0: kind) matrix q [rows, row bytes] dotted with x (float32 [cols],
     contiguous), for r in [lo, hi). Each row's bytes must be contiguous (quantize's are). Rows PREFETCH_ROWS ahead

@@ -34,7 +34,7 @@ import numpy as np
 
 from .contract import ConfigError
 
-from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
+from ._numba import JIT  # (first: the threading layer and the BLAS check, before numba is imported)
 
 from llvmlite import ir  # noqa: E402
 from numba import njit, types  # noqa: E402
@@ -53,7 +53,6 @@ TILE_ROWS = TILE_GROUPS * BLOCK   # 128
 PREFETCH_AHEAD = 8                # active inputs ahead whose column of the tile is prefetched
 LINE = 64                         # bytes of a full tile's column
 _V16H = ir.VectorType(ir.HalfType(), 16)
-_JIT = dict(fastmath=True, cache=True, nogil=True)
 
 
 def relayout(blocks: np.ndarray, out: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -170,7 +169,7 @@ def _make_tile(groups: int, permute: bool):
 _tile1, _tile2, _tile3, _tile4 = (_make_tile(g, q4.PERMUTE) for g in range(1, TILE_GROUPS + 1))
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def active(x, threshold, idx):
     """idx[:n] <- the i with |x[i]| > threshold, in increasing order; returns n. A threshold of 0 keeps every
     non-zero."""
@@ -182,7 +181,7 @@ def active(x, threshold, idx):
     return n
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def segments(idx, n, seg):
     """Split idx[:n] (increasing, from ``active``) by block of 32 inputs: seg[s] is the first k of the s-th block
     with an active input, seg[nseg] = n; returns nseg. seg needs room for in / 32 + 1 entries."""
@@ -198,7 +197,7 @@ def segments(idx, n, seg):
     return nseg
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def tile_share(out, tid, n):
     """Thread tid's row tiles [t0, t1) of n shares of W's out rows, cut at the tile boundaries nearest equal
     numbers of groups."""
@@ -209,7 +208,7 @@ def tile_share(out, tid, n):
     return t0, t1
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def matvec(nib, d, m, idx, seg, nseg, x, y, t0, t1):
     """y[rows of tiles t0..t1) = those rows of W x over the active inputs: idx (from ``active``) and seg[:nseg + 1]
     (from ``segments``) select them; W is relayout's (nib, d, m [cols / 32, out]). Writes every row of those

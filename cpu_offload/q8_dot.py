@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
+from ._numba import JIT  # (first: the threading layer and the BLAS check, before numba is imported)
 
 from llvmlite import ir  # noqa: E402
 from numba import njit, types  # noqa: E402
@@ -58,7 +58,6 @@ GROUP_TOKENS = 4                    # tokens per pass over a row in gemm (8 was 
 GROUP = 16                 # input elements per sum of x^
 FINE = 256                 # a code's step over its residue's: x^ has about 15 bits a lane (quantize_input)
 PREFETCH_ROWS = 8
-_JIT = dict(fastmath=True, cache=True, nogil=True)
 # Weights a block by ggml type number for KINDS, 0 for a type not read here: a table Numba code can index.
 BLOCK_OF = np.zeros(16, np.int64)
 for _k in KINDS:
@@ -73,7 +72,7 @@ VNNI, AVX512BW = vector_ir.cpu_has("avx512vnni"), vector_ir.cpu_has("avx512bw")
 # ---------------------------------------------------------------------------------------------------------------
 # The input.
 
-@njit(**_JIT)
+@njit(**JIT)
 def quantize_input(x):
     """x (float32 [cols], cols a multiple of 16) rounded in lanes of 4 -> (codes, residues, dx4, sums, lane_sums).
     Lane k (elements 4k..4k+3) has the unit dx4[k] = max|x| / (127 FINE) of the lane (float32 [cols / 4]; 0, and
@@ -89,7 +88,7 @@ def quantize_input(x):
     return codes, residues, dx4, sums, lane_sums
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def quantize_into(x, codes, residues, dx4, sums, lane_sums):
     """quantize_input's arrays for x, written into the given ones (their shapes as quantize_input's)."""
     for k in range(x.shape[0] // 4):
@@ -408,7 +407,7 @@ def _q4_1_dots(typingctx, k, p, nb, codes, residues, dx4, sums, lane_sums, cols,
     return types.void(*[types.int64] * 11), codegen
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def gemv(kind, q, x, y, lo, hi):
     """y[r] = row r of q (uint8 [rows, row bytes], blocks of kind, one of KINDS) dotted with x rounded by
     quantize_input, for r in [lo, hi). Each call rounds x itself (microseconds); gemv_rounded takes x rounded once
@@ -418,7 +417,7 @@ def gemv(kind, q, x, y, lo, hi):
     gemv_rounded(kind, q, quantize_input(x), y, lo, hi)
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def gemv_rounded(kind, q, xr, y, lo, hi):
     """gemv of an input already rounded: xr = quantize_input(x)."""
     if hi <= lo:
@@ -435,7 +434,7 @@ def gemv_rounded(kind, q, xr, y, lo, hi):
                        sums.ctypes.data, lane_sums.ctypes.data)
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def gemm(q, x, y, nt, lo, hi):
     """The batched decode's Q4_1 GEMM: y[t, r] = gemv's y[r] for input x[t], bit for bit, for t < nt and r in
     [lo, hi) (q uint8 [rows, row bytes] of Q4_1 blocks; x float32 [>= nt, >= cols]; y float32 [>= nt, >= hi]; rows

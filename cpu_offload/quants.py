@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
+from ._numba import JIT  # (first: the threading layer and the BLAS check, before numba is imported)
 
 from llvmlite import ir  # noqa: E402
 from numba import njit, types  # noqa: E402
@@ -40,7 +40,6 @@ ffi.purge_stale_cache("quants", kernels, blocks, q4, q8_dot, vector_ir)
 
 PREFETCH_ROWS = 8
 _F0 = np.float32(0.0)
-_JIT = dict(fastmath=True, cache=True, nogil=True)
 # Block bytes by ggml type number, as a table Numba code can index (0: not a block type here).
 _BLOCK_BYTES = np.zeros(16, np.int64)
 _BLOCK = np.zeros(16, np.int64)
@@ -222,7 +221,7 @@ def emit_row_dot(builder, p, nb, xa, code):
     return row.total()
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def gemv(kind, q, x, y, lo, hi, rounded=True):
     """y[r] = row r of q (uint8 [rows, row bytes], blocks of ggml type kind) dotted with x, for r in [lo, hi); with
     rounded, a type q8_dot has is dotted with x rounded there (to about 15 bits)."""
@@ -242,7 +241,7 @@ def gemv(kind, q, x, y, lo, hi, rounded=True):
         y[r] = row_dot(kind, base + r * q.strides[0], nb, xa)
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def row_bytes(kind, cols):
     """Bytes of a row of cols weights in blocks of ggml type kind (0 for a type without a kernel here)."""
     return cols // _BLOCK[kind] * _BLOCK_BYTES[kind] if _BLOCK[kind] else 0
