@@ -57,7 +57,11 @@ CODES_AT = {Q4_0: 2, Q4_1: 4, Q5_0: 6, Q5_1: 8, Q8_0: 2}   # where a block of 32
 GROUP_TOKENS = 4                    # tokens per pass over a row in gemm (8 was slower a token: docs/performance.md)
 GROUP = 16                 # input elements per sum of x^
 FINE = 256                 # a code's step over its residue's: x^ has about 15 bits a lane (quantize_input)
-PREFETCH_ROWS = 8
+PREFETCH_ROWS = 8          # rows a GEMV prefetches ahead, at least; AHEAD_BYTES, bytes ahead by type: the types whose
+# dot outruns one thread's share of the memory bandwidth (Q8_0, Q6_K) keep more lines in flight; the others are compute
+# bound, and more rows ahead made Q4_1 slower (docs/performance.md, "Prefetch by the bytes a type streams")
+AHEAD_BYTES = np.zeros(16, np.int64)
+AHEAD_BYTES[Q8_0] = AHEAD_BYTES[Q6_K] = 24 * 1024
 # Weights a block by ggml type number for KINDS, 0 for a type not read here: a table Numba code can index.
 BLOCK_OF = np.zeros(16, np.int64)
 for _k in KINDS:
@@ -426,10 +430,13 @@ def gemv_rounded(kind, q, xr, y, lo, hi):
     cols = codes.shape[0]
     nb = cols // BLOCK_OF[kind]
     base = q.ctypes.data
-    into_l2 = ahead_into_l2(3 * cols + sums.nbytes + lane_sums.nbytes, q.shape[1], PREFETCH_ROWS)
+    ahead = max(PREFETCH_ROWS, AHEAD_BYTES[kind] // q.shape[1])
+    into_l2 = ahead_into_l2(3 * cols + sums.nbytes + lane_sums.nbytes, q.shape[1], ahead)
+    for r in range(lo, min(hi, lo + ahead)):    # the first rows too, which the loop's prefetches do not reach
+        prefetch_lines(q, r, into_l2)
     for r in range(lo, hi):
-        if r + PREFETCH_ROWS < hi:
-            prefetch_lines(q, r + PREFETCH_ROWS, into_l2)
+        if r + ahead < hi:
+            prefetch_lines(q, r + ahead, into_l2)
         y[r] = row_dot(kind, base + r * q.strides[0], nb, codes.ctypes.data, residues.ctypes.data, dx4.ctypes.data,
                        sums.ctypes.data, lane_sums.ctypes.data)
 
