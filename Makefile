@@ -129,10 +129,10 @@ $(PEER_STAMP): $(STAMP)
 	touch $(PEER_STAMP)
 
 # The default model re-quantized by llama.cpp's own llama-quantize (Q4_K_M: a Q5_0/Q8_0/Q4_K/Q6_K mix at this size;
-# Q8_0) into out/quants, then each decoded in its own blocks (--weights gguf) against the native llama-bench on the
+# Q8_0; Q5_1) into out/quants, then each decoded in its own blocks (--weights gguf) against the native llama-bench on the
 # same file, after 16 and after 512 prompt tokens, and its perplexity (wiki protocol) with the blocks and with float32.
 QUANTS := out/quants
-QUANT_TYPES := Q4_K_M Q8_0
+QUANT_TYPES := Q4_K_M Q8_0 Q5_1
 LLAMA_QUANTIZE := $(PEERS)/llama.cpp/build/bin/llama-quantize
 $(LLAMA_QUANTIZE): $(LLAMA_BENCH)
 	cd $(PEERS)/llama.cpp && $(NICE_BUILD) cmake --build build -j 2 --target llama-quantize >> build.log 2>&1
