@@ -55,7 +55,6 @@ MIN_NEURONS_PER_THREAD = 8
 _F0 = np.float32(0.0)
 
 
-
 L1_BYTES = 32 * 1024   # the smallest L1 data cache of this project's machine kinds (AMD Zen 3 and 4)
 
 
