@@ -18,7 +18,7 @@ ahead are prefetched line by line.
 """
 from __future__ import annotations
 
-from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
+from ._numba import JIT  # (first: the threading layer and the BLAS check, before numba is imported)
 
 import numpy as np  # noqa: E402
 from numba import njit, prange, types  # noqa: E402
@@ -121,7 +121,7 @@ def _rows_dot(typingctx, w, w_stride, s, s_stride, nb, x, y, n):
     return types.void(w, w_stride, s, s_stride, nb, x, y, n), codegen
 
 
-@njit(fastmath=True, cache=True, nogil=True)
+@njit(**JIT)
 def gemv(w, s, x, y, lo, hi):
     """y[r] = row r of (w, s) dotted with x for r in [lo, hi): w int8 [rows, cols], s float32 [rows, cols / 64],
     x float32 [cols], y float32 [>= hi], cols a multiple of 64; rows of w, s and x, y contiguous."""
@@ -162,7 +162,7 @@ def _int8_dot(typingctx, k, w, s, nb, x, x_stride, y, y_stride, y_rows):
     return types.void(*[types.int64] * 9), codegen
 
 
-@njit(fastmath=True, cache=True, nogil=True)
+@njit(**JIT)
 def gemm(w, s, x, y, y_rows, nt, lo, hi):
     """The batched decode's int8 GEMM (the output head, and layers with ``--weights int8``): y[y_rows[t], r] = gemv's
     y[r] for input x[t], bit for bit, t < nt, r in [lo, hi) (int8 w [rows, cols], s float32 [rows, cols / 64],
