@@ -20,7 +20,7 @@ import numpy as np
 
 from .contract import ConfigError
 
-from . import _numba  # noqa: F401  (the threading layer and the BLAS check, before numba is imported)
+from . import _numba  # (first: the threading layer and the BLAS check, before numba is imported)
 
 from llvmlite import ir  # noqa: E402
 from numba import njit, types  # noqa: E402
@@ -456,13 +456,14 @@ def _closure(modules) -> list:
 
 def purge_stale_cache(name: str, *dependencies) -> None:
     """Numba's on-disk cache keys a function on its own file only, but a handler module's cached functions have
-    the kernels and intrinsics of other files compiled into them. Drop the cache entries of cpu_offload module
-    `name` when any of `dependencies` (modules), or anything they depend on in turn (what they named here when they
-    were imported), changed."""
+    the kernels and intrinsics of other files compiled into them, and the options of _numba.JIT. Drop the cache
+    entries of cpu_offload module `name` when _numba, any of `dependencies` (modules), or anything they depend on in
+    turn (what they named here when they were imported), changed."""
     _DEPENDS[name] = dependencies
     try:
         cache_dir = lock._cache.cache_path  # this package's cache folder
-        digest = hashlib.sha256(b"".join(open(m.__file__, "rb").read() for m in _closure(dependencies))).hexdigest()
+        files = _closure((_numba, *dependencies))
+        digest = hashlib.sha256(b"".join(open(m.__file__, "rb").read() for m in files)).hexdigest()
         stamp = os.path.join(cache_dir, f"{name}.deps-sha256.txt")
         old = open(stamp).read().strip() if os.path.exists(stamp) else None
         if old != digest:

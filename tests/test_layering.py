@@ -190,7 +190,8 @@ def test_host_kernels_refuse_with_the_projects_error():
 
 def test_a_changed_kernel_purges_the_cache_of_every_module_compiled_with_it(tmp_path, monkeypatch):
     """purge_stale_cache follows dependencies through the modules that named theirs: c names b, b names a; a change
-    to a drops c's cached functions, and an unchanged tree keeps them."""
+    to a drops c's cached functions, and so does a change to _numba (the JIT options every kernel is compiled with);
+    an unchanged tree keeps them."""
     import types
 
     from cpu_offload import ffi
@@ -200,10 +201,11 @@ def test_a_changed_kernel_purges_the_cache_of_every_module_compiled_with_it(tmp_
     monkeypatch.setattr(type(ffi.lock._cache), "cache_path", property(lambda self: str(cache)))
     monkeypatch.setattr(ffi, "_DEPENDS", {})
     modules = {}
-    for n in "ab":
+    for n in ("a", "b", "_numba"):
         (tmp_path / f"{n}.py").write_text("x = 1\n")
         modules[n] = types.ModuleType(f"cpu_offload.fake_{n}")
         modules[n].__file__ = str(tmp_path / f"{n}.py")
+    monkeypatch.setattr(ffi, "_numba", modules["_numba"])
     entry = cache / "fake_c.f-1.py311.nbi"
 
     def purge():
@@ -216,4 +218,7 @@ def test_a_changed_kernel_purges_the_cache_of_every_module_compiled_with_it(tmp_
     assert purge()                           # nothing changed: kept
     (tmp_path / "a.py").write_text("x = 2\n")
     assert not purge()                       # a changed: c, compiled with b and so with a, purged
+    assert purge()
+    (tmp_path / "_numba.py").write_text("x = 2\n")
+    assert not purge()                       # the JIT options' file changed: purged
     assert purge()
