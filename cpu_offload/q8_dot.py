@@ -69,7 +69,7 @@ for _k in KINDS:
 Q4_1_BYTES = GGUF_TYPES[Q4_1].nbytes
 I8, I16 = ir.IntType(8), ir.IntType(16)
 V32I8, V64I8 = ir.VectorType(I8, 32), ir.VectorType(I8, 64)
-V4F, V8F, V8I32 = ir.VectorType(F32, 4), ir.VectorType(F32, 8), ir.VectorType(I32, 8)
+V4F, V8I32 = ir.VectorType(F32, 4), ir.VectorType(I32, 8)
 VNNI, AVX512BW = vector_ir.cpu_has("avx512vnni"), vector_ir.cpu_has("avx512bw")
 
 
@@ -241,20 +241,23 @@ def _widen(b, v, n):
 
 
 def k45_scales(b, bp):
-    """A Q4_K / Q5_K block's eight (scale, min) pairs as two <8 x float> (d sc_j, dmin m_j), unpacked as llama.cpp's
-    get_scale_min_k4 in eight lanes at once: for j < 4, sc = q[j] & 63 and m = q[j + 4] & 63; for j >= 4,
-    sc = (q[j + 4] & 15) | (q[j - 4] >> 6) << 4 and m = q[j + 4] >> 4 | (q[j] >> 6) << 4 (q: the 12 bytes at
-    bp + 4). Each lane's products are the ones a scalar decode computes."""
-    c8 = lambda vals: ir.Constant(V8I32, list(vals))  # noqa: E731
-    q = b.zext(load(b, b.add(bp, I64(4)), V16I8, 1), V16I32)     # the 12 scale bytes, then 4 code bytes (unused)
-    top = lambda idx: b.shl(b.lshr(_lanes(b, q, idx), c8([6] * 8)), c8([4] * 8))  # noqa: E731
-    upper = c8([0] * 4 + [-1] * 4)              # lanes j >= 4 take the top bits
-    sc = b.or_(b.and_(_lanes(b, q, [0, 1, 2, 3, 8, 9, 10, 11]), c8([63] * 4 + [15] * 4)),
-               b.and_(top([0, 1, 2, 3, 0, 1, 2, 3]), upper))
-    mn = b.or_(b.and_(b.lshr(_lanes(b, q, [4, 5, 6, 7, 8, 9, 10, 11]), c8([0] * 4 + [4] * 4)), c8([63] * 8)),
-               b.and_(top([4, 5, 6, 7, 4, 5, 6, 7]), upper))
-    d8 = lambda at: _lanes(b, half_splat(b, b.add(bp, I64(at))), range(8))  # noqa: E731
-    return b.fmul(d8(0), b.uitofp(sc, V8F)), b.fmul(d8(2), b.uitofp(mn, V8F))
+    """A Q4_K / Q5_K block's eight (scale, min) pairs as one <16 x float>: d sc_j in lane j, dmin m_j in lane 8 + j.
+    The 6-bit fields are unpacked as llama.cpp's get_scale_min_k4, four at a time in 32-bit words (q0, q1, q2: the
+    12 bytes at bp + 4): bytewise, sc_0..3 = q0 & 63, m_0..3 = q1 & 63, sc_4..7 = (q2 & 15) | (q0 >> 6) << 4 and
+    m_4..7 = (q2 >> 4) | (q1 >> 6) << 4. In general-purpose registers, which the GEMVs leave idle: the same unpacking
+    in vector lanes cost a tenth of a block's time (docs/performance.md). Each lane's product is a scalar decode's."""
+    q0, q1, q2 = (load(b, b.add(bp, I64(4 + 4 * k)), I32, 1) for k in range(3))
+    mask = lambda word, bits: b.and_(word, ir.Constant(I32, bits))  # noqa: E731
+    top = lambda word: b.shl(mask(b.lshr(word, ir.Constant(I32, 6)), 0x03030303), ir.Constant(I32, 4))  # noqa: E731
+    sc_hi = b.or_(mask(q2, 0x0F0F0F0F), top(q0))
+    m_hi = b.or_(mask(b.lshr(q2, ir.Constant(I32, 4)), 0x0F0F0F0F), top(q1))
+    # two 64-bit moves into the vector, not four of 32
+    pair = lambda lo, hi: b.or_(b.zext(lo, I64), b.shl(b.zext(hi, I64), I64(32)))  # noqa: E731
+    v = ir.Constant(ir.VectorType(I64, 2), ir.Undefined)
+    v = b.insert_element(v, pair(mask(q0, 0x3F3F3F3F), sc_hi), I32(0))
+    v = b.insert_element(v, pair(mask(q1, 0x3F3F3F3F), m_hi), I32(1))
+    dm = b.fpext(_two_halves(b, bp), ir.VectorType(F32, 2))                         # (d, dmin)
+    return b.fmul(b.uitofp(b.bitcast(v, V16I8), V16F), _lanes(b, dm, [0] * 8 + [1] * 8))
 
 
 def _emit_k45(rows, kind, bp, e):
@@ -262,7 +265,7 @@ def _emit_k45(rows, kind, bp, e):
     nibbles of bytes 32c..32c+31 (sub-block 2c) then their high nibbles (2c + 1), Q5_K's fifth bits from qh bits 2c
     and 2c + 1."""
     b = rows[0].b
-    scales, mins = k45_scales(b, bp)
+    scales = k45_scales(b, bp)
     qs = 48 if kind == Q5_K else 16
     qh = load(b, b.add(bp, I64(16)), V32I8, 1) if kind == Q5_K else None
     for c in range(4):
@@ -274,7 +277,7 @@ def _emit_k45(rows, kind, bp, e):
         for row in rows:
             row.run(w, b.add(e, I64(64 * c)), _lanes(b, scales, [2 * c] * 8 + [2 * c + 1] * 8))
     for row in rows:
-        row.offsets(e, _lanes(b, b.fneg(mins), [j // 2 for j in range(16)]))     # w = d sc q - dmin m
+        row.offsets(e, b.fneg(_lanes(b, scales, [8 + j // 2 for j in range(16)])))     # w = d sc q - dmin m
 
 
 def _emit_q6_k(rows, bp, e):

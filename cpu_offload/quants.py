@@ -139,18 +139,15 @@ def _emit_k45(row, kind, bp, x0):
     bytes 32c..32c+31, with scale and min from q8_dot.k45_scales. A loop over c, not unrolled: the block unrolled kept
     about 55 values on the stack (16 AVX2 registers for 16-lane vectors)."""
     b = row.b
-    v8f = ir.VectorType(F32, 8)
-    table = [cgutils.alloca_once(b, v8f) for _ in range(2)]   # the entry block's: no stack growth per block
-    scales, mins = q8_dot.k45_scales(b, bp)
-    for slot, v in zip(table, (scales, b.fneg(mins))):
-        b.store(v, slot)
-    vector_ir.memory_fence(b, *table)
+    table = cgutils.alloca_once(b, V16F)   # d sc_j, -dmin m_j; the entry block's: no stack growth per block
+    b.store(b.fmul(q8_dot.k45_scales(b, bp), ir.Constant(V16F, [1.0] * 8 + [-1.0] * 8)), table)
+    vector_ir.memory_fence(b, table)
     qs = 48 if kind == Q5_K else 16
     with cgutils.for_range(b, I64(4)) as loop:
         c = loop.index
         for h in range(2):
             j = b.add(b.mul(c, I64(2)), I64(h))
-            scale, minus_m = (_stored_lane(b, t, j) for t in table)
+            scale, minus_m = _stored_lane(b, table, j), _stored_lane(b, table, b.add(j, I64(8)))
             for g in range(2):
                 code = _nibbles(row, b.add(row.addr(bp, qs + 16 * g), b.mul(c, I64(32))), 4 * h)
                 if kind == Q5_K:
