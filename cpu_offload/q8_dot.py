@@ -58,10 +58,11 @@ GROUP_TOKENS = 4                    # tokens per pass over a row in gemm (8 was 
 GROUP = 16                 # input elements per sum of x^
 FINE = 256                 # a code's step over its residue's: x^ has about 15 bits a lane (quantize_input)
 PREFETCH_ROWS = 8          # rows a GEMV prefetches ahead, at least; AHEAD_BYTES, bytes ahead by type: the types whose
-# dot outruns one thread's share of the memory bandwidth (Q8_0, Q6_K) keep more lines in flight; the others are compute
-# bound, and more rows ahead made Q4_1 slower (docs/performance.md, "Prefetch by the bytes a type streams")
+# dot outruns one thread's share of the memory bandwidth (Q8_0, Q6_K, and Q4_K, Q5_K since their scales are unpacked
+# in integers) keep more lines in flight; the others are compute bound, and more rows ahead made Q4_1 slower
+# (docs/performance.md, "Prefetch by the bytes a type streams", "K-quant scales in general-purpose registers")
 AHEAD_BYTES = np.zeros(16, np.int64)
-AHEAD_BYTES[Q8_0] = AHEAD_BYTES[Q6_K] = 24 * 1024
+AHEAD_BYTES[[Q8_0, Q6_K, Q4_K, Q5_K]] = 24 * 1024
 # Weights a block by ggml type number for KINDS, 0 for a type not read here: a table Numba code can index.
 BLOCK_OF = np.zeros(16, np.int64)
 for _k in KINDS:
