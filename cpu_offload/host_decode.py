@@ -164,10 +164,8 @@ def _matvec(header, layer, slot, rows, x, xr, y, lo, hi):
     """y[lo:hi] = rows lo..hi-1 of the layer's matrix in slot times x (xr: rounded_input(header, x))."""
     entry = load_i64(header + 8 * H_TABLE) + 8 * (L_WIDTH * layer + slot)
     fmt = load_i64(header + 8 * H_FORMAT)
-    if fmt == F_INT8:
-        gemv_at(INT8, load_i64(entry), load_i64(entry + 8), rows, x, xr, y, lo, hi, False)
-    else:
-        gemv_at(load_i64(entry + 8), load_i64(entry), 0, rows, x, xr, y, lo, hi, fmt == F_BLOCKS)
+    code, scales = (INT8, load_i64(entry + 8)) if fmt == F_INT8 else (load_i64(entry + 8), 0)
+    gemv_at(code, load_i64(entry), scales, rows, x, xr, y, lo, hi, fmt == F_BLOCKS)
 
 
 @njit(**NOJIT)
@@ -263,14 +261,12 @@ def _stage_py(header, tid, n):
         hr = rounded_input(header, h)
         _matvec(header, layer, L_GATE, ff, h, hr, gate, lo, hi)
         _matvec(header, layer, L_UP, ff, h, hr, up, lo, hi)
-        code = load_i64(header + 8 * H_ACT)
-        act_span(gate, up, lo, hi, code)
+        act_span(gate, up, lo, hi, load_i64(header + 8 * H_ACT))
     elif stage == ST_DOWN:
         lo, hi = thread_share(d, tid, n, 4)
         _matvec(header, layer, L_DOWN, d, gate, rounded_input(header, gate), down, lo, hi)
     elif stage == ST_HEAD:
         head_share(header, h, tid, n)
-
 
 
 ffi.purge_stale_cache("host_decode", attention, activation, blocks, kernels, ffi, int8, q4, q8_dot, quants, tables,
