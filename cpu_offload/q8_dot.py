@@ -70,7 +70,7 @@ for _k in KINDS:
 Q4_1_BYTES = GGUF_TYPES[Q4_1].nbytes
 I8, I16 = ir.IntType(8), ir.IntType(16)
 V32I8, V64I8 = ir.VectorType(I8, 32), ir.VectorType(I8, 64)
-V4F, V8I32 = ir.VectorType(F32, 4), ir.VectorType(I32, 8)
+V2F, V4F, V8I32 = ir.VectorType(F32, 2), ir.VectorType(F32, 4), ir.VectorType(I32, 8)
 VNNI, AVX512BW = vector_ir.cpu_has("avx512vnni"), vector_ir.cpu_has("avx512bw")
 
 
@@ -242,7 +242,8 @@ def _widen(b, v, n):
 
 
 def k45_scales(b, bp):
-    """A Q4_K / Q5_K block's eight (scale, min) pairs as one <16 x float>: d sc_j in lane j, dmin m_j in lane 8 + j.
+    """A Q4_K / Q5_K block's eight (scale, min) pairs as one <16 x float>: d sc_j in lane j, -dmin m_j in lane 8 + j
+    (w = d sc_j q + (-dmin m_j)).
     The 6-bit fields are unpacked as llama.cpp's get_scale_min_k4, four at a time in 32-bit words (q0, q1, q2: the
     12 bytes at bp + 4): bytewise, sc_0..3 = q0 & 63, m_0..3 = q1 & 63, sc_4..7 = (q2 & 15) | (q0 >> 6) << 4 and
     m_4..7 = (q2 >> 4) | (q1 >> 6) << 4. In general-purpose registers, which the GEMVs leave idle: the same unpacking
@@ -257,7 +258,7 @@ def k45_scales(b, bp):
     v = ir.Constant(ir.VectorType(I64, 2), ir.Undefined)
     v = b.insert_element(v, pair(mask(q0, 0x3F3F3F3F), sc_hi), I32(0))
     v = b.insert_element(v, pair(mask(q1, 0x3F3F3F3F), m_hi), I32(1))
-    dm = b.fpext(_two_halves(b, bp), ir.VectorType(F32, 2))                         # (d, dmin)
+    dm = b.fmul(b.fpext(_two_halves(b, bp), V2F), ir.Constant(V2F, [1.0, -1.0]))        # (d, -dmin)
     return b.fmul(b.uitofp(b.bitcast(v, V16I8), V16F), _lanes(b, dm, [0] * 8 + [1] * 8))
 
 
@@ -278,7 +279,7 @@ def _emit_k45(rows, kind, bp, e):
         for row in rows:
             row.run(w, b.add(e, I64(64 * c)), _lanes(b, scales, [2 * c] * 8 + [2 * c + 1] * 8))
     for row in rows:
-        row.offsets(e, b.fneg(_lanes(b, scales, [8 + j // 2 for j in range(16)])))     # w = d sc q - dmin m
+        row.offsets(e, _lanes(b, scales, [8 + j // 2 for j in range(16)]))     # w = d sc q - dmin m
 
 
 def _emit_q6_k(rows, bp, e):

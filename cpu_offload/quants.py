@@ -140,7 +140,7 @@ def _emit_k45(row, kind, bp, x0):
     about 55 values on the stack (16 AVX2 registers for 16-lane vectors)."""
     b = row.b
     table = cgutils.alloca_once(b, V16F)   # d sc_j, -dmin m_j; the entry block's: no stack growth per block
-    b.store(b.fmul(q8_dot.k45_scales(b, bp), ir.Constant(V16F, [1.0] * 8 + [-1.0] * 8)), table)
+    b.store(q8_dot.k45_scales(b, bp), table)
     vector_ir.memory_fence(b, table)
     qs = 48 if kind == Q5_K else 16
     with cgutils.for_range(b, I64(4)) as loop:
