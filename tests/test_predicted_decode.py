@@ -108,7 +108,7 @@ def test_host_decode_is_the_xla_model_masked_by_the_same_predictor(tmp_path, ffn
     tokens = jnp.asarray([prompt + [0] * (gen.bucket(n, gen.MIN_PROMPT_BUCKET) - n)], jnp.int32)
     params, stops, ids = Sampling().params(), jnp.asarray([-1] * gen.MAX_STOP_IDS), []
     for m in (model, reference):
-        graph, state = gen.Graph(nnx.split(m)[0]), nnx.split(m)[1]
+        graph, state = gen.split(*nnx.split(m))
         key, sub = jax.random.split(jax.random.key(0))
         first, cache = gen.prefill(graph, state, tokens, jnp.int32(n), sub, params, cache_len=cache_len, greedy=True)
         out, count, *_ = gen.decode_chunk(graph, state, first, jnp.int32(n), cache, key, params, recent_ids(prompt),
@@ -134,7 +134,7 @@ def test_a_powerinfer_file_runs_sparse_by_default_and_dense_when_asked(tmp_path,
     assert Engine.load(path, dense=True).backend.name == "powerinfer-dense"
     prompt = engine.tokenizer.encode("hello world")
     _, reference, _, _ = load(path)
-    graph, state = gen.Graph(nnx.split(reference)[0]), nnx.split(reference)[1]
+    graph, state = gen.split(*nnx.split(reference))
     key, sub = jax.random.split(jax.random.key(0))
     tokens = jnp.asarray([prompt + [0] * (gen.MIN_PROMPT_BUCKET - len(prompt))], jnp.int32)
     params = Sampling().params()

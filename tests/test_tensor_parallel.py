@@ -121,7 +121,7 @@ def unsplit(q4_engine):
 
     e = q4_engine
     ids = [e.tokenizer.encode(p) for p in PROMPTS]
-    model = e.graph.merge(e.state)
+    model = e.model_args[0].merge(e.model_args[1])
     logits = jax.jit(lambda t: model.decode(t, 0, KVCache.create(model.config, 1, 256))[0])(np.int32(ids[0][0]))
     out = [e.generate(p, max_new_tokens=TOKENS, stop_ids=[]) for p in ids]
     return {"ids": out, "logits": np.asarray(logits), "logp": e.token_logprobs(np.array([ids[0] + out[0][:24]]))[0],

@@ -35,14 +35,14 @@ def main() -> None:
     engine = Engine.load(args.model, weights=args.weights, parallel=n > 0)
     ids = [engine.tokenizer.encode(p) for p in prompts]
     out = [engine.generate(p, max_new_tokens=tokens, stop_ids=[]) for p in ids]
-    graph = engine.graph
+    graph, state = engine.model_args
 
     @jax.jit
     def first_logits(state, token):
         model = graph.merge(state)
         return model.decode(token, 0, KVCache.create(model.config, 1, 256))[0]
 
-    logits = np.asarray(first_logits(engine.state, np.int32(ids[0][0])))
+    logits = np.asarray(first_logits(state, np.int32(ids[0][0])))
     logp = engine.token_logprobs(np.array([ids[0] + out[0][:24]]))   # scoring: decode steps when split
     rows = np.zeros((2, 32), np.int32)
     rows[0, :len(ids[0])] = ids[0]

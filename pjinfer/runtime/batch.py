@@ -267,7 +267,7 @@ class Batch:
         e = self.engine
         count = min(steps, s.remaining)
         out, n, self.caches[s.slot], key, recent = gen.decode_chunk(
-            e.graph, e.state, np.int32(s.token), np.int32(s.position + 1), self.caches[s.slot],
+            *e.model_args, np.int32(s.token), np.int32(s.position + 1), self.caches[s.slot],
             jax.random.wrap_key_data(jax.device_put(s.key)), s.sampling.params(), s.recent, s.stops,
             np.int32(count), chunk=steps, greedy=s.sampling.greedy)
         self._took(s, np.asarray(out)[:int(n)].tolist(), np.asarray(jax.random.key_data(key)), np.asarray(recent))
@@ -303,7 +303,7 @@ class Batch:
         mode = "greedy" if greedy.all() else "mixed"
         e = self.engine
         out, count, self.pool, keys, recent = _steps(
-            e.graph, e.state, self.decoder, self.waker, None if rows is None else jnp.asarray(rows, jnp.int32),
+            *e.model_args, self.decoder, self.waker, None if rows is None else jnp.asarray(rows, jnp.int32),
             jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(remaining), jnp.asarray(stops), self.pool,
             jnp.asarray(keys), tuple(jnp.asarray(p) for p in params), jnp.asarray(recent), jnp.asarray(greedy),
             mode=mode, steps=steps)

@@ -131,12 +131,13 @@ class Engine:
         self.bundle, self.backend, self.hot_backend = bundle, backend, hot_backend
 
     @property
-    def graph(self) -> gen.Graph:
-        """self.graphdef as the jitted functions' static argument (made again when graphdef is replaced)."""
-        graph = getattr(self, "_graph", None)
-        if graph is None or graph.graphdef is not self.graphdef:
-            graph = self._graph = gen.Graph(self.graphdef)
-        return graph
+    def model_args(self) -> tuple[gen.Graph, list]:
+        """(graph, state) as the jitted functions of pjinfer.runtime.generate take them (gen.split of graphdef and
+        state; made again when either is replaced)."""
+        made = getattr(self, "_model_args", None)
+        if made is None or made[0] is not self.graphdef or made[1] is not self.state:
+            made = self._model_args = (self.graphdef, self.state, *gen.split(self.graphdef, self.state))
+        return made[2], made[3]
 
     @property
     def path(self) -> str:
@@ -191,7 +192,7 @@ class Engine:
         key (default: sampling.seed's)."""
         padded = min(gen.bucket(len(prompt_ids), gen.MIN_PROMPT_BUCKET), cache_len)
         key = jax.random.key(sampling.seed) if key is None else key
-        return gen.prefill(self.graph, self.state, self.pad_prompt(prompt_ids, padded),
+        return gen.prefill(*self.model_args, self.pad_prompt(prompt_ids, padded),
                            np.int32(len(prompt_ids)), key, sampling.params(), cache_len=cache_len,
                            greedy=sampling.greedy, rows=self.prompt_rows(padded))
 
@@ -238,7 +239,7 @@ class Engine:
             lengths = np.full(len(tokens), tokens.shape[1]) if lengths is None else np.asarray(lengths)
             logp, greedy, _ = self._stepped(tokens, lengths - 1)
         else:
-            logp, greedy = gen.token_logprobs(self.graph, self.state, jnp.asarray(tokens))
+            logp, greedy = gen.token_logprobs(*self.model_args, jnp.asarray(tokens))
         return (np.asarray(logp), np.asarray(greedy)) if with_greedy else np.asarray(logp)
 
     def last_logprobs(self, tokens: np.ndarray, lengths) -> np.ndarray:
@@ -247,7 +248,7 @@ class Engine:
         tokens = self._check_len(tokens)
         if self.backend.parallel:
             return self._stepped(tokens, np.asarray(lengths))[2]
-        return np.asarray(gen.last_logprobs(self.graph, self.state, jnp.asarray(tokens),
+        return np.asarray(gen.last_logprobs(*self.model_args, jnp.asarray(tokens),
                                             jnp.asarray(lengths, jnp.int32)))
 
     def _check_len(self, tokens) -> np.ndarray:
@@ -264,7 +265,7 @@ class Engine:
         out = (np.zeros((b, t - 1), np.float32), np.zeros((b, t - 1), bool),
                np.zeros((b, self.config.vocab_size), np.float32))
         for r in np.flatnonzero(steps > 0):
-            got = gen.stepped_logprobs(self.graph, self.state, tokens[r][None], np.int32(steps[r]),
+            got = gen.stepped_logprobs(*self.model_args, tokens[r][None], np.int32(steps[r]),
                                        cache_len=cache_len)
             for into, row in zip(out, got):
                 into[r] = np.asarray(row[0])

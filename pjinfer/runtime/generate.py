@@ -2,8 +2,8 @@
 
 Shapes are bucketed so a handful of executables serve every request: the prompt is padded to a
 power of two (at least 16) and the cache to a power of two (at least 256) that holds prompt plus
-new tokens. Each function takes the model split into (graph, state): graph (a `Graph`) is static, state
-is a pytree of weights, so nothing recompiles when the values change.
+new tokens. Each function takes the model as `split` gives it, (graph, state): graph (a `Graph`) is static, state
+the list of its arrays, so nothing recompiles when the values change.
 """
 from __future__ import annotations
 
@@ -24,21 +24,30 @@ STREAM_CHUNK = 8   # decode steps per dispatch when streaming (Engine.stream; th
 
 
 class Graph:
-    """A model's nnx graphdef as a jit static argument, hashed once. jit hashes its static arguments on every
-    call, and flax's GraphDef hashes its whole node tree each time (a large share of a decode step)."""
-    __slots__ = ("graphdef", "_hash")
+    """A model's nnx graphdef and the layout of its state's leaves, as a jit static argument, hashed once: jit
+    hashes its static arguments on every call, and flax's GraphDef hashes its whole node tree each time (a large
+    share of a decode step). The state travels as the flat list of its arrays (`split`): jit flattens a list in
+    C++, an nnx.State through a Python callback per variable on every call."""
+    __slots__ = ("graphdef", "treedef", "_hash")
 
-    def __init__(self, graphdef):
-        self.graphdef, self._hash = graphdef, hash(graphdef)
+    def __init__(self, graphdef, treedef):
+        self.graphdef, self.treedef, self._hash = graphdef, treedef, hash((graphdef, treedef))
 
     def __hash__(self) -> int:
         return self._hash
 
     def __eq__(self, other) -> bool:
-        return self is other or (isinstance(other, Graph) and self.graphdef == other.graphdef)
+        return self is other or (isinstance(other, Graph) and self.graphdef == other.graphdef
+                                 and self.treedef == other.treedef)
 
-    def merge(self, state):
-        return nnx.merge(self.graphdef, state)
+    def merge(self, leaves):
+        return nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self.treedef, leaves))
+
+
+def split(graphdef, state) -> tuple[Graph, list]:
+    """(graph, leaves): the model (nnx.split's two parts) as every function here takes it."""
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    return Graph(graphdef, treedef), leaves
 
 
 def bucket(n: int, minimum: int) -> int:
