@@ -181,6 +181,9 @@ def test_decode_rate_counts_only_the_timed_decode_steps():
     assert decode_rate([0.0, 10.0, 11.0]) is None          # one decode step: nothing to time
     assert decode_rate([0.0, 10.0]) is None and decode_rate([0.0]) is None
     assert decode_rate([0.0, 10.0, 10.0, 10.0]) is None    # no time passed: no rate rather than infinity
+    # Less the compilation after the first token (the decode loop's executable, during the first chunk).
+    assert decode_rate(marks, 2.0) == pytest.approx(4 / 2.0)
+    assert decode_rate(marks, 4.0) is None
 
 
 def test_bench_decode_is_not_made_fast_by_a_slow_one_token_run():

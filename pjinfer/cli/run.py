@@ -65,6 +65,7 @@ def cmd_generate(args):
     out, interrupted = [], False
     decoder = StreamDecoder(tok, args.stop)
     marks = [time.perf_counter()]                 # start, then after each token
+    compiled = 0.0                                # compile seconds up to the first token
     try:
         for token in engine.stream(ids, max_new_tokens=args.max_new_tokens, sampling=sampling):
             out.append(token)
@@ -72,6 +73,7 @@ def cmd_generate(args):
             marks.append(time.perf_counter())
             if len(out) == 1:
                 kernel_notice.finish()     # the kernels the first prompt needed are compiled by now
+                compiled = stats.seconds
             if not args.json:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
@@ -84,7 +86,7 @@ def cmd_generate(args):
         sys.stdout.write(rest + "\n")
         sys.stdout.flush()          # the text ends before the summary line on stderr
     reason = finish_reason(interrupted, decoder.stop, len(out), args.max_new_tokens)
-    timing = _generate_timing(engine, stats, marks, len(ids), len(out))
+    timing = _generate_timing(engine, stats, marks, len(ids), len(out), stats.seconds - compiled)
     seed = None if sampling.greedy else sampling.seed
     if args.json:
         print(json.dumps({"text": decoder.text, "token_ids": decoder.text_ids(), "finish_reason": reason,
@@ -136,10 +138,11 @@ def _prompt_text(args) -> str:
     return text
 
 
-def _generate_timing(engine, stats, marks, prompt_tokens, new_tokens) -> dict:
+def _generate_timing(engine, stats, marks, prompt_tokens, new_tokens, decode_compile_s) -> dict:
     """prefill_s: start to the first token (prefill and, on a cold cache, its compilation); decode_tok_s:
-    decode_rate(marks)."""
-    decode = decode_rate(marks)
+    decode_rate(marks, decode_compile_s), decode_compile_s the compilation after the first token (the decode loop's
+    executable, built or read from the disk cache during the first chunk)."""
+    decode = decode_rate(marks, decode_compile_s)
     return {"load_s": round(engine.load_seconds, 3), "compile_s": round(stats.seconds, 3),
             "executables": stats.executables, "from_disk_cache": stats.cache_hits,
             "prefill_s": round(marks[1] - marks[0], 3) if new_tokens else None,
@@ -147,14 +150,16 @@ def _generate_timing(engine, stats, marks, prompt_tokens, new_tokens) -> dict:
             "generate_s": round(marks[-1] - marks[0], 3), "prompt_tokens": prompt_tokens, "new_tokens": new_tokens}
 
 
-def decode_rate(marks) -> float | None:
+def decode_rate(marks, compile_s: float = 0.0) -> float | None:
     """Tokens per second of the decode steps alone. marks: clock readings at the start and after each token. The
-    first token comes from the prefill, so the rate counts the tokens after it over the time since it arrived
-    (tokens come in chunks: two marks can be equal). None with fewer than 2 decode steps (nothing to time)."""
+    first token comes from the prefill, so the rate counts the tokens after it over the time since it arrived, less
+    compile_s, the compilation in that time (tokens come in chunks: two marks can be equal). None with fewer than 2
+    decode steps (nothing to time)."""
     steps = len(marks) - 2
-    if steps < 2 or marks[-1] <= marks[1]:
+    if steps < 2:
         return None
-    return steps / (marks[-1] - marks[1])
+    seconds = marks[-1] - marks[1] - compile_s
+    return steps / seconds if seconds > 0 else None
 
 
 def cmd_chat(args):
