@@ -133,7 +133,7 @@ class Engine:
     @property
     def model_args(self) -> tuple[gen.Graph, list]:
         """(graph, state) as the jitted functions of pjinfer.runtime.generate take them (gen.split of graphdef and
-        state; made again when either is replaced)."""
+        state; made again when either is replaced, as use_bundle does, not when one is changed in place)."""
         made = getattr(self, "_model_args", None)
         if made is None or made[0] is not self.graphdef or made[1] is not self.state:
             made = self._model_args = (self.graphdef, self.state, *gen.split(self.graphdef, self.state))
