@@ -246,8 +246,9 @@ def k45_scales(b, bp):
     (w = d sc_j q + (-dmin m_j)).
     The 6-bit fields are unpacked as llama.cpp's get_scale_min_k4, four at a time in 32-bit words (q0, q1, q2: the
     12 bytes at bp + 4): bytewise, sc_0..3 = q0 & 63, m_0..3 = q1 & 63, sc_4..7 = (q2 & 15) | (q0 >> 6) << 4 and
-    m_4..7 = (q2 >> 4) | (q1 >> 6) << 4. In general-purpose registers, which the GEMVs leave idle: the same unpacking
-    in vector lanes cost a tenth of a block's time (docs/performance.md). Each lane's product is a scalar decode's."""
+    m_4..7 = (q2 >> 4) | (q1 >> 6) << 4. In general-purpose registers, which the GEMVs leave idle: in vector lanes the
+    same unpacking took the vector units that bound the kernel (docs/performance.md, "K-quant scales in
+    general-purpose registers"). Each lane's product is a scalar decode's."""
     q0, q1, q2 = (load(b, b.add(bp, I64(4 + 4 * k)), I32, 1) for k in range(3))
     mask = lambda word, bits: b.and_(word, ir.Constant(I32, bits))  # noqa: E731
     top = lambda word: b.shl(mask(b.lshr(word, ir.Constant(I32, 6)), 0x03030303), ir.Constant(I32, 4))  # noqa: E731
