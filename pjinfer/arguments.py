@@ -15,3 +15,16 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def layer_count(text: str) -> int | str:
+    """argparse type: a whole number >= 0, or "all" (--offload-layers); the model's own bound is checked later."""
+    if text == "all":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of layers or all, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value

@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pjinfer.arguments import positive_int
+from pjinfer.arguments import layer_count, positive_int
 from pjinfer.config import BRIDGES, COLD_WEIGHTS, HOT_BACKENDS, SPARSE_RULES, WEIGHT_CHOICES, ConfigError
 
 
@@ -54,6 +54,9 @@ def weight_options(p, many=False):
                    "every matrix in XLA (the exact reference); int8 (a scale per block of 64), q4_1 (the GGUF's "
                    "4-bit blocks, head int8) or gguf (every matrix in the file's own block type): one-token steps "
                    "on the host's Numba kernels (cpu_offload.host_decode), prefill through XLA on the same values")
+    p.add_argument("--offload-layers", type=layer_count, metavar="K", help="llama.cpp's -ngl: the first K layers "
+                   "run whole in XLA (the accelerator, or the CPU's XLA) on the file's blocks, the rest and the head on "
+                   "the host decode; all: every layer and the head in XLA (default: the --weights path alone)")
     p.add_argument("--dense", action="store_true", help="a PowerInfer file: compute every neuron (by default it "
                    "runs sparse with its own predictors, as PowerInfer does)")
 
@@ -115,8 +118,8 @@ def plan(args, bundle=None, weights=None):
         args.model, weights=weights or getattr(args, "weights", "float32"), bundle=bundle,
         sparse_rule=getattr(args, "sparse_rule", "auto"), hot_backend=getattr(args, "hot_backend", "xla"),
         cold_weights=getattr(args, "cold_weights", "float32"), bridge=getattr(args, "bridge", "auto"),
-        dense=getattr(args, "dense", False),
-        parallel=getattr(args, "parallel", False)))
+        dense=getattr(args, "dense", False), parallel=getattr(args, "parallel", False),
+        offload_layers=getattr(args, "offload_layers", None)))
 
 
 def load(args, bundle=None, weights=None, *, plan_made=None, until_first_token=False):

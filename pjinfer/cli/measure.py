@@ -95,7 +95,7 @@ def cmd_bench(args):
     sparse = common.plan(args, args.bundle, weights="auto") if args.bundle or own_predictors else None
     if sparse and sparse.weights not in formats:
         dense.append(dense_plan(sparse.weights))   # sparse is measured against the dense engine of its own weights
-    engines = {bench.engine_name(p.weights): common.load(args, plan_made=p) for p in dense}
+    engines = {bench.engine_name(p.weights, p.layers): common.load(args, plan_made=p) for p in dense}
     if sparse:
         engines["sparse"] = common.load(args, plan_made=sparse)
     result = bench.run(engines, prompt_len=args.prompt_len, new_tokens=args.new_tokens, runs=args.runs,

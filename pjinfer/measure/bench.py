@@ -50,9 +50,11 @@ def _runner(engine: Engine, prompt: list[int], new_tokens: int, sampling: Sampli
     return prefill, whole
 
 
-def engine_name(weights: str) -> str:
-    """The name `pjinfer bench` gives the dense engine of a weights format in its results."""
-    return "dense" if weights == "float32" else f"dense-{weights}"
+def engine_name(weights: str, layers: tuple[int, int] | None = None) -> str:
+    """The name `pjinfer bench` gives the dense engine of a weights format in its results; with a layer split
+    (backends.Plan.layers), how many layers ran in XLA."""
+    name = "dense" if weights == "float32" else f"dense-{weights}"
+    return name if layers is None else f"{name}-xla{layers[0]}"
 
 
 class BenchError(ConfigError):

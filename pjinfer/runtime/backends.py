@@ -18,13 +18,18 @@ what this platform cannot. The engine builds the plan's backend; the CLI, the se
     powerinfer         gguf         predictors  xla                           cpu         no
     powerinfer-dense   gguf         -           xla                           cpu         no
     tensor-parallel    q4_1, gguf   -           xla                           cpu         no
+    layer-split        q4_1, int8,  -           xla                           cpu (**)    no
+                       gguf
 
 (*) "pallas" compiles its kernels for a GPU (pjinfer.runtime.gathered.pallas_interpret). "batched": the
 server's scheduler decodes concurrent requests in one step (pjinfer.runtime.batch); the others take turns.
 The two powerinfer rows run a PowerInfer file (its layers store neuron rows, ffn_down_t) on the host, sparse with
 the file's own predictors (no bundle: pjinfer.runtime.predicted) or dense (--dense); the other host rows read
 llama.cpp's layout only, and the float32 rows read either. The tensor-parallel row splits the host decode over
-the processes `jax.distributed` joined (Request.parallel; pjinfer.runtime.tensor_parallel).
+the processes `jax.distributed` joined (Request.parallel; pjinfer.runtime.tensor_parallel). The layer-split row is
+llama.cpp's -ngl (Request.offload_layers, `--offload-layers K`): the first K layers run whole in XLA (the device) on
+the stored blocks, dequantized where used, and the rest with the head on the host decode. (**) With every layer in
+XLA no host decoder is built, so that split runs on any platform.
 """
 from __future__ import annotations
 
@@ -59,7 +64,8 @@ class Backend:
     """One way of running a model. rule: None (dense), THRESHOLDS or PREDICTORS; host: one-token steps run on
     the host decoder (cpu_offload's FFI targets, registered for the CPU only); batched: concurrent requests
     decode in one step; neuron_rows: the file's layout it reads, PowerInfer's (True), llama.cpp's (False) or
-    either (None); parallel: split over processes (tensor parallel), one-token steps only."""
+    either (None); parallel: split over processes (tensor parallel), one-token steps only; split: the first
+    layers in XLA, the rest on the host decoder (Request.offload_layers)."""
     name: str
     weights: tuple[str, ...]
     rule: str | None
@@ -68,14 +74,21 @@ class Backend:
     batched: bool
     neuron_rows: bool | None = False
     parallel: bool = False
+    split: bool = False
 
     def runs(self, weights: str, rule: str | None, hot_backend: str, neuron_rows: bool = False,
-             parallel: bool = False) -> bool:
+             parallel: bool = False, split: bool = False) -> bool:
         return (weights in self.weights and rule == self.rule and hot_backend in self.hot_backends
-                and self.neuron_rows in (None, neuron_rows) and self.parallel == parallel)
+                and self.neuron_rows in (None, neuron_rows) and self.parallel == parallel and self.split == split)
 
-    def describe(self, weights: str, hot_backend: str, bundle=None) -> str:
-        """The path in words, as the CLI prints it: the weights, and the sparse rule with its bundle."""
+    def describe(self, weights: str, hot_backend: str, bundle=None, layers: tuple[int, int] | None = None) -> str:
+        """The path in words, as the CLI prints it: the weights, and the sparse rule with its bundle, or where a
+        layer split's layers run (layers: (in XLA, in all))."""
+        if self.split:
+            k, n = layers
+            xla = f"layers 0-{k - 1} in XLA on the {jax.default_backend()}" if k else "no layer in XLA"
+            host = "the head in XLA too" if k == n else f"layers {k}-{n - 1} and the head on the host decode"
+            return f"weights {weights}, {xla}, {host}"
         if self.parallel:
             return f"weights {weights}, tensor parallel over {jax.process_count()} processes"
         if self.rule is None:
@@ -99,13 +112,15 @@ BACKENDS = (
     Backend("powerinfer", ("gguf",), PREDICTORS, ("xla",), host=True, batched=False, neuron_rows=True),
     Backend("powerinfer-dense", ("gguf",), None, ("xla",), host=True, batched=False, neuron_rows=True),
     Backend("tensor-parallel", ("q4_1", "gguf"), None, ("xla",), host=True, batched=False, parallel=True),
+    Backend("layer-split", ("q4_1", "int8", "gguf"), None, ("xla",), host=True, batched=False, split=True),
 )
 
 
 def select(weights: str, rule: str | None = None, hot_backend: str = "xla", cold_weights: str = "float32", *,
-           neuron_rows: bool = False, parallel: bool = False) -> Backend:
+           neuron_rows: bool = False, parallel: bool = False, split: bool = False) -> Backend:
     """The row that runs these settings (rule: None, THRESHOLDS or PREDICTORS; neuron_rows: a PowerInfer file's
-    layout; parallel: split over processes), or ConfigError in one line that says what runs instead."""
+    layout; parallel: split over processes; split: --offload-layers), or ConfigError in one line that says what
+    runs instead."""
     if weights not in WEIGHT_FORMATS:
         raise ConfigError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
     if hot_backend not in HOT_BACKENDS:
@@ -116,8 +131,14 @@ def select(weights: str, rule: str | None = None, hot_backend: str = "xla", cold
         raise ConfigError(f"--cold-weights {cold_weights} stores a predictor bundle's cold rows; a bundle's thresholds "
                           "run without cold rows (--sparse-rule predictors runs its predictors)")
     for backend in BACKENDS:
-        if backend.runs(weights, rule, hot_backend, neuron_rows, parallel):
+        if backend.runs(weights, rule, hot_backend, neuron_rows, parallel, split):
             return backend
+    if split:
+        runs = ", ".join(w for b in BACKENDS if b.split for w in b.weights)
+        what = ("a sparse bundle" if rule else "tensor parallel" if parallel else "a PowerInfer file" if neuron_rows
+                else f"--weights {weights}, which runs every layer in XLA already")
+        raise ConfigError(f"--offload-layers splits the layers of dense {runs} weights between XLA and the host "
+                          f"decode, not {what}")
     if parallel:
         runs = ", ".join(w for b in BACKENDS if b.parallel for w in b.weights)
         raise ConfigError(f"tensor parallel runs the dense host decode of {runs} weights (a file of those blocks), "
@@ -138,10 +159,15 @@ def select(weights: str, rule: str | None = None, hot_backend: str = "xla", cold
                       f"--weights {weights} decodes them on the host (leave --hot-backend xla)")
 
 
-def check_platform_runs(backend: Backend, weights: str, hot_backend: str) -> None:
+def check_platform_runs(backend: Backend, weights: str, hot_backend: str, host_layers: int = 0) -> None:
     """ConfigError in one line when this JAX platform cannot run the backend: the host decode's FFI targets are
-    registered for the CPU; "pallas" compiles for a GPU."""
-    if backend.host:
+    registered for the CPU; "pallas" compiles for a GPU. host_layers: a layer split's layers on the host decode
+    (with none, the split builds no host decoder)."""
+    if backend.split:
+        if host_layers:
+            check_platform(jax.default_backend(), f"--offload-layers with {host_layers} layers left to the host decode",
+                           "--offload-layers all runs every layer there")
+    elif backend.host:
         check_platform(jax.default_backend(), f"--weights {weights} (the host decode)", "--weights float32 runs there")
     if hot_backend in PALLAS_BACKENDS:
         pallas_interpret(hot_backend)
@@ -178,15 +204,18 @@ class Request:
     bridge: str = "auto"   # how a predictor bundle's step reaches its cold rows (cpu_offload.host_call.bridge_for)
     dense: bool = False   # a PowerInfer file without its predictors (--dense)
     parallel: bool = False   # split over the processes jax.distributed joined (tensor_parallel.Processes)
+    offload_layers: int | str | None = None   # the first layers in XLA, the rest on the host: 0..n_layers or "all"
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A request resolved: the backend that runs it, with "auto" settled (weights) and the bundle's rule."""
+    """A request resolved: the backend that runs it, with "auto" settled (weights) and the bundle's rule; a layer
+    split's (layers in XLA, layers in all), "all" settled."""
     request: Request
     backend: Backend
     weights: str
     rule: str | None
+    layers: tuple[int, int] | None = None
 
     def on_float32(self) -> "Plan":
         """The same request on float32 weights (an "auto" whose host decode cannot run the loaded model)."""
@@ -225,17 +254,36 @@ def resolve(request: Request) -> Plan:
     neuron_rows, has_predictors = file_layout(r.model)
     if r.dense and not neuron_rows:
         raise ConfigError("--dense runs a PowerInfer file without its predictors; this model is not one")
-    weights = r.weights if r.weights != "auto" else _auto_weights(r, rule, neuron_rows)
+    layers = None if r.offload_layers is None else split_layers(r)
+    weights = r.weights if r.weights != "auto" else _auto_weights(r, rule, neuron_rows, layers is not None)
     if neuron_rows and r.bundle is None and weights == "gguf" and has_predictors and not r.dense:
         rule = PREDICTORS   # the file's own, as PowerInfer runs it
     # With a bundle, a PowerInfer file runs the bundle's rule on float32 (the loader lays its rows out as any file's).
     backend = select(weights, rule, r.hot_backend, r.cold_weights, neuron_rows=neuron_rows and r.bundle is None,
-                     parallel=r.parallel)
-    check_platform_runs(backend, weights, r.hot_backend)
-    return Plan(r, backend, weights, rule)
+                     parallel=r.parallel, split=layers is not None)
+    check_platform_runs(backend, weights, r.hot_backend, host_layers(layers))
+    return Plan(r, backend, weights, rule, layers)
 
 
-def _auto_weights(r: Request, rule: str | None, neuron_rows: bool) -> str:
+def split_layers(r: Request) -> tuple[int, int]:
+    """(layers in XLA, layers in all) of --offload-layers, read against the GGUF's header, or ConfigError in one
+    line."""
+    model = Path(r.model) if r.model else loader.default_model_path()
+    if not model.is_file():
+        raise ConfigError(f"--offload-layers splits the layers of a GGUF file; {model} is not one")
+    n = loader.gguf_header(model)[1].n_layers
+    k = n if r.offload_layers == "all" else r.offload_layers
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= n:
+        raise ConfigError(f"--offload-layers {r.offload_layers}: the model has {n} layers (give 0 to {n}, or all)")
+    return k, n
+
+
+def host_layers(layers: tuple[int, int] | None) -> int:
+    """How many layers a split leaves to the host decode (0 without a split)."""
+    return 0 if layers is None else layers[1] - layers[0]
+
+
+def _auto_weights(r: Request, rule: str | None, neuron_rows: bool, split: bool = False) -> str:
     stored = loader.stored_format(r.model)
     if neuron_rows and r.bundle is None:   # a PowerInfer file: its layers' own types on the host, where they have kernels
         stored = "gguf" if loader.layer_types(r.model) <= set(BY_NAME) | {"F16", "F32"} else None
@@ -244,11 +292,11 @@ def _auto_weights(r: Request, rule: str | None, neuron_rows: bool) -> str:
         if foreign:
             print(f"pjinfer: running float32 weights: no host kernel reads type {', '.join(foreign)}", file=sys.stderr)
         return "float32"
-    backend = next((b for b in BACKENDS if b.runs(stored, rule, r.hot_backend, neuron_rows)), None)
+    backend = next((b for b in BACKENDS if b.runs(stored, rule, r.hot_backend, neuron_rows, split=split)), None)
     if backend is None:
         return "float32"
     platform = jax.default_backend()
-    if backend.host and platform != "cpu":
+    if backend.host and platform != "cpu" and not split:   # a split's platform is checked with its layers
         print(f"pjinfer: running float32 weights on the {platform}: the {stored} host decode runs where JAX runs "
               "on the CPU", file=sys.stderr)
         return "float32"
@@ -256,13 +304,14 @@ def _auto_weights(r: Request, rule: str | None, neuron_rows: bool) -> str:
 
 
 def build(backend: Backend, config, weights: dict, fmt: str, *, thresholds=None, hot_backend: str = "xla",
-          predictors=None):
+          predictors=None, device_layers: int = 0):
     """The model a backend runs, and its host decoder (None when every step runs in XLA). weights: canonical
     weights (pjinfer.runtime.model), float32 arrays or quantized matrices (cpu_offload.qtensor); for the
     powerinfer rows the loader's neuron rows (pjinfer.runtime.predicted). fmt: the row's weights; thresholds
     [n_layers, 4] for the THRESHOLDS rows; predictors: a PowerInfer file's (pjinfer.load.powerinfer.Predictors)
-    for the powerinfer row. The hybrid row builds its dense float32 model here; the engine then swaps its FFNs
-    (Engine.use_bundle)."""
+    for the powerinfer row; device_layers: the layer-split row's layers left in XLA on the stored blocks (the rest
+    and the head are swapped for the host decoder's, which is not built when every layer stays). The hybrid row
+    builds its dense float32 model here; the engine then swaps its FFNs (Engine.use_bundle)."""
     if backend.parallel:
         return tensor_parallel.build(config, weights, fmt)
     if backend.neuron_rows:
@@ -283,9 +332,11 @@ def build(backend: Backend, config, weights: dict, fmt: str, *, thresholds=None,
         sparse = SparseHostDecoder(config, Float32View(weights), thresholds)
     stored = quantize_weights(config, weights, fmt, check=thresholds is None)
     stored = {k: v.map(to_xla) if is_quantized(v) else v for k, v in stored.items()}
-    decoder = sparse or HostDecoder(config, stored, fmt)
     model = Transformer(config, stored)
-    host.attach(model, decoder)
+    if device_layers == config.n_layers:   # a layer split with every layer in XLA
+        return model, None
+    decoder = sparse or HostDecoder(config, stored, fmt)
+    host.attach(model, decoder, first=device_layers)
     if thresholds is not None:
         set_thresholds(model, thresholds)
     return model, decoder

@@ -27,7 +27,7 @@ from pjinfer.runtime.sampling import Sampling
 class Engine:
     def __init__(self, config: ModelConfig, weights: dict, tokenizer: Tokenizer, *, source: str = "",
                  weights_format: str = "float32", thresholds=None, hot_backend: str = "xla", predictors=None,
-                 neuron_rows: bool = False, parallel: bool = False):
+                 neuron_rows: bool = False, parallel: bool = False, layers: tuple[int, int] | None = None):
         """weights: canonical weights (pjinfer.runtime.model), float32 arrays or quantized matrices
         (cpu_offload.qtensor), built into the backend (pjinfer.runtime.backends) that runs weights_format with
         `thresholds` and `hot_backend`.
@@ -47,10 +47,16 @@ class Engine:
         `weights` are a PowerInfer file's as the loader keeps them with neuron_rows (the weights_format of
         backends.BACKENDS' powerinfer rows), run on the host with the file's `predictors`
         (pjinfer.load.powerinfer.Predictors), or dense without them. parallel: split over the processes
-        jax.distributed joined (pjinfer.runtime.tensor_parallel; weights_format q4_1 or gguf)."""
+        jax.distributed joined (pjinfer.runtime.tensor_parallel; weights_format q4_1 or gguf). layers: a layer
+        split (--offload-layers; backends.Plan.layers): (k, n_layers), the first k layers in XLA on the stored
+        blocks, the rest and the head on the host decode (none of them when k is n_layers)."""
         rule = THRESHOLDS if thresholds is not None else backends.PREDICTORS if predictors is not None else None
-        self.backend = backends.select(weights_format, rule, hot_backend, neuron_rows=neuron_rows, parallel=parallel)
-        backends.check_platform_runs(self.backend, weights_format, hot_backend)
+        self.backend = backends.select(weights_format, rule, hot_backend, neuron_rows=neuron_rows, parallel=parallel,
+                                       split=layers is not None)
+        if layers is not None and layers[1] != config.n_layers:
+            raise ConfigError(f"a layer split of {layers[1]} layers for a model of {config.n_layers}")
+        backends.check_platform_runs(self.backend, weights_format, hot_backend, backends.host_layers(layers))
+        self.layers = layers
         self.config = config
         self.tokenizer = tokenizer
         self.source = source
@@ -58,7 +64,8 @@ class Engine:
         self.bundle = None        # the sparse bundle it runs: predictors (use_bundle) or thresholds (load)
         self.load_seconds = None  # set by load(): reading the file to a ready engine
         model, self.host = backends.build(self.backend, config, weights, weights_format, thresholds=thresholds,
-                                          hot_backend=hot_backend, predictors=predictors)
+                                          hot_backend=hot_backend, predictors=predictors,
+                                          device_layers=0 if layers is None else layers[0])
         del weights   # the caller's float32 copies (if any) are not kept alive by this frame
         self.thresholds = thresholds
         self.hot_backend = hot_backend  # where hot neurons or one-token threshold products run
@@ -67,14 +74,15 @@ class Engine:
     @classmethod
     def load(cls, path=None, *, bundle=None, hot_backend: str = "xla", cold_weights: str = "float32",
              bridge: str = "auto", weights: str = "auto", sparse_rule: str = "auto", dense: bool = False, progress=None,
-             compile_cache: bool = True, parallel: bool = False) -> "Engine":
+             compile_cache: bool = True, parallel: bool = False, offload_layers: int | str | None = None) -> "Engine":
         """The model at `path` (default: the embedded SmolLM2-135M), ready to generate: the plan
         pjinfer.runtime.backends.resolve makes of these settings (from_plan). dense: a PowerInfer file computes
         every neuron (by default its own predictors pick them). parallel: split over the processes
-        jax.distributed joined (pjinfer.runtime.tensor_parallel.Processes.start)."""
+        jax.distributed joined (pjinfer.runtime.tensor_parallel.Processes.start). offload_layers: the first layers
+        in XLA, the rest on the host decode (llama.cpp's -ngl): 0 to the model's layers, or "all"."""
         request = backends.Request(path, weights=weights, bundle=bundle, sparse_rule=sparse_rule,
                                    hot_backend=hot_backend, cold_weights=cold_weights, bridge=bridge, dense=dense,
-                                   parallel=parallel)
+                                   parallel=parallel, offload_layers=offload_layers)
         return cls.from_plan(backends.resolve(request), progress=progress, compile_cache=compile_cache)
 
     @classmethod
@@ -100,7 +108,10 @@ class Engine:
         if r.weights == "auto" and plan.backend.host and not plan.backend.neuron_rows:
             try:
                 check_supported(config, tensors, plan.weights)
-            except ConfigError as e:   # said, not silent: the slower path runs
+            except ConfigError as e:   # said, not silent: the slower path runs (a split has none)
+                if plan.backend.split:
+                    raise ConfigError(f"--offload-layers leaves layers to the host decode, which cannot run this "
+                                      f"model ({e})") from None
                 print(f"pjinfer: running float32 weights: the {plan.weights} host decode cannot run this model ({e})",
                       file=sys.stderr)
                 plan = plan.on_float32()
@@ -109,7 +120,7 @@ class Engine:
         engine = cls(config, tensors, tokenizer, source=source, weights_format=plan.weights,
                      thresholds=None if bundle is None else bundle.thresholds(config),
                      hot_backend=r.hot_backend if bundle is not None else "xla", predictors=predictors,
-                     neuron_rows=bool(plan.backend.neuron_rows), parallel=plan.backend.parallel)
+                     neuron_rows=bool(plan.backend.neuron_rows), parallel=plan.backend.parallel, layers=plan.layers)
         del tensors
         if bundle is not None:
             engine.bundle = bundle
@@ -143,7 +154,7 @@ class Engine:
     def path(self) -> str:
         """Which engine runs, in words: the weights, and the sparse rule when a bundle is in use."""
         return self.backend.describe(self.weights_format, self.hot_backend, None if self.bundle is None else
-                                     self.bundle.path)
+                                     self.bundle.path, self.layers)
 
     # ------------------------------------------------------------ generation
     def plan(self, prompt_len: int, max_new_tokens: int) -> tuple[int, int]:

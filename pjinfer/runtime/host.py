@@ -48,9 +48,10 @@ class HostHead(Head):
         return self.decoder.head(hidden)
 
 
-def attach(model: Transformer, decoder) -> None:
-    """Swap model's blocks and head for host-backed ones (in place)."""
-    model.layers = nnx.List([HostBlock(b, decoder, i) for i, b in enumerate(model.layers)])
+def attach(model: Transformer, decoder, first: int = 0) -> None:
+    """Swap model's blocks from `first` on, and its head, for host-backed ones (in place); the blocks before
+    `first` keep their XLA decode (a layer split, pjinfer.runtime.backends' layer-split row)."""
+    model.layers = nnx.List([HostBlock(b, decoder, i) if i >= first else b for i, b in enumerate(model.layers)])
     model.head = HostHead(model.head, decoder)
 
 

@@ -470,11 +470,13 @@ class Transformer(nnx.Module):
 
     def decode(self, token, pos, cache: KVCache):
         """One token (a scalar id) at position pos -> (logits [vocab], updated cache): each layer's and the
-        head's `decode`, which a host-backed engine swaps for its kernels (pjinfer.runtime.host)."""
+        head's `decode`, which a host-backed engine swaps for its kernels (pjinfer.runtime.host). A layer whose
+        weights are quantized and read in XLA (a layer split's) dequantizes them only when it runs."""
         x = self.inputs(token.reshape(1, 1), pos)
         ks, vs = [], []
         for layer, k, v in zip(self.layers, cache.k, cache.v):
-            x, k, v = layer.decode(x, pos, k, v)
+            with _dequantized_after(x):
+                x, k, v = layer.decode(x, pos, k, v)
             ks.append(k)
             vs.append(v)
         return self.head.decode(self.final_norm(x)[0, 0]), KVCache(k=ks, v=vs)
