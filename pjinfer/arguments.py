@@ -8,23 +8,19 @@ import argparse
 
 def positive_int(text: str) -> int:
     """argparse type: a whole number >= 1; anything else is the parser's one-line error."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+    return _whole_number(text, 1, "a whole number")
 
 
 def layer_count(text: str) -> int | str:
     """argparse type: a whole number >= 0, or "all" (--offload-layers); the model's own bound is checked later."""
-    if text == "all":
-        return text
+    return text if text == "all" else _whole_number(text, 0, "a number of layers or all")
+
+
+def _whole_number(text: str, least: int, expected: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of layers or all, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
     return value
