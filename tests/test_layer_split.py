@@ -148,3 +148,26 @@ def test_a_split_of_the_files_own_block_types_decodes_the_host_decodes_model(tmp
             np.testing.assert_array_equal(last, host[2])
         else:
             assert not np.array_equal(last, host[2])
+
+
+@pytest.mark.gpu
+def test_every_layer_in_xla_runs_where_jax_runs(tmp_path):
+    """--offload-layers all on JAX's own platform (the GPU under `make gpu-check`, the CPU here): a tiny Q8_0 file's
+    blocks dequantized in the step give the float32 engine's greedy ids on the same file and its log-probabilities
+    within float32 rounding; no host decoder is built."""
+    from tests.conftest import random_weights, tiny_config
+    from tests.support.gguf_files import write_tiny_gguf
+
+    config = tiny_config(d_model=64, n_heads=4, head_dim=16, d_ff=128, vocab_size=262, n_layers=3)
+    path = tmp_path / "q8.gguf"
+    write_tiny_gguf(path, config, random_weights(config, seed=4), quantize=True)
+    tokens = np.random.default_rng(1).integers(0, 262, 24).astype(np.int32)
+    engine = Engine.load(path, offload_layers="all")
+    assert engine.host is None and engine.weights_format == "gguf"
+    assert f"in XLA on the {jax.default_backend()}" in engine.path
+    assert all(isinstance(b.attn.wq, QMatrix) for b in nnx.merge(engine.graphdef, engine.state).layers)
+    logp, greedy, last = stepped(engine, tokens)
+    want_logp, want_greedy, want_last = stepped(Engine.load(path, weights="float32"), tokens)
+    np.testing.assert_array_equal(greedy, want_greedy)
+    np.testing.assert_allclose(logp, want_logp, rtol=0, atol=2.0 ** -14 * np.abs(want_logp).max())
+    np.testing.assert_allclose(last, want_last, rtol=0, atol=2.0 ** -14 * np.abs(want_last).max())
