@@ -56,7 +56,7 @@ def test_the_split_puts_the_first_layers_in_xla_and_the_rest_on_the_host(splits,
     assert all(isinstance(b.attn.wq, QMatrix) for b in model.layers[:k])   # 4-bit blocks in XLA, not float32
     assert type(model.head) is (Head if k == N_LAYERS else HostHead)
     assert (engine.host is None) == (k == N_LAYERS)   # every layer in XLA: no host decoder is built
-    assert engine.backend.name == "layer-split" and not engine.backend.batched
+    assert engine.backend.name == "layer-split" and engine.backend.batched   # the server decodes requests together
     assert (f"layers 0-{k - 1} in XLA" if k else "no layer in XLA") in engine.path
 
 

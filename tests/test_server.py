@@ -38,6 +38,20 @@ def served_float32(engine):
     yield from _serve(engine)
 
 
+@pytest.fixture(scope="module")
+def split_engine():
+    """The same file with layers 0-6 in XLA and the rest on the host decode (--offload-layers 7)."""
+    from pjinfer.runtime.engine import Engine
+
+    return Engine.load(offload_layers=7)
+
+
+@pytest.fixture(scope="module")
+def served_split(split_engine):
+    """The layer split behind a third server (batched: XLA's layers and the host's in one step)."""
+    yield from _serve(split_engine)
+
+
 def _serve(engine):
     server = Server(engine, api_key=KEY, max_active=8, max_queue=MAX_QUEUE, max_body_bytes=64 * 1024)
     port = free_port()
@@ -97,11 +111,13 @@ def test_stop_strings(served, q4_engine):
     assert out.choices[0].text == " Paris." and out.choices[0].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("weights", ["q4_1", "float32"])
+@pytest.mark.real_model
+@pytest.mark.parametrize("weights", ["q4_1", "float32", "split"])
 def test_eight_concurrent_streams_each_equal_their_single_output(weights, request):
-    """Batched on the host (q4_1) and in XLA (float32): greedy text equals each prompt's own generate."""
-    served = request.getfixturevalue("served" if weights == "q4_1" else "served_float32")
-    engine = request.getfixturevalue("q4_engine" if weights == "q4_1" else "engine")
+    """Batched on the host (q4_1), in XLA (float32) and split between them (--offload-layers): greedy text
+    equals each prompt's own generate."""
+    served = request.getfixturevalue({"q4_1": "served", "float32": "served_float32", "split": "served_split"}[weights])
+    engine = request.getfixturevalue({"q4_1": "q4_engine", "float32": "engine", "split": "split_engine"}[weights])
     _, _, client = served
     prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The best way to learn is",
                "Water boils at", "My favourite animal is", "In 1492,", "The opposite of hot is"]

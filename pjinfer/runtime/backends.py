@@ -18,7 +18,7 @@ what this platform cannot. The engine builds the plan's backend; the CLI, the se
     powerinfer         gguf         predictors  xla                           cpu         no
     powerinfer-dense   gguf         -           xla                           cpu         no
     tensor-parallel    q4_1, gguf   -           xla                           cpu         no
-    layer-split        q4_1, int8,  -           xla                           cpu (**)    no
+    layer-split        q4_1, int8,  -           xla                           cpu (**)    yes
                        gguf
 
 (*) "pallas" compiles its kernels for a GPU (pjinfer.runtime.gathered.pallas_interpret). "batched": the
@@ -112,7 +112,7 @@ BACKENDS = (
     Backend("powerinfer", ("gguf",), PREDICTORS, ("xla",), host=True, batched=False, neuron_rows=True),
     Backend("powerinfer-dense", ("gguf",), None, ("xla",), host=True, batched=False, neuron_rows=True),
     Backend("tensor-parallel", ("q4_1", "gguf"), None, ("xla",), host=True, batched=False, parallel=True),
-    Backend("layer-split", ("q4_1", "int8", "gguf"), None, ("xla",), host=True, batched=False, split=True),
+    Backend("layer-split", ("q4_1", "int8", "gguf"), None, ("xla",), host=True, batched=True, split=True),
 )
 
 

@@ -30,7 +30,7 @@ and key splits, the host layers and head give each slot the single-token decoder
 the XLA parts around them (embedding rows, final norm, repetition penalty, argmax or sampling) work on each row on
 its own. In XLA a step's matrix products take every slot's row at once, and a product of several rows rounds
 differently from one row's (in the last bits): a request's logits agree with its single run to rounding, not
-bit for bit.
+bit for bit; so do a layer split's, whose host layers read what its XLA layers computed.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ from jax.experimental import io_callback
 from cpu_offload.batched_decode import BatchDecoder
 from pjinfer.runtime import generate as gen
 from pjinfer.runtime.backends import BACKENDS
+from pjinfer.runtime.host import HostBlock, HostHead
 from pjinfer.runtime.model import KVCache
 from pjinfer.runtime.sampling import Sampling, recent_ids, sample
 
@@ -56,7 +57,7 @@ def unsupported(engine) -> str | None:
     if engine.backend.parallel:
         return f"a tensor-parallel engine ({engine.path}) decodes one request at a time"
     if not engine.backend.batched:
-        weights = " or ".join(w for b in BACKENDS if b.batched for w in b.weights)
+        weights = " or ".join(w for b in BACKENDS if b.batched and not b.split for w in b.weights)
         return f"batched decode runs dense weights (--weights {weights}, no bundle); this engine runs {engine.path}"
     return None
 
@@ -120,7 +121,8 @@ def _steps(graph, state, decoder, waker, rows, tokens, pos, remaining, stops, po
            mode, steps):
     """Up to `steps` decode steps of every live slot (pos >= 0, the position its token goes to): each step feeds
     every live slot's token and samples its next one. decoder: the host's BatchDecoder, or None for the model's
-    own layers and head in XLA. rows: None (the pool's slots in order), or the pool's slots that tokens [B] and the
+    own layers and head in XLA (a layer split: the model's layers before its HostBlocks, and its head when it is not a
+    HostHead). rows: None (the pool's slots in order), or the pool's slots that tokens [B] and the
     other per-slot arguments stand for. A slot leaves the loop after its `remaining` tokens or a stop id (stops
     [B, MAX_STOP_IDS]); the loop ends when no slot is live, after `steps`, or after the step during which the host
     called waker.wake(). keys [B, 2] key data, params: Sampling.params() stacked [B] each, recent [B, window] the
@@ -131,11 +133,12 @@ def _steps(graph, state, decoder, waker, rows, tokens, pos, remaining, stops, po
     whole = pool
     if rows is not None:       # the slots this call steps, gathered from the pool and written back at the end
         pool = KVCache(k=[p[rows] for p in whole.k], v=[p[rows] for p in whole.v])
-    if decoder is None:
-        layer = lambda l, x, pos, k, v: model.layers[l].decode(x, pos, k, v)   # noqa: E731
-        head = lambda hidden, pos: model.head(hidden)                          # noqa: E731
-    else:
-        layer, head = decoder.layer, decoder.head
+    def layer(l, x, pos, k, v):
+        on_host = decoder is not None and isinstance(model.layers[l], HostBlock)
+        return decoder.layer(l, x, pos, k, v) if on_host else model.layers[l].decode(x, pos, k, v)
+
+    def head(hidden, pos):
+        return decoder.head(hidden, pos) if isinstance(model.head, HostHead) else model.head(hidden)
 
     def step(carry):
         n, out, count, tokens, pos, remaining, pool, keys, recent, _ = carry

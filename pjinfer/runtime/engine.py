@@ -178,13 +178,13 @@ class Engine:
         """Where a prompt padded to padded_len tokens runs (pjinfer.runtime.host.prefill says why): the dense host
         decoder's prompt decoder (a BatchDecoder of PROMPT_ROWS rows, made on first use) when the engine's backend
         decodes in batches on the host and the prompt fits it; host.STEPS, one-token decode steps, on another host
-        backend for a prompt of at most STEPPED_PROMPT tokens and on a tensor-parallel one for any prompt; else None:
-        XLA."""
+        backend for a prompt of at most STEPPED_PROMPT tokens (a layer split's too: its prompt decoder would run every
+        layer on the host) and on a tensor-parallel one for any prompt; else None: XLA."""
         if not self.backend.host:
             return None
         if self.backend.parallel:
             return pjinfer_host.STEPS
-        if not self.backend.batched:
+        if not self.backend.batched or self.backend.split:
             return pjinfer_host.STEPS if padded_len <= pjinfer_host.STEPPED_PROMPT else None
         if padded_len > pjinfer_host.PROMPT_ROWS:
             return None
