@@ -179,8 +179,8 @@ bench-pallas: setup
 # with CUDA, Flax and Numba, but no network and no room for the model's wheel: the Pallas kernel tests run compiled
 # (Triton); then the hybrid against the layer split on a random Llama-2-7B geometry (pjinfer.measure.bench_hybrid,
 # synthetic activations: speed, never accuracy); then the kernels against XLA's dense products. Its tables go to
-# GPU_OUT. Only the kernel tests, the bench's and the layer split's gpu test (every layer in XLA on the device, a tiny
-# file) are collected: the others import packages that machine lacks (the server's, pexpect). Here, once: `make gpu-wheels` (the pure-Python packages it lacks, into .whl); there, with .whl carried:
+# GPU_OUT. Only the kernel tests, the bench's, the layer split's gpu test (every layer in XLA on the device, a tiny
+# file) and the PowerInfer hybrid's (its hot kernel against its many-token path, a tiny file) are collected: the others import packages that machine lacks (the server's, pexpect). Here, once: `make gpu-wheels` (the pure-Python packages it lacks, into .whl); there, with .whl carried:
 # `make gpu-check PY=python3` (its python3 holds JAX with CUDA). `make gpu-check-dry-run` runs the bench's command on
 # a small geometry in interpret mode, on any machine (the tests run it too).
 GPU_WHEELS := gguf==0.19.0 PuLP==3.3.2
@@ -193,8 +193,8 @@ gpu-check:
 	$(PY) -m pip install --quiet --no-index --no-deps --no-compile --target $(GPU_SITE) .whl/*.whl
 	PYTHONPATH=$(GPU_SITE) $(PY) -c "import jax, sys; jax.default_backend() == 'gpu' or sys.exit('make gpu-check: JAX sees no GPU here (' + jax.default_backend() + ')')"
 	PYTHONPATH=$(GPU_SITE) $(PY) -m pytest -q -p no:cacheprovider tests/test_pallas_kernels.py tests/test_pallas_q4.py \
-		tests/test_pallas_thresholds.py tests/test_bench_hybrid.py tests/test_layer_split.py -m "gpu and not real_model" \
-		-k "not which_rule"
+		tests/test_pallas_thresholds.py tests/test_bench_hybrid.py tests/test_layer_split.py tests/test_powerinfer_hybrid.py \
+		-m "gpu and not real_model" -k "not which_rule"
 	mkdir -p $(GPU_OUT)
 	PYTHONPATH=$(GPU_SITE) $(PY) -m pjinfer.measure.bench_hybrid --geometry 7b --out $(GPU_OUT)/hybrid.md
 	PYTHONPATH=$(GPU_SITE) $(PY) -m pallas_kernels.bench --shapes 7b --calls 100 --pairs 3 | tee $(GPU_OUT)/kernels.txt

@@ -88,13 +88,15 @@ def planes_from_blocks(data: np.ndarray, code: int) -> Q4Planes:
     return Q4Planes(qs, scale, minimum)
 
 
-def dequantize(p: Q4Planes) -> np.ndarray:
-    """The values the planes stand for: float64 [H, d] (the tests' reference)."""
-    qs = np.asarray(p.qs)
+def dequantize(p: Q4Planes, xp=np):
+    """The values the planes stand for [H, d]: float64 with numpy (the tests' reference), float32 with jax.numpy
+    (inside a jitted function: a many-token product over the rows)."""
+    qs = xp.asarray(p.qs)
     H, nb = qs.shape[0], qs.shape[1] // HALF
-    q = qs.reshape(H, nb, HALF).astype(np.int64)
-    q = np.concatenate([q & 15, q >> 4], axis=-1).astype(np.float64)                   # [H, nb, 32]
-    s, m = (np.asarray(a, np.float64)[..., None] for a in (p.scale, p.minimum))
+    dtype = np.float64 if xp is np else jnp.float32
+    q = qs.reshape(H, nb, HALF).astype(xp.int32)
+    q = xp.concatenate([q & 15, q >> 4], axis=-1).astype(dtype)                          # [H, nb, 32]
+    s, m = (xp.asarray(a).astype(dtype)[..., None] for a in (p.scale, p.minimum))
     return (s * q + m).reshape(H, nb * QK)
 
 

@@ -160,6 +160,20 @@ def read_gpu_index(path: Path, config: ModelConfig) -> np.ndarray:
     return hot
 
 
+def file_placement(model: Path, config: ModelConfig) -> np.ndarray:
+    """A PowerInfer file's placement, bool [n_layers, d_ff], as `import-powerinfer` finds it without --gpu-index: the
+    GPU index PowerInfer caches beside the file (solved for this machine's GPU), else the file's own gpu_idx
+    tensors; ConfigError in one line when there is neither."""
+    index = gpu_index_path(model)
+    if index is not None:
+        return read_gpu_index(index, config)
+    hot = read_placement(open_gguf(model), config, model)
+    if hot is None:
+        raise ConfigError(f"{model.name} has no neuron placement (gpu_idx tensors, or PowerInfer's GPU index "
+                          f"{Path(str(model) + GPU_INDEX_SUFFIX).name} beside it) for its hot neurons")
+    return hot
+
+
 def file_layout(path) -> tuple[bool, bool]:
     """(whether the GGUF at `path` stores PowerInfer's neuron rows, ffn_down_t; whether it holds predictor tensors)
     from its header; (False, False) for any other file, an HF directory, or a file the loader will refuse."""

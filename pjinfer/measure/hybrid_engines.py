@@ -7,8 +7,8 @@ trace (random weights: speed only, never accuracy):
   drawn from them (the planted predictor output).
 - Hybrid: PowerInfer's neuron split. Attention, embedding, head and predictors on the device; every layer's hot
   neurons' rows in one device table, of which q4_hot_ffn reads the active ones; the cold ones' rows in one host
-  table, of which HostCold (cpu_offload.predicted_ffn's kernel on the file's Q4_0 rows) computes the active ones
-  through jax.pure_callback; the two partial sums added on the device.
+  table, of which cpu_offload.neuron_rows.NeuronRows (predicted_ffn's kernel on the file's Q4_0 rows) computes the
+  active ones through jax.pure_callback; the two partial sums added on the device.
 - LayerSplit: llama.cpp's -ngl. The first K layers whole on the device, the rest through one io_callback a token on
   the host decode (HostLayers: cpu_offload.decoder.HostDecoder, its float16 KV cache on the host). K = all: every
   layer on the device.
@@ -18,7 +18,6 @@ but the active sets come from the trace.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 
 import jax
@@ -27,8 +26,7 @@ import numpy as np
 from jax.experimental import io_callback
 from tqdm import tqdm
 
-from cpu_offload import predicted_ffn
-from cpu_offload.activation import get as activation_named
+from cpu_offload.neuron_rows import NeuronRows
 from cpu_offload.blocks import AS_STORED, Q4_0, TYPES
 from cpu_offload.decoder import HostDecoder
 from cpu_offload.qtensor import QTensor
@@ -169,39 +167,6 @@ def table_index(members: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------- host parts
-
-class HostCold:
-    """The cold neurons' FFN on the host, for one token and layer: the file's Q4_0 rows of every layer's cold
-    neurons in one table, computed by predicted_ffn.neurons (nogil) on threads that split the active ids, their
-    partial sums added in thread order (predicted_ffn.reduce). Called from jax.pure_callback."""
-
-    def __init__(self, gate: np.ndarray, up: np.ndarray, down_t: np.ndarray, d: int, threads: int,
-                 min_share: int = 64):
-        self.gate, self.up, self.down_t = gate, up, down_t
-        self.code = activation_named(ACTIVATION).code
-        self.d, self.threads, self.min_share = d, threads, min_share
-        self.pool = concurrent.futures.ThreadPoolExecutor(threads)
-        self.parts = np.zeros((threads, d), np.float32)
-        self.vals = np.zeros(max(1, gate.shape[0]), np.float32)
-
-    def __call__(self, h, ids, count):
-        h = np.ascontiguousarray(h, np.float32)
-        ids, count = np.asarray(ids, np.int32), int(count)
-        n = max(1, min(self.threads, count // self.min_share))
-
-        def share(tid):
-            lo, hi = predicted_ffn.share(count, tid, n)
-            predicted_ffn.neurons(Q4_0, self.gate, Q4_0, self.up, Q4_0, self.down_t, h, ids, lo, hi, self.code,
-                                  self.parts[tid], self.vals)
-
-        if n == 1:
-            share(0)                # a few ids: no thread handoff
-        else:
-            list(self.pool.map(share, range(n)))
-        y = np.empty(self.d, np.float32)
-        predicted_ffn.reduce(self.parts, n, y)
-        return y
-
 
 class HostLayers:
     """Layers first..L-1 on the host decode (HostDecoder over the file's Q4_0 rows, float16 KV cache kept here), one
@@ -366,7 +331,7 @@ class LayerSplit(Engine):
 
 class Hybrid(Engine):
     """PowerInfer's hybrid: attention, embedding, head and predictors on the device; the hot neurons' rows of every
-    layer in one device table (q4_hot_ffn reads the active ones), the cold ones' in one host table (HostCold through
+    layer in one device table (q4_hot_ffn reads the active ones), the cold ones' in one host table (NeuronRows through
     pure_callback), the two partial sums added on the device."""
 
     def __init__(self, model: RandomModel, hot: np.ndarray, trace: np.ndarray, max_len: int, attn, embed, head, *,
@@ -375,7 +340,8 @@ class Hybrid(Engine):
         self.name = "hybrid (ILP)" + (", layers unrolled" if unroll else "")
         pick = lambda key, members: np.concatenate([model.layers[l][key][members[l]] for l in range(g.layers)])
         table = {k: planes(pick(k, hot)) for k in ("gate", "up", "down_t")}
-        cold = HostCold(*(pick(k, ~hot) for k in ("gate", "up", "down_t")), d=g.d, threads=threads)
+        cold = NeuronRows(*(QTensor(Q4_0, (pick(k, ~hot),), g.d) for k in ("gate", "up", "down_t")),
+                          activation=ACTIVATION, threads=threads)
         hot_ids, hot_counts = id_lists(trace, table_index(hot))
         cold_ids, cold_counts = id_lists(trace, table_index(~hot))
         self.cold_share = float(cold_counts.sum() / max(1, cold_counts.sum() + hot_counts.sum()))

@@ -17,6 +17,7 @@ what this platform cannot. The engine builds the plan's backend; the CLI, the se
     hybrid             float32      predictors  xla, pallas, pallas-interpret any (*)     no
     powerinfer         gguf         predictors  xla                           cpu         no
     powerinfer-dense   gguf         -           xla                           cpu         no
+    powerinfer-hybrid  gguf         predictors  pallas, pallas-interpret      any (*)     no
     tensor-parallel    q4_1, gguf   -           xla                           cpu         no
     layer-split        q4_1, int8,  -           xla                           cpu (**)    yes
                        gguf
@@ -25,7 +26,9 @@ what this platform cannot. The engine builds the plan's backend; the CLI, the se
 server's scheduler decodes concurrent requests in one step (pjinfer.runtime.batch); the others take turns.
 The two powerinfer rows run a PowerInfer file (its layers store neuron rows, ffn_down_t) on the host, sparse with
 the file's own predictors (no bundle: pjinfer.runtime.predicted) or dense (--dense); the other host rows read
-llama.cpp's layout only, and the float32 rows read either. The tensor-parallel row splits the host decode over
+llama.cpp's layout only, and the float32 rows read either. The powerinfer-hybrid row is the same file as PowerInfer
+runs it beside a GPU (--hot-backend, no bundle): its placement's hot neurons on the accelerator, the cold ones on the
+host (pjinfer.runtime.powerinfer_hybrid). The tensor-parallel row splits the host decode over
 the processes `jax.distributed` joined (Request.parallel; pjinfer.runtime.tensor_parallel). The layer-split row is
 llama.cpp's -ngl (Request.offload_layers, `--offload-layers K`): the first K layers run whole in XLA (the device) on
 the stored blocks, dequantized where used, and the rest with the head on the host decode. (**) With every layer in
@@ -49,7 +52,7 @@ from cpu_offload.sparse_decode import SparseHostDecoder
 from pjinfer.config import (COLD_WEIGHTS, HOT_BACKENDS, SPARSE_RULES, WEIGHT_CHOICES, WEIGHT_FORMATS,
                             ConfigError)
 from pjinfer.load import loader
-from pjinfer.load.powerinfer import file_layout
+from pjinfer.load.powerinfer import file_layout, file_placement
 from pjinfer.load.bundle import THRESHOLDS, Bundle
 from pjinfer.runtime import gathered, host, tensor_parallel
 from pjinfer.runtime.gathered import PALLAS_BACKENDS, pallas_interpret
@@ -93,6 +96,9 @@ class Backend:
             return f"weights {weights}, tensor parallel over {jax.process_count()} processes"
         if self.rule is None:
             return f"weights {weights}"
+        if bundle is None and not self.host:
+            return (f"weights {weights}, sparse (the file's predictors and placement: hot neurons on the "
+                    f"{jax.default_backend()} by {hot_backend}, cold ones on the host)")
         if bundle is None:
             return f"weights {weights}, sparse (the file's predictors)"
         rule = "input thresholds" if self.rule == THRESHOLDS else "predictors"
@@ -111,6 +117,7 @@ BACKENDS = (
     Backend("hybrid", ("float32",), PREDICTORS, HOT_BACKENDS, host=False, batched=False, neuron_rows=None),
     Backend("powerinfer", ("gguf",), PREDICTORS, ("xla",), host=True, batched=False, neuron_rows=True),
     Backend("powerinfer-dense", ("gguf",), None, ("xla",), host=True, batched=False, neuron_rows=True),
+    Backend("powerinfer-hybrid", ("gguf",), PREDICTORS, PALLAS_BACKENDS, host=False, batched=False, neuron_rows=True),
     Backend("tensor-parallel", ("q4_1", "gguf"), None, ("xla",), host=True, batched=False, parallel=True),
     Backend("layer-split", ("q4_1", "int8", "gguf"), None, ("xla",), host=True, batched=True, split=True),
 )
@@ -234,11 +241,14 @@ def resolve(request: Request) -> Plan:
     if r.weights not in WEIGHT_CHOICES:
         raise ConfigError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {r.weights!r}")
     rule = None
+    neuron_rows, has_predictors = file_layout(r.model)
+    own_predictors = neuron_rows and has_predictors and r.bundle is None and not r.dense   # as PowerInfer runs it
     if r.bundle is None:
         for flag, value, default in (("--sparse-rule", r.sparse_rule, "auto"), ("--hot-backend", r.hot_backend, "xla"),
                                      ("--cold-weights", r.cold_weights, "float32"), ("--bridge", r.bridge, "auto")):
-            if value != default:
-                raise ConfigError(f"{flag} {value} applies to a sparse bundle; give --bundle DIR")
+            if value != default and not (flag == "--hot-backend" and own_predictors):
+                raise ConfigError(f"{flag} {value} applies to a sparse bundle (or, --hot-backend, to a PowerInfer file "
+                                  "with its predictors); give --bundle DIR")
     else:
         if r.weights != "auto" and not any(b.rule and r.weights in b.weights for b in BACKENDS):
             select(r.weights, THRESHOLDS)   # no sparse row runs these weights: said before any file is read
@@ -251,17 +261,20 @@ def resolve(request: Request) -> Plan:
             select(r.weights, rule, r.hot_backend, r.cold_weights)
         bridge_for(r.bridge, jax.default_backend())
         check_bundle_stages(r.bundle, rule)
-    neuron_rows, has_predictors = file_layout(r.model)
     if r.dense and not neuron_rows:
         raise ConfigError("--dense runs a PowerInfer file without its predictors; this model is not one")
     layers = None if r.offload_layers is None else split_layers(r)
-    weights = r.weights if r.weights != "auto" else _auto_weights(r, rule, neuron_rows, layers is not None)
-    if neuron_rows and r.bundle is None and weights == "gguf" and has_predictors and not r.dense:
+    weights = (r.weights if r.weights != "auto" else
+               _auto_weights(r, PREDICTORS if own_predictors else rule, neuron_rows, layers is not None))
+    if own_predictors and weights == "gguf":
         rule = PREDICTORS   # the file's own, as PowerInfer runs it
     # With a bundle, a PowerInfer file runs the bundle's rule on float32 (the loader lays its rows out as any file's).
     backend = select(weights, rule, r.hot_backend, r.cold_weights, neuron_rows=neuron_rows and r.bundle is None,
                      parallel=r.parallel, split=layers is not None)
     check_platform_runs(backend, weights, r.hot_backend, host_layers(layers))
+    if backend.neuron_rows and not backend.host:   # the hybrid: its placement is read before the weights
+        model = Path(r.model) if r.model else loader.default_model_path()
+        file_placement(model, loader.gguf_header(model)[1])
     return Plan(r, backend, weights, rule, layers)
 
 
@@ -297,23 +310,29 @@ def _auto_weights(r: Request, rule: str | None, neuron_rows: bool, split: bool =
         return "float32"
     platform = jax.default_backend()
     if backend.host and platform != "cpu" and not split:   # a split's platform is checked with its layers
+        hybrid = " (a PowerInfer file's hybrid runs there: --hot-backend pallas)" if neuron_rows else ""
         print(f"pjinfer: running float32 weights on the {platform}: the {stored} host decode runs where JAX runs "
-              "on the CPU", file=sys.stderr)
+              f"on the CPU{hybrid}", file=sys.stderr)
         return "float32"
     return stored
 
 
 def build(backend: Backend, config, weights: dict, fmt: str, *, thresholds=None, hot_backend: str = "xla",
-          predictors=None, device_layers: int = 0):
+          predictors=None, device_layers: int = 0, placement=None):
     """The model a backend runs, and its host decoder (None when every step runs in XLA). weights: canonical
     weights (pjinfer.runtime.model), float32 arrays or quantized matrices (cpu_offload.qtensor); for the
     powerinfer rows the loader's neuron rows (pjinfer.runtime.predicted). fmt: the row's weights; thresholds
     [n_layers, 4] for the THRESHOLDS rows; predictors: a PowerInfer file's (pjinfer.load.powerinfer.Predictors)
-    for the powerinfer row; device_layers: the layer-split row's layers left in XLA on the stored blocks (the rest
+    for the powerinfer rows, with `placement` (bool [n_layers, d_ff], hot on the accelerator) for the hybrid one;
+    device_layers: the layer-split row's layers left in XLA on the stored blocks (the rest
     and the head are swapped for the host decoder's, which is not built when every layer stays). The hybrid row
     builds its dense float32 model here; the engine then swaps its FFNs (Engine.use_bundle)."""
     if backend.parallel:
         return tensor_parallel.build(config, weights, fmt)
+    if backend.neuron_rows and not backend.host:
+        from pjinfer.runtime import powerinfer_hybrid   # Pallas with it (architecture.md, "Lazy imports")
+
+        return powerinfer_hybrid.build(config, weights, predictors, placement, hot_backend), None
     if backend.neuron_rows:
         stored = {k: v.map(to_xla) if is_quantized(v) else v for k, v in weights.items()}
         model = Transformer(config, stored)

@@ -27,7 +27,8 @@ from pjinfer.runtime.sampling import Sampling
 class Engine:
     def __init__(self, config: ModelConfig, weights: dict, tokenizer: Tokenizer, *, source: str = "",
                  weights_format: str = "float32", thresholds=None, hot_backend: str = "xla", predictors=None,
-                 neuron_rows: bool = False, parallel: bool = False, layers: tuple[int, int] | None = None):
+                 neuron_rows: bool = False, parallel: bool = False, layers: tuple[int, int] | None = None,
+                 placement=None):
         """weights: canonical weights (pjinfer.runtime.model), float32 arrays or quantized matrices
         (cpu_offload.qtensor), built into the backend (pjinfer.runtime.backends) that runs weights_format with
         `thresholds` and `hot_backend`.
@@ -49,7 +50,8 @@ class Engine:
         (pjinfer.load.powerinfer.Predictors), or dense without them. parallel: split over the processes
         jax.distributed joined (pjinfer.runtime.tensor_parallel; weights_format q4_1 or gguf). layers: a layer
         split (--offload-layers; backends.Plan.layers): (k, n_layers), the first k layers in XLA on the stored
-        blocks, the rest and the head on the host decode (none of them when k is n_layers)."""
+        blocks, the rest and the head on the host decode (none of them when k is n_layers). placement: a PowerInfer
+        file's hot neurons (bool [n_layers, d_ff]) with a Pallas hot_backend: the powerinfer-hybrid row."""
         rule = THRESHOLDS if thresholds is not None else backends.PREDICTORS if predictors is not None else None
         self.backend = backends.select(weights_format, rule, hot_backend, neuron_rows=neuron_rows, parallel=parallel,
                                        split=layers is not None)
@@ -65,7 +67,7 @@ class Engine:
         self.load_seconds = None  # set by load(): reading the file to a ready engine
         model, self.host = backends.build(self.backend, config, weights, weights_format, thresholds=thresholds,
                                           hot_backend=hot_backend, predictors=predictors,
-                                          device_layers=0 if layers is None else layers[0])
+                                          device_layers=0 if layers is None else layers[0], placement=placement)
         del weights   # the caller's float32 copies (if any) are not kept alive by this frame
         self.thresholds = thresholds
         self.hot_backend = hot_backend  # where hot neurons or one-token threshold products run
@@ -95,12 +97,14 @@ class Engine:
             enable_compilation_cache()
         r = plan.request
         model_path = Path(r.model) if r.model else loader.default_model_path()
-        predictors = None
+        predictors = placement = None
         if plan.backend.neuron_rows:
             config, tensors, tokenizer = loader.load_gguf(model_path, progress=progress, keep=plan.weights,
                                                           neuron_rows=True)
             if plan.rule == backends.PREDICTORS:
                 predictors = powerinfer.read_predictors(loader.open_gguf(model_path), config, model_path)
+            if not plan.backend.host:   # the hybrid: hot neurons on the accelerator
+                placement = powerinfer.file_placement(model_path, config)
         else:
             config, tensors, tokenizer = loader.load(model_path, progress=progress,
                                                      keep=plan.weights if plan.backend.host else None,
@@ -119,7 +123,8 @@ class Engine:
         bundle = Bundle.open(r.bundle, source=source) if plan.rule == THRESHOLDS else None
         engine = cls(config, tensors, tokenizer, source=source, weights_format=plan.weights,
                      thresholds=None if bundle is None else bundle.thresholds(config),
-                     hot_backend=r.hot_backend if bundle is not None else "xla", predictors=predictors,
+                     hot_backend=r.hot_backend if bundle is not None or placement is not None else "xla",
+                     predictors=predictors, placement=placement,
                      neuron_rows=bool(plan.backend.neuron_rows), parallel=plan.backend.parallel, layers=plan.layers)
         del tensors
         if bundle is not None:

@@ -390,10 +390,11 @@ class Block(nnx.Module):
         self.attn_norm, self.attn, self.ffn_norm, self.ffn = attn_norm, attn, ffn_norm, ffn
 
     @classmethod
-    def build(cls, config: ModelConfig, weights: dict, i: int) -> "Block":
+    def build(cls, config: ModelConfig, weights: dict, i: int, ffn=None) -> "Block":
+        """Block i of `weights`; ffn(i), when given, makes its FFN instead (which then reads nothing of weights')."""
         p = f"layers.{i}"
         return cls(Norm(weights, f"{p}.attn_norm", config.norm_eps), Attention(config, weights, p),
-                   Norm(weights, f"{p}.ffn_norm", config.norm_eps), FFN(config, weights, p))
+                   Norm(weights, f"{p}.ffn_norm", config.norm_eps), FFN(config, weights, p) if ffn is None else ffn(i))
 
     def parts(self) -> tuple:
         """(attn_norm, attn, ffn_norm, ffn): what a swapped block is made of."""
@@ -430,11 +431,12 @@ class Head(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    def __init__(self, config: ModelConfig, weights: dict):
+    def __init__(self, config: ModelConfig, weights: dict, *, ffn=None):
+        """ffn(i), when given, makes layer i's FFN (a neuron split whose rows must not all reach the device)."""
         self.config = config
         self.embed = _param(weights, "embed")
         self.pos_embed = _param(weights, "pos_embed") if config.arch == "opt" else None
-        self.layers = nnx.List([Block.build(config, weights, i) for i in range(config.n_layers)])
+        self.layers = nnx.List([Block.build(config, weights, i, ffn) for i in range(config.n_layers)])
         self.final_norm = Norm(weights, "final_norm", config.norm_eps)
         self.head = Head(self.embed if config.tie_embeddings else _param(weights, "lm_head"))
         expected = (config.vocab_size, config.d_model)

@@ -44,8 +44,7 @@ class PredictedFFN(FFN):
         """residual [..., d] -> the predicted set [..., d_ff] (bool): fc2 relu(fc1 residual) >= threshold."""
         if self.fc1 is None:
             return jnp.ones((*residual.shape[:-1], self.w_up.shape[0]), bool)
-        z = jax.nn.relu(linear(residual, ordered(self.fc1[...]).astype(jnp.float32)))
-        return linear(z, ordered(self.fc2[...]).astype(jnp.float32)) >= self.threshold
+        return predicted_set(residual, self.fc1[...], self.fc2[...], self.threshold)
 
     def __call__(self, x, residual=None):
         if residual is None:
@@ -53,6 +52,13 @@ class PredictedFFN(FFN):
         act = jnp.where(self.active(residual), self.neurons(x), 0.0)
         out = down(act, matrix(self.w_down_t))
         return out if self.b_down is None else out + self.b_down[...]
+
+
+def predicted_set(residual, fc1, fc2, threshold: float):
+    """PowerInfer's rule: residual [..., d] -> bool [..., d_ff], fc2 relu(fc1 residual) >= threshold, the predictor's
+    float16 or float32 weights read in float32."""
+    z = jax.nn.relu(linear(residual, ordered(fc1).astype(jnp.float32)))
+    return linear(z, ordered(fc2).astype(jnp.float32)) >= threshold
 
 
 def attach_powerinfer(model: Transformer, config, tensors: dict, predictors=None, *, dense: bool = False):
