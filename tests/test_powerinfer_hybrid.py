@@ -130,3 +130,17 @@ def test_hot_rows_of_another_block_type_are_refused_in_one_line(tmp_path):
 def test_hot_backends_are_for_bundles_and_powerinfer_files(capsys):
     assert_clean_error(run_cli(capsys, "generate", "--prompt", "x", "--hot-backend", "pallas-interpret"),
                        "applies to a sparse bundle (or, --hot-backend, to a PowerInfer file with its predictors)")
+
+
+def test_the_gpu_index_beside_the_file_is_its_placement(tmp_path):
+    """PowerInfer caches the placement it solved for a machine's GPU beside the model (FILE.generated.gpuidx); the
+    hybrid reads it there, as import-powerinfer does, before the file's own gpu_idx."""
+    from tests.support.powerinfer_files import write_gpu_index
+
+    path = write_file(tmp_path / "pi.gguf", None)
+    hot = PLACEMENTS["odd"](None)
+    write_gpu_index(str(path) + ".generated.gpuidx", hot)
+    engine = Engine.load(path, hot_backend=PALLAS)
+    model = nnx.merge(engine.graphdef, engine.state)
+    for l, block in enumerate(model.layers):
+        np.testing.assert_array_equal(np.asarray(block.ffn.hot_ids[...]), np.flatnonzero(hot[l]))

@@ -96,6 +96,8 @@ FAULTS = [
     Fault("--offload-layers accepts one layer past the model", "pjinfer/runtime/backends.py",
           "not 0 <= k <= n:", "not 0 <= k <= n + 1:",
           ("tests/test_layer_split.py::test_bad_splits_are_refused_in_one_line_before_loading",)),
+    Fault("the PowerInfer hybrid drops its cold neurons' sums", "pjinfer/runtime/powerinfer_hybrid.py",
+          "y = y + jax.pure_callback(", "y = y + 0 * jax.pure_callback(", ("tests/test_powerinfer_hybrid.py",)),
 ]
 
 IGNORE = shutil.ignore_patterns(".git", ".venv", "out", ".pytest_cache", "*.egg-info", "build")
