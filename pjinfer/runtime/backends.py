@@ -324,9 +324,9 @@ def build(backend: Backend, config, weights: dict, fmt: str, *, thresholds=None,
     powerinfer rows the loader's neuron rows (pjinfer.runtime.predicted). fmt: the row's weights; thresholds
     [n_layers, 4] for the THRESHOLDS rows; predictors: a PowerInfer file's (pjinfer.load.powerinfer.Predictors)
     for the powerinfer rows, with `placement` (bool [n_layers, d_ff], hot on the accelerator) for the hybrid one;
-    device_layers: the layer-split row's layers left in XLA on the stored blocks (the rest
-    and the head are swapped for the host decoder's, which is not built when every layer stays). The hybrid row
-    builds its dense float32 model here; the engine then swaps its FFNs (Engine.use_bundle)."""
+    device_layers: the layer-split row's layers left in XLA on the stored blocks (the rest and the head are swapped
+    for the host decoder's, which is not built when every layer stays). The hybrid row builds its dense float32
+    model here; the engine then swaps its FFNs (Engine.use_bundle)."""
     if backend.parallel:
         return tensor_parallel.build(config, weights, fmt)
     if backend.neuron_rows and not backend.host:

@@ -391,7 +391,7 @@ class Block(nnx.Module):
 
     @classmethod
     def build(cls, config: ModelConfig, weights: dict, i: int, ffn=None) -> "Block":
-        """Block i of `weights`; ffn(i), when given, makes its FFN instead (which then reads nothing of weights')."""
+        """Block i of `weights`; ffn(i), when given, makes its FFN instead (the FFN's matrices are then not read)."""
         p = f"layers.{i}"
         return cls(Norm(weights, f"{p}.attn_norm", config.norm_eps), Attention(config, weights, p),
                    Norm(weights, f"{p}.ffn_norm", config.norm_eps), FFN(config, weights, p) if ffn is None else ffn(i))
