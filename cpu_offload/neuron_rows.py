@@ -24,6 +24,16 @@ from .activation import get as activation_named
 from .contract import ConfigError
 
 
+_POOLS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}   # threads -> the one pool every NeuronRows of
+                                                                 # that size shares (a model has one a layer)
+
+
+def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    if threads not in _POOLS:
+        _POOLS[threads] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="neuron-rows")
+    return _POOLS[threads]
+
+
 class NeuronRows:
     """gate, up, down_t: cpu_offload.qtensor QTensors of GGUF block types, or float16 / float32 arrays
     (predicted_ffn.stored_rows), [d_ff, d] each (down_t: neuron i's down weights in row i). activation: a name of
@@ -39,7 +49,7 @@ class NeuronRows:
         _, block, nbytes = predicted_ffn.KINDS[self.down_kind]
         self.d = self.down.shape[1] // nbytes * block
         self.threads, self.min_share = max(1, threads), min_share
-        self.pool = concurrent.futures.ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+        self.pool = _pool(self.threads) if self.threads > 1 else None
         self.parts = np.zeros((self.threads, self.d), np.float32)
         self.vals = np.zeros(max(1, self.gate.shape[0]), np.float32)
 

@@ -113,6 +113,12 @@ def jitted_logits(model):
     return jitted(model, lambda m, tokens: m.logits(m.forward_sequence(tokens)))
 
 
+def stepped_logprobs(engine, tokens: np.ndarray):
+    """(log-probabilities of each next token [T-1], greedy flags [T-1], the distribution after the last token
+    [vocab]) of one sequence tokens [T] through the engine's own one-token decode steps (Engine._stepped)."""
+    return tuple(a[0] for a in engine._stepped(np.asarray(tokens, np.int32)[None], np.array([len(tokens)])))
+
+
 def random_weights(config: ModelConfig, seed: int = 0) -> dict:
     """Canonical weights (see pjinfer/runtime/model.py) drawn at a scale that keeps activations O(1)."""
     rng = np.random.default_rng(seed)

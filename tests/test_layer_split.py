@@ -8,22 +8,14 @@ import pytest
 from flax import nnx
 
 from pjinfer.load.data import wiki_eval_text
-from pjinfer.runtime import generate as gen
 from pjinfer.runtime.engine import Engine
 from pjinfer.runtime.host import HostBlock, HostHead
 from pjinfer.runtime.model import Block, Head, QMatrix
+from tests.conftest import stepped_logprobs
 from tests.support.cli import assert_clean_error, run_cli
 
 N_LAYERS = 30   # the default model's
 SOME = 7        # layers in XLA for the partial split: an odd number, so neither half is a multiple of the other
-
-
-def stepped(engine, tokens):
-    """(log-probabilities of each next token [T-1], greedy flags, the distribution after the last step) through
-    the engine's own one-token decode steps."""
-    logp, greedy, last = gen.stepped_logprobs(*engine.model_args, tokens[None], np.int32(tokens.size),
-                                              cache_len=engine.plan(tokens.size, 1)[1])
-    return np.asarray(logp[0]), np.asarray(greedy[0]), np.asarray(last[0])
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +25,7 @@ def tokens(engine):
 
 @pytest.fixture(scope="module")
 def references(engine, q4_engine, tokens):
-    return {"float32": stepped(engine, tokens), "host": stepped(q4_engine, tokens)}
+    return {"float32": stepped_logprobs(engine, tokens), "host": stepped_logprobs(q4_engine, tokens)}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +34,7 @@ def splits(tokens):
     out = {}
     for k in (0, SOME, "all"):
         engine = Engine.load(offload_layers=k)
-        out[k] = engine, stepped(engine, tokens)
+        out[k] = engine, stepped_logprobs(engine, tokens)
     return out
 
 
@@ -137,11 +129,11 @@ def test_a_split_of_the_files_own_block_types_decodes_the_host_decodes_model(tmp
     path = tmp_path / "q8.gguf"
     write_tiny_gguf(path, config, random_weights(config, seed=3), quantize=True)
     tokens = np.random.default_rng(0).integers(0, 262, 24).astype(np.int32)
-    host = stepped(Engine.load(path, weights="gguf"), tokens)
+    host = stepped_logprobs(Engine.load(path, weights="gguf"), tokens)
     for k in (0, 2, 3):
         engine = Engine.load(path, offload_layers=k)
         assert engine.weights_format == "gguf" and engine.layers == (k, 3)
-        logp, greedy, last = stepped(engine, tokens)
+        logp, greedy, last = stepped_logprobs(engine, tokens)
         np.testing.assert_array_equal(greedy, host[1])
         np.testing.assert_allclose(last, host[2], rtol=0, atol=2.0 ** -10 * np.abs(host[2]).max())
         if k == 0:
@@ -166,8 +158,8 @@ def test_every_layer_in_xla_runs_where_jax_runs(tmp_path):
     assert engine.host is None and engine.weights_format == "gguf"
     assert f"in XLA on the {jax.default_backend()}" in engine.path
     assert all(isinstance(b.attn.wq, QMatrix) for b in nnx.merge(engine.graphdef, engine.state).layers)
-    logp, greedy, last = stepped(engine, tokens)
-    want_logp, want_greedy, want_last = stepped(Engine.load(path, weights="float32"), tokens)
+    logp, greedy, last = stepped_logprobs(engine, tokens)
+    want_logp, want_greedy, want_last = stepped_logprobs(Engine.load(path, weights="float32"), tokens)
     np.testing.assert_array_equal(greedy, want_greedy)
     np.testing.assert_allclose(logp, want_logp, rtol=0, atol=2.0 ** -14 * np.abs(want_logp).max())
     np.testing.assert_allclose(last, want_last, rtol=0, atol=2.0 ** -14 * np.abs(want_last).max())

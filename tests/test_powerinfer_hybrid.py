@@ -11,10 +11,9 @@ import pytest
 from flax import nnx
 
 from pjinfer.config import ConfigError
-from pjinfer.runtime import generate as gen
 from pjinfer.runtime.engine import Engine
 from pjinfer.runtime.powerinfer_hybrid import HybridFFN
-from tests.conftest import PALLAS, random_weights, tiny_config
+from tests.conftest import PALLAS, random_weights, stepped_logprobs, tiny_config
 from tests.support.cli import assert_clean_error, run_cli
 from tests.support.gguf_files import write_spm_vocab
 from tests.support.powerinfer_files import powerinfer_predictors, write_powerinfer
@@ -34,13 +33,6 @@ def write_file(path, hot, *, ffn_type=T.Q4_0, seed=11):
     return path
 
 
-def stepped(engine, tokens):
-    """(logp [T-1], greedy, the distribution after the last token) through the engine's one-token decode steps."""
-    logp, greedy, last = gen.stepped_logprobs(*engine.model_args, tokens[None], np.int32(tokens.size),
-                                              cache_len=engine.plan(tokens.size, 1)[1])
-    return np.asarray(logp[0]), np.asarray(greedy[0]), np.asarray(last[0])
-
-
 PLACEMENTS = {"some": lambda rng: rng.random((CONFIG.n_layers, CONFIG.d_ff)) < 0.4,
               "all hot": lambda rng: np.ones((CONFIG.n_layers, CONFIG.d_ff), bool),
               "all cold": lambda rng: np.zeros((CONFIG.n_layers, CONFIG.d_ff), bool),
@@ -57,7 +49,8 @@ def test_the_hybrid_computes_what_the_cpu_path_computes(tmp_path, placement):
     assert cpu.backend.name == "powerinfer" and hybrid.backend.name == "powerinfer-hybrid"
     assert "hot neurons on the" in hybrid.path and "cold ones on the host" in hybrid.path
     tokens = np.random.default_rng(1).integers(0, CONFIG.vocab_size, 20).astype(np.int32)
-    (want_logp, want_greedy, want_last), (logp, greedy, last) = stepped(cpu, tokens), stepped(hybrid, tokens)
+    want_logp, want_greedy, want_last = stepped_logprobs(cpu, tokens)
+    logp, greedy, last = stepped_logprobs(hybrid, tokens)
     np.testing.assert_array_equal(greedy, want_greedy)
     np.testing.assert_allclose(logp, want_logp, rtol=0, atol=2.0 ** -14 * np.abs(want_logp).max())
     np.testing.assert_allclose(last, want_last, rtol=0, atol=2.0 ** -14 * np.abs(want_last).max())
@@ -109,7 +102,7 @@ def test_the_hot_kernel_agrees_with_the_many_token_path_where_jax_runs(tmp_path)
     path = write_file(tmp_path / "pi.gguf", PLACEMENTS["some"](np.random.default_rng(3)))
     engine = Engine.load(path, hot_backend=PALLAS)
     tokens = np.random.default_rng(4).integers(0, CONFIG.vocab_size, 16).astype(np.int32)
-    logp, _, _ = stepped(engine, tokens)
+    logp, _, _ = stepped_logprobs(engine, tokens)
     scored = engine.token_logprobs(tokens[None])[0]
     np.testing.assert_allclose(logp, scored, rtol=0, atol=2.0 ** -12 * np.abs(scored).max())
 

@@ -42,6 +42,7 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from cpu_offload.blocks import BY_NAME
 from cpu_offload.decoder import HostDecoder, quantize_weights
@@ -217,12 +218,14 @@ class Request:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A request resolved: the backend that runs it, with "auto" settled (weights) and the bundle's rule; a layer
-    split's (layers in XLA, layers in all), "all" settled."""
+    split's (layers in XLA, layers in all), "all" settled; the powerinfer-hybrid row's placement (bool [n_layers,
+    d_ff], read from the file's header or GPU index, before the weights)."""
     request: Request
     backend: Backend
     weights: str
     rule: str | None
     layers: tuple[int, int] | None = None
+    placement: np.ndarray | None = dataclasses.field(default=None, compare=False)
 
     def on_float32(self) -> "Plan":
         """The same request on float32 weights (an "auto" whose host decode cannot run the loaded model)."""
@@ -272,10 +275,11 @@ def resolve(request: Request) -> Plan:
     backend = select(weights, rule, r.hot_backend, r.cold_weights, neuron_rows=neuron_rows and r.bundle is None,
                      parallel=r.parallel, split=layers is not None)
     check_platform_runs(backend, weights, r.hot_backend, host_layers(layers))
+    placement = None
     if backend.neuron_rows and not backend.host:   # the hybrid: its placement is read before the weights
         model = Path(r.model) if r.model else loader.default_model_path()
-        file_placement(model, loader.gguf_header(model)[1])
-    return Plan(r, backend, weights, rule, layers)
+        placement = file_placement(model, loader.gguf_header(model)[1])
+    return Plan(r, backend, weights, rule, layers, placement)
 
 
 def split_layers(r: Request) -> tuple[int, int]:

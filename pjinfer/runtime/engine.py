@@ -97,14 +97,12 @@ class Engine:
             enable_compilation_cache()
         r = plan.request
         model_path = Path(r.model) if r.model else loader.default_model_path()
-        predictors = placement = None
+        predictors = None
         if plan.backend.neuron_rows:
             config, tensors, tokenizer = loader.load_gguf(model_path, progress=progress, keep=plan.weights,
                                                           neuron_rows=True)
             if plan.rule == backends.PREDICTORS:
                 predictors = powerinfer.read_predictors(loader.open_gguf(model_path), config, model_path)
-            if not plan.backend.host:   # the hybrid: hot neurons on the accelerator
-                placement = powerinfer.file_placement(model_path, config)
         else:
             config, tensors, tokenizer = loader.load(model_path, progress=progress,
                                                      keep=plan.weights if plan.backend.host else None,
@@ -123,8 +121,8 @@ class Engine:
         bundle = Bundle.open(r.bundle, source=source) if plan.rule == THRESHOLDS else None
         engine = cls(config, tensors, tokenizer, source=source, weights_format=plan.weights,
                      thresholds=None if bundle is None else bundle.thresholds(config),
-                     hot_backend=r.hot_backend if bundle is not None or placement is not None else "xla",
-                     predictors=predictors, placement=placement,
+                     hot_backend=r.hot_backend if bundle is not None or plan.placement is not None else "xla",
+                     predictors=predictors, placement=plan.placement,
                      neuron_rows=bool(plan.backend.neuron_rows), parallel=plan.backend.parallel, layers=plan.layers)
         del tensors
         if bundle is not None:
@@ -277,7 +275,7 @@ class Engine:
         """generate.stepped_logprobs row by row, steps[b] decode steps for row b (decode steps only: one sequence
         at a time; a row of no steps costs nothing and reads zeros): (logp [B, T-1], greedy, last [B, vocab])."""
         b, t = tokens.shape
-        cache_len = gen.bucket(t, gen.MIN_CACHE_BUCKET)
+        cache_len = min(gen.bucket(t, gen.MIN_CACHE_BUCKET), self.config.max_seq_len)
         out = (np.zeros((b, t - 1), np.float32), np.zeros((b, t - 1), bool),
                np.zeros((b, self.config.vocab_size), np.float32))
         for r in np.flatnonzero(steps > 0):

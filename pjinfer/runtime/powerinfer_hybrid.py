@@ -51,16 +51,17 @@ class HotRows(nnx.Module):
 
 class HybridFFN(nnx.Module):
     """Layer `layer`'s FFN split by `hot` (bool [d_ff]): hot rows on the accelerator, the rest through `cold` (the
-    layer's NeuronRows over every neuron's rows; only the cold ones are asked of it). fc1 [rank, d], fc2 [d_ff, rank]:
+    layer's NeuronRows over every neuron's rows; only the cold ones are asked of it). planes: hot_rows' (None when
+    no neuron is hot). fc1 [rank, d], fc2 [d_ff, rank]:
     the file's predictor; interpret: run the Pallas kernel in interpret mode (the CPU)."""
 
-    def __init__(self, activation: str, layer: int, hot_rows: dict, hot: np.ndarray, fc1, fc2, threshold: float,
+    def __init__(self, activation: str, layer: int, planes: dict | None, hot: np.ndarray, fc1, fc2, threshold: float,
                  cold: NeuronRows, *, interpret: bool):
         self.activation, self.layer, self.interpret, self.threshold = activation, layer, interpret, float(threshold)
         self.hot_ids = Index(jnp.asarray(np.flatnonzero(hot), jnp.int32))
         self.cold_ids = Index(jnp.asarray(np.flatnonzero(~hot), jnp.int32))
         self.fc1, self.fc2 = nnx.Param(to_xla(fc1)), nnx.Param(to_xla(fc2))
-        self.gate, self.up, self.down_t = (HotRows(hot_rows[m]) if hot.any() else None for m in MATRICES)
+        self.gate, self.up, self.down_t = (None if planes is None else HotRows(planes[m]) for m in MATRICES)
         self.cold = ColdCall(cold, np.flatnonzero(~hot))
 
     def __call__(self, x, residual=None):
@@ -124,7 +125,7 @@ def build(config, tensors: dict, predictors, hot: np.ndarray, hot_backend: str) 
     def ffn(l):
         p = f"layers.{l}"
         cold = NeuronRows(*(tensors[f"{p}.{m}"] for m in MATRICES), activation=config.activation, threads=threads)
-        return HybridFFN(config.activation, l, hot_rows(tensors, l, hot[l]) if hot[l].any() else {}, hot[l],
+        return HybridFFN(config.activation, l, hot_rows(tensors, l, hot[l]) if hot[l].any() else None, hot[l],
                          predictors.fc1[l], predictors.fc2[l], predictors.threshold, cold,
                          interpret=hot_backend == "pallas-interpret")
 
