@@ -24,6 +24,9 @@ WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)
 # (cpu_offload.contract). With a bundle's thresholds on float32 weights the same choice says where one-token products
 # run: xla (dense masked products) or the Pallas gather kernels (pjinfer.runtime.gathered).
 HOT_BACKENDS = ("xla", "pallas", "pallas-interpret")
+# What users choose from: a backend, or "auto": "pallas" for a PowerInfer file's own predictors where JAX runs on a
+# GPU (the host decode that runs them elsewhere is not there), "xla" otherwise (pjinfer.runtime.backends.resolve).
+HOT_CHOICES = ("auto", *HOT_BACKENDS)
 # Which of a bundle's rules runs (pjinfer.runtime.backends.bundle_rule): auto (its thresholds when it has them, else
 # its predictors and placement), or one of the two by name.
 SPARSE_RULES = ("auto", "thresholds", "predictors")

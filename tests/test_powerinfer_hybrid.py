@@ -137,3 +137,29 @@ def test_the_gpu_index_beside_the_file_is_its_placement(tmp_path):
     model = nnx.merge(engine.graphdef, engine.state)
     for l, block in enumerate(model.layers):
         np.testing.assert_array_equal(np.asarray(block.ffn.hot_ids[...]), np.flatnonzero(hot[l]))
+
+
+@pytest.mark.gpu
+def test_auto_runs_the_hybrid_where_jax_runs_on_a_gpu(tmp_path):
+    """--hot-backend auto (the default): a PowerInfer file with its predictors and placement runs the hybrid, with
+    compiled Pallas kernels, where JAX runs on a GPU, and PowerInfer's CPU path (the host decode) elsewhere; no
+    other request changes: a --dense file stays on xla (the default model: the next test)."""
+    from pjinfer.runtime.backends import Request, resolve
+
+    path = write_file(tmp_path / "pi.gguf", PLACEMENTS["some"](np.random.default_rng(6)))
+    gpu = jax.default_backend() == "gpu"
+    plan = resolve(Request(path))
+    assert (plan.backend.name, plan.hot_backend) == (("powerinfer-hybrid", "pallas") if gpu else ("powerinfer", "xla"))
+    assert plan.placement is not None if gpu else plan.placement is None
+    assert resolve(Request(path, dense=True)).hot_backend == "xla"
+
+
+def test_hot_backend_auto_and_xla_need_no_bundle_and_another_name_is_refused():
+    """auto and xla are what a request without a bundle runs; a name that is not a hot backend gets one line."""
+    from pjinfer.runtime.backends import Request, resolve
+
+    assert resolve(Request(hot_backend="xla")).backend == resolve(Request(hot_backend="auto")).backend
+    assert resolve(Request()).hot_backend == "xla"
+    want = "^hot backend must be one of auto, xla, pallas, pallas-interpret, got 'cuda'$"
+    with pytest.raises(ConfigError, match=want):
+        resolve(Request(hot_backend="cuda"))

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from pjinfer.arguments import layer_count, positive_int
-from pjinfer.config import BRIDGES, COLD_WEIGHTS, HOT_BACKENDS, SPARSE_RULES, WEIGHT_CHOICES, ConfigError
+from pjinfer.config import BRIDGES, COLD_WEIGHTS, HOT_CHOICES, SPARSE_RULES, WEIGHT_CHOICES, ConfigError
 
 
 def port(text: str) -> int:
@@ -34,9 +34,10 @@ def sparse_options(p):
     p.add_argument("--sparse-rule", default="auto", choices=SPARSE_RULES,
                    help="which of the bundle's rules runs: auto (default): its input thresholds when it has them "
                    "(calibrate), else its predictors and placement")
-    p.add_argument("--hot-backend", default="xla", choices=HOT_BACKENDS,
+    p.add_argument("--hot-backend", default="auto", choices=HOT_CHOICES,
                    help="predictors: where hot neurons run; thresholds on float32: where one-token products run. "
-                   "xla (CPU default), compiled Pallas kernels (GPU), Pallas interpret mode")
+                   "xla, compiled Pallas kernels (GPU), Pallas interpret mode; auto (default): pallas for a "
+                   "PowerInfer file's own predictors where JAX runs on a GPU, else xla")
     p.add_argument("--cold-weights", default="float32", choices=COLD_WEIGHTS,
                    help="cold rows in host memory as float32, or int8 with a scale per block of 64 (17/64 the bytes)")
     p.add_argument("--bridge", default="auto", choices=("auto", *BRIDGES),
@@ -116,7 +117,7 @@ def plan(args, bundle=None, weights=None):
 
     return backends.resolve(backends.Request(
         args.model, weights=weights or getattr(args, "weights", "float32"), bundle=bundle,
-        sparse_rule=getattr(args, "sparse_rule", "auto"), hot_backend=getattr(args, "hot_backend", "xla"),
+        sparse_rule=getattr(args, "sparse_rule", "auto"), hot_backend=getattr(args, "hot_backend", "auto"),
         cold_weights=getattr(args, "cold_weights", "float32"), bridge=getattr(args, "bridge", "auto"),
         dense=getattr(args, "dense", False), parallel=getattr(args, "parallel", False),
         offload_layers=getattr(args, "offload_layers", None)))

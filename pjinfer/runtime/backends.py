@@ -1,11 +1,11 @@
 """How an engine runs: one row per path in BACKENDS, and `resolve`, which picks the row once per request.
 
 A request names the weights (config.WEIGHT_CHOICES) and, with a sparse bundle, the rule that runs
-(config.SPARSE_RULES), where hot neurons or gathered products run (config.HOT_BACKENDS) and how a predictor
+(config.SPARSE_RULES), where hot neurons or gathered products run (config.HOT_CHOICES) and how a predictor
 bundle's cold rows are stored (config.COLD_WEIGHTS). `resolve` turns it into a `Plan` before any weight is read:
-it settles "auto", finds the one row that runs the combination, and refuses in one line what no row runs or
-what this platform cannot. The engine builds the plan's backend; the CLI, the server and the benchmarks ask
-`resolve` and check nothing themselves.
+it settles "auto" (weights and hot backend), finds the one row that runs the combination, and refuses in one line
+what no row runs or what this platform cannot. The engine builds the plan's backend; the CLI, the server and the
+benchmarks ask `resolve` and check nothing themselves.
 
     backend            weights      rule        hot backends                  platforms   batched
     xla                float32      -           xla                           any         yes
@@ -50,7 +50,7 @@ from cpu_offload.ffi import check_platform
 from cpu_offload.host_call import bridge_for
 from cpu_offload.qtensor import is_quantized
 from cpu_offload.sparse_decode import SparseHostDecoder
-from pjinfer.config import (COLD_WEIGHTS, HOT_BACKENDS, SPARSE_RULES, WEIGHT_CHOICES, WEIGHT_FORMATS,
+from pjinfer.config import (COLD_WEIGHTS, HOT_BACKENDS, HOT_CHOICES, SPARSE_RULES, WEIGHT_CHOICES, WEIGHT_FORMATS,
                             ConfigError)
 from pjinfer.load import loader
 from pjinfer.load.powerinfer import file_layout, file_placement
@@ -207,7 +207,7 @@ class Request:
     weights: str = "auto"
     bundle: str | os.PathLike | None = None
     sparse_rule: str = "auto"
-    hot_backend: str = "xla"
+    hot_backend: str = "auto"   # config.HOT_CHOICES
     cold_weights: str = "float32"
     bridge: str = "auto"   # how a predictor bundle's step reaches its cold rows (cpu_offload.host_call.bridge_for)
     dense: bool = False   # a PowerInfer file without its predictors (--dense)
@@ -217,20 +217,21 @@ class Request:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A request resolved: the backend that runs it, with "auto" settled (weights) and the bundle's rule; a layer
-    split's (layers in XLA, layers in all), "all" settled; the powerinfer-hybrid row's placement (bool [n_layers,
-    d_ff], read from the file's header or GPU index, before the weights)."""
+    """A request resolved: the backend that runs it, with "auto" settled (weights, hot backend) and the bundle's
+    rule; a layer split's (layers in XLA, layers in all), "all" settled; the powerinfer-hybrid row's placement (bool
+    [n_layers, d_ff], read from the file's header or GPU index, before the weights)."""
     request: Request
     backend: Backend
     weights: str
     rule: str | None
     layers: tuple[int, int] | None = None
     placement: np.ndarray | None = dataclasses.field(default=None, compare=False)
+    hot_backend: str = "xla"
 
     def on_float32(self) -> "Plan":
         """The same request on float32 weights (an "auto" whose host decode cannot run the loaded model)."""
         rule = None if self.backend.neuron_rows else self.rule
-        backend = select("float32", rule, self.request.hot_backend, self.request.cold_weights)
+        backend = select("float32", rule, self.hot_backend, self.request.cold_weights)
         return dataclasses.replace(self, backend=backend, weights="float32", rule=rule)
 
 
@@ -239,15 +240,23 @@ def resolve(request: Request) -> Plan:
     manifest and the model's fingerprint are). "auto" weights: the checkpoint's own quantization where a backend
     runs it with this rule and hot backend on this platform (q4_1 for a GGUF whose layers are Q4_1, gguf for one
     whose layers are other block types with host kernels), else float32, said in one stderr line when the file's
-    own format was passed over for a reason the user may not expect."""
+    own format was passed over for a reason the user may not expect. "auto" hot backend: "pallas" for a PowerInfer
+    file's own predictors where JAX runs on a GPU (its powerinfer-hybrid row; the powerinfer row that runs them
+    elsewhere is the host decode's), "xla" otherwise."""
     r = request
     if r.weights not in WEIGHT_CHOICES:
         raise ConfigError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {r.weights!r}")
+    if r.hot_backend not in HOT_CHOICES:
+        raise ConfigError(f"hot backend must be one of {', '.join(HOT_CHOICES)}, got {r.hot_backend!r}")
     rule = None
     neuron_rows, has_predictors = file_layout(r.model)
     own_predictors = neuron_rows and has_predictors and r.bundle is None and not r.dense   # as PowerInfer runs it
+    hot = r.hot_backend
+    if hot == "auto":
+        gpu_hybrid = own_predictors and r.weights in ("auto", "gguf") and jax.default_backend() == "gpu"
+        hot = "pallas" if gpu_hybrid else "xla"
     if r.bundle is None:
-        for flag, value, default in (("--sparse-rule", r.sparse_rule, "auto"), ("--hot-backend", r.hot_backend, "xla"),
+        for flag, value, default in (("--sparse-rule", r.sparse_rule, "auto"), ("--hot-backend", hot, "xla"),
                                      ("--cold-weights", r.cold_weights, "float32"), ("--bridge", r.bridge, "auto")):
             if value != default and not (flag == "--hot-backend" and own_predictors):
                 raise ConfigError(f"{flag} {value} applies to a sparse bundle (or, --hot-backend, to a PowerInfer file "
@@ -261,25 +270,25 @@ def resolve(request: Request) -> Plan:
         Bundle.open(r.bundle).check_model(loader.model_identity(model))
         rule = bundle_rule(r.bundle, r.sparse_rule)
         if r.weights != "auto":   # the settings before the stages: what cannot run says so first
-            select(r.weights, rule, r.hot_backend, r.cold_weights)
+            select(r.weights, rule, hot, r.cold_weights)
         bridge_for(r.bridge, jax.default_backend())
         check_bundle_stages(r.bundle, rule)
     if r.dense and not neuron_rows:
         raise ConfigError("--dense runs a PowerInfer file without its predictors; this model is not one")
     layers = None if r.offload_layers is None else split_layers(r)
     weights = (r.weights if r.weights != "auto" else
-               _auto_weights(r, PREDICTORS if own_predictors else rule, neuron_rows, layers is not None))
+               _auto_weights(r, PREDICTORS if own_predictors else rule, hot, neuron_rows, layers is not None))
     if own_predictors and weights == "gguf":
         rule = PREDICTORS   # the file's own, as PowerInfer runs it
     # With a bundle, a PowerInfer file runs the bundle's rule on float32 (the loader lays its rows out as any file's).
-    backend = select(weights, rule, r.hot_backend, r.cold_weights, neuron_rows=neuron_rows and r.bundle is None,
+    backend = select(weights, rule, hot, r.cold_weights, neuron_rows=neuron_rows and r.bundle is None,
                      parallel=r.parallel, split=layers is not None)
-    check_platform_runs(backend, weights, r.hot_backend, host_layers(layers))
+    check_platform_runs(backend, weights, hot, host_layers(layers))
     placement = None
     if backend.neuron_rows and not backend.host:   # the hybrid: its placement is read before the weights
         model = Path(r.model) if r.model else loader.default_model_path()
         placement = file_placement(model, loader.gguf_header(model)[1])
-    return Plan(r, backend, weights, rule, layers, placement)
+    return Plan(r, backend, weights, rule, layers, placement, hot)
 
 
 def split_layers(r: Request) -> tuple[int, int]:
@@ -300,7 +309,7 @@ def host_layers(layers: tuple[int, int] | None) -> int:
     return 0 if layers is None else layers[1] - layers[0]
 
 
-def _auto_weights(r: Request, rule: str | None, neuron_rows: bool, split: bool = False) -> str:
+def _auto_weights(r: Request, rule: str | None, hot_backend: str, neuron_rows: bool, split: bool = False) -> str:
     stored = loader.stored_format(r.model)
     if neuron_rows and r.bundle is None:   # a PowerInfer file: its layers' own types on the host, where they have kernels
         stored = "gguf" if loader.layer_types(r.model) <= set(BY_NAME) | {"F16", "F32"} else None
@@ -309,7 +318,7 @@ def _auto_weights(r: Request, rule: str | None, neuron_rows: bool, split: bool =
         if foreign:
             print(f"pjinfer: running float32 weights: no host kernel reads type {', '.join(foreign)}", file=sys.stderr)
         return "float32"
-    backend = next((b for b in BACKENDS if b.runs(stored, rule, r.hot_backend, neuron_rows, split=split)), None)
+    backend = next((b for b in BACKENDS if b.runs(stored, rule, hot_backend, neuron_rows, split=split)), None)
     if backend is None:
         return "float32"
     platform = jax.default_backend()

@@ -74,7 +74,7 @@ class Engine:
         self.graphdef, self.state = nnx.split(model)
 
     @classmethod
-    def load(cls, path=None, *, bundle=None, hot_backend: str = "xla", cold_weights: str = "float32",
+    def load(cls, path=None, *, bundle=None, hot_backend: str = "auto", cold_weights: str = "float32",
              bridge: str = "auto", weights: str = "auto", sparse_rule: str = "auto", dense: bool = False, progress=None,
              compile_cache: bool = True, parallel: bool = False, offload_layers: int | str | None = None) -> "Engine":
         """The model at `path` (default: the embedded SmolLM2-135M), ready to generate: the plan
@@ -121,14 +121,14 @@ class Engine:
         bundle = Bundle.open(r.bundle, source=source) if plan.rule == THRESHOLDS else None
         engine = cls(config, tensors, tokenizer, source=source, weights_format=plan.weights,
                      thresholds=None if bundle is None else bundle.thresholds(config),
-                     hot_backend=r.hot_backend if bundle is not None or plan.placement is not None else "xla",
+                     hot_backend=plan.hot_backend if bundle is not None or plan.placement is not None else "xla",
                      predictors=predictors, placement=plan.placement,
                      neuron_rows=bool(plan.backend.neuron_rows), parallel=plan.backend.parallel, layers=plan.layers)
         del tensors
         if bundle is not None:
             engine.bundle = bundle
         elif plan.rule == backends.PREDICTORS and r.bundle is not None:
-            engine.use_bundle(r.bundle, hot_backend=r.hot_backend, cold_weights=r.cold_weights, bridge=r.bridge)
+            engine.use_bundle(r.bundle, hot_backend=plan.hot_backend, cold_weights=r.cold_weights, bridge=r.bridge)
         engine.load_seconds = time.perf_counter() - start
         return engine
 
