@@ -34,3 +34,18 @@ def test_another_process_burning_a_core_counts_as_others_until_this_process_reap
     # A core of `cpus` for 1.5 s of the 1.6 s, less what the hypervisor stole from it.
     assert machine.shares(before, during)["others"] > 0.25 / cpus
     assert machine.shares(before, after)["others"] < machine.shares(before, during)["others"] - 0.2 / cpus
+
+
+def test_the_last_level_cache_is_the_largest_cache_cpu0_reports():
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    size = machine.last_level_cache_bytes()
+    if not os.path.isdir(root):
+        assert size is None
+        return
+    levels = {}
+    for index in os.listdir(root):
+        if index.startswith("index"):
+            with open(f"{root}/{index}/level") as f:
+                levels[index] = int(f.read())
+    with open(f"{root}/{max(levels, key=levels.get)}/size") as f:
+        assert size >= int(f.read().strip().rstrip("K")) << 10 >= 1 << 10

@@ -73,6 +73,23 @@ def test_llama_cpp_peer_runs_the_same_greedy_decode(engine):
     assert engine.tokenizer.decode(tokens).startswith(" Paris.\n\nThe United States")  # llama.cpp's greedy text
 
 
+def test_bench_refuses_a_rate_above_the_bandwidth_unless_the_bytes_fit_in_the_cache(q4_engine, monkeypatch):
+    """A decode that reads more bytes a second than the memory gives is a wrong timing (BenchError), except where a
+    step's bytes fit in the last-level cache (a large L3 holds the default model's 98 MB), which it may read from."""
+    from pjinfer.measure import bench, machine
+
+    step = bench.engine_bytes_per_token(q4_engine, 64, 16)
+    for cache, refused in ((None, True), (step // 2, True), (2 * step, False)):
+        monkeypatch.setattr(machine, "last_level_cache_bytes", lambda: cache)
+        run = lambda: bench.run({"dense-q4_1": q4_engine}, prompt_len=16, new_tokens=4, runs=1, bandwidth=1.0)  # noqa
+        if refused:
+            with pytest.raises(bench.BenchError, match="above the measured bandwidth of 0.0 GB/s"):
+                run()
+        else:
+            result = run()
+            assert result["engines"]["dense-q4_1"]["fits_in_cache"] and result["last_level_cache_mb"] == cache / 1e6
+
+
 @pytest.mark.parametrize("peer", ["llama-bench", "powerinfer"])
 def test_native_peer_runs_in_bench_alternated_with_pjinfer(q4_engine, peer):
     # Only where `make peers` built the peer (`make test` builds nothing).

@@ -128,6 +128,10 @@ def cmd_bench(args):
               f"{mb:8.1f} {100 * mb * r['decode_tok_s'] / 1e3 / bandwidth:11.0f}%" + ratio)
         if "breakdown" in r:
             print_breakdown(name, r["breakdown"])
+    cached = [name for name, r in result["engines"].items() if r.get("fits_in_cache")]
+    if cached:
+        print(f"{', '.join(cached)}: a step's bytes fit in the {result['last_level_cache_mb']:.0f} MB last-level cache "
+              "this CPU reports, so the step may read them from there: its share of the memory bandwidth is no bound")
     densities = [f"{name} {100 * r['density']:.1f}%" for name, r in result["engines"].items() if r.get("density")]
     if densities:
         print("FFN neurons computed per decode step (the file's predictors, every layer): " + ", ".join(densities)
