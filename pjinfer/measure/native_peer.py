@@ -174,10 +174,13 @@ class NativePeer:
 
 def llama_bench(model_path, *, prompt_len: int, new_tokens: int, threads: int) -> NativePeer:
     """llama-bench timing new_tokens generated after a context of prompt_len tokens (-d: the depth, filled
-    untimed), one repetition per run so its runs interleave with pjinfer's."""
+    untimed), one repetition per run so its runs interleave with pjinfer's. The depth is filled a token a batch
+    (-ub 1), as the timed tokens run: on a CPU with AMX, llama.cpp's batched products take its AMX tiles, which a
+    VM may not grant (llama-bench then dies of SIGILL or SIGSEGV), while its one-token products (VNNI, on the
+    same repacked weights) run."""
     check_native("llama-bench", model_path)
     command = [str(binary("llama-bench")), "-m", str(model_path), "-p", "0", "-n", str(new_tokens),
-               "-d", str(prompt_len), "-t", str(threads), "-r", "1", "-o", "csv"]
+               "-d", str(prompt_len), "-ub", "1", "-t", str(threads), "-r", "1", "-o", "csv"]
 
     def parse(done):
         got = parse_llama_bench_csv(done.stdout)
