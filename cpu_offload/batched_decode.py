@@ -43,7 +43,7 @@ from .ffi import (BUF_DATA, BUF_DTYPE, CF_ARGS, CF_NARGS, CF_NRETS, CF_RETS, DT_
 from .host_decode import (F_BLOCKS, H_EPS, H_FORMAT, H_HEAD, H_HEAD_SCALES, H_INV_FREQ, H_MAGIC, H_MAXLEN, H_NLAYERS,
                           H_RUNTIME, H_STAGE, H_TABLE, H_TASK, H_TEAM, H_VOCAB, H_WIDTH, L_ATTN_NORM, L_DOWN,
                           L_FFN_NORM, L_GATE, L_K, L_O, L_Q, L_UP, L_V, L_WIDTH, ST_ATTN, ST_DOWN, ST_GATE_UP, ST_HEAD,
-                          ST_O, ST_QKV, add_qkv_bias, cache_rows, dims, f32_view, int8_matrix, thread_share)
+                          ROWS, ST_O, ST_QKV, add_qkv_bias, cache_rows, dims, f32_view, int8_matrix, thread_share)
 from .activation import act_span
 from .blocks import INT8, TYPES
 from .cfuncs import HANDLER, STAGE, DeferredCFunc
@@ -91,13 +91,13 @@ def _bscratch(header):
 
 @njit(**NOJIT)
 def _matmul(header, layer, slot, rows, x, y, nt, lo, hi):
-    """y[t, lo:hi] = rows lo..hi-1 of the layer's matrix in slot times x[t], t < nt (blocks: Q4_1, the one block
-    type with a batched GEMM, checked by BatchDecoder)."""
+    """y[t, lo:hi] = rows lo..hi-1 of the layer's matrix in slot times x[t], t < nt (blocks: Q4_1 or Q4_1x16, the
+    block types with a batched GEMM, checked by BatchDecoder)."""
     cols = x.shape[1]
     if load_i64(header + 8 * H_FORMAT) == F_BLOCKS:
-        blocks = carray(ptr_u8(load_i64(load_i64(header + 8 * H_TABLE) + 8 * (L_WIDTH * layer + slot))),
-                        (rows, cols // q4.BLOCK * q4.BLOCK_BYTES))
-        q8_dot.gemm(blocks, x, y, nt, lo, hi)
+        entry = load_i64(header + 8 * H_TABLE) + 8 * (L_WIDTH * layer + slot)
+        blocks = carray(ptr_u8(load_i64(entry)), (rows, cols // q4.BLOCK * q4.BLOCK_BYTES))
+        q8_dot.gemm(load_i64(entry + 8), blocks, x, y, nt, lo, hi)
     else:
         w, s = int8_matrix(header, layer, slot, rows, cols)
         int8.gemm(w, s, x, y, _i64s(header, B_IDENT), nt, lo, hi)
@@ -111,7 +111,7 @@ def _stage_py(header, tid, n):
     d, nh, nkv, hd, ff = dims(header)
     x, h, qkv, att, o, gate, up, down = _bscratch(header)
     if stage == ST_QKV:
-        lo, hi = thread_share(qkv.shape[1], tid, n, 4)
+        lo, hi = thread_share(qkv.shape[1], tid, n, ROWS)
         nq, nk = nh * hd, nkv * hd
         for slot, r0, r1 in ((L_Q, 0, nq), (L_K, nq, nq + nk), (L_V, nq + nk, nq + 2 * nk)):
             a, b = max(lo, r0), min(hi, r1)
@@ -136,17 +136,17 @@ def _stage_py(header, tid, n):
                 attention.attend_share(q, kc, vc, pos, share, shares, sc, out)
             attention.merge(pos, shares, sc, out)
     elif stage == ST_O:
-        lo, hi = thread_share(d, tid, n, 4)
+        lo, hi = thread_share(d, tid, n, ROWS)
         _matmul(header, layer, L_O, d, att, o, nt, lo, hi)
     elif stage == ST_GATE_UP:
-        lo, hi = thread_share(ff, tid, n, 4)
+        lo, hi = thread_share(ff, tid, n, ROWS)
         _matmul(header, layer, L_GATE, ff, h, gate, nt, lo, hi)
         _matmul(header, layer, L_UP, ff, h, up, nt, lo, hi)
         code = load_i64(header + 8 * host_decode.H_ACT)
         for t in range(nt):
             act_span(gate[t], up[t], lo, hi, code)
     elif stage == ST_DOWN:
-        lo, hi = thread_share(d, tid, n, 4)
+        lo, hi = thread_share(d, tid, n, ROWS)
         _matmul(header, layer, L_DOWN, d, gate, down, nt, lo, hi)
     elif stage == ST_HEAD:
         vocab = load_i64(header + 8 * H_VOCAB)

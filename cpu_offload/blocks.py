@@ -21,7 +21,12 @@ in block order (f16 little-endian):
                      element 32i + l (i = 0..3, l < 32) has low 4 bits from ql[64n + l + 32 (i % 2)] (shift 4 for
                      i >= 2) and high 2 bits (qh[32n + l] >> 2i) & 3; w = d sc[8n + 2i + l // 16] (q - 32)
 
-A matrix of these is one uint8 array [rows, row_bytes(cols)]. pjinfer's own int8 (code -1, no ggml type) is two
+A matrix of these is one uint8 array [rows, row_bytes(cols)]. ``Q4_1x16`` is Q4_1 relaid for the dense host
+decode (``group_rows``): rows in groups of 16, each group's bytes (its 16 rows' worth, in the same array shape)
+block by block: the 16 rows' d (f16 x 16), their m (f16 x 16), then 256 bytes in four chunks c of 64, byte 4 r + t
+of chunk c holding row r's code of element 4 c + t (low nibble) and of element 16 + 4 c + t (high nibble). A
+dot of 16 rows with an input then takes four inputs at a time for all 16 rows (``q8_dot``), and their scales are
+one vector. The same numbers in the same bytes, one matrix in memory. pjinfer's own int8 (code -1, no ggml type) is two
 arrays: int8 [rows, cols] and a float32 scale per block of 64 inputs [rows, cols / 64] (``int8.quantize``; every
 matrix with ``--weights int8``, and the host decode's output head).
 
@@ -51,7 +56,9 @@ class BlockType:
     quantize: float32 [rows, cols] -> the matrix's arrays (None for int8: its quantizer is Numba, int8.quantize).
     gemv: the host GEMV (cpu_offload module.function).
     gemm: the batched decode's GEMM, None where it reads no such matrix. relayouts: (layout, what relays a matrix
-    of this type into it) pairs."""
+    of this type into it) pairs. group: rows whose blocks are interleaved (Q4_1x16: 16; a matrix of such a type
+    has a multiple of group rows, and is split only at multiples of it); its values are those of the blocks
+    ungroup_rows gives back."""
     name: str
     code: int
     block: int
@@ -61,6 +68,7 @@ class BlockType:
     gemv: str
     gemm: str | None = None
     relayouts: tuple = ()
+    group: int = 1
 
     def row_bytes(self, cols: int) -> int:
         """Bytes of a row of cols weights (cols a multiple of the block size)."""
@@ -80,6 +88,8 @@ class BlockType:
             return (q.astype(xp.float32) * xp.repeat(scales, self.block, axis=-1)[..., :cols]).astype(xp.float32)
         (data,) = arrays
         rows = data.shape[0]
+        if self.group > 1:
+            data = ungroup_rows(data, cols, xp)
         b = xp.asarray(data).reshape(rows, cols // self.block, self.nbytes).astype(xp.int32)
         f16 = _np_f16 if xp is np else _jnp_f16
         return self.values(b, f16, xp).reshape(rows, cols).astype(xp.float32)
@@ -212,12 +222,45 @@ def _quantize_q8_0(w):
     return (gguf.quants.quantize(np.ascontiguousarray(w, np.float32), gguf.GGMLQuantizationType.Q8_0),)
 
 
+def group_rows(data: np.ndarray, cols: int) -> np.ndarray:
+    """Q4_1 blocks (uint8 [rows, row bytes], rows a multiple of 16) -> the same numbers as Q4_1x16 (layout in the
+    module docstring), a new XLA-aligned array of the same shape."""
+    from .qtensor import aligned_empty   # (qtensor imports this module)
+
+    rows, nb = data.shape[0], cols // 32
+    t = np.asarray(data).reshape(rows // 16, 16, nb, 20).transpose(0, 2, 1, 3)      # [group, block, row, byte]
+    out = aligned_empty(data.shape, np.uint8)
+    o = out.reshape(rows // 16, nb, 320)
+    o[..., 0:32] = t[..., 0:2].reshape(rows // 16, nb, 32)
+    o[..., 32:64] = t[..., 2:4].reshape(rows // 16, nb, 32)
+    qs = t[..., 4:20]                                   # byte i: element i (low nibble), element 16 + i (high)
+    low = (qs & 15).reshape(rows // 16, nb, 16, 4, 4).transpose(0, 1, 3, 2, 4)      # [g, b, chunk, row, t]
+    high = (qs >> 4).reshape(rows // 16, nb, 16, 4, 4).transpose(0, 1, 3, 2, 4)
+    o[..., 64:] = (low | (high << 4)).reshape(rows // 16, nb, 256)
+    return out
+
+
+def ungroup_rows(data, cols: int, xp=np):
+    """Q4_1x16 bytes -> the Q4_1 blocks they came from (group_rows undone), numpy or jax.numpy."""
+    rows, nb = data.shape[0], cols // 32
+    g = xp.asarray(data).reshape(rows // 16, nb, 320)
+    d = g[..., 0:32].reshape(rows // 16, nb, 16, 2)
+    m = g[..., 32:64].reshape(rows // 16, nb, 16, 2)
+    packed = g[..., 64:].reshape(rows // 16, nb, 4, 16, 4).transpose(0, 1, 3, 2, 4).reshape(rows // 16, nb, 16, 16)
+    low, high = packed & 15, packed >> 4             # elements 4c + t and 16 + 4c + t, as a block's byte 4c + t
+    qs = low | (high << 4)
+    b = xp.concatenate([d, m, qs], axis=-1)                                         # [g, block, row, 20]
+    return b.transpose(0, 2, 1, 3).reshape(rows, nb * 20)
+
+
 INT8 = -1   # pjinfer's own int8: no ggml type number
 _GEMV = "quants.gemv"   # every GGUF type's host GEMV
 TYPES = {t.code: t for t in (
     BlockType("Q4_0", 2, 32, 18, _q4_0, None, _GEMV),
     BlockType("Q4_1", 3, 32, 20, _q4_1, _quantize_q4_1, _GEMV, gemm="q8_dot.gemm",
-              relayouts=(("columns", "q4_sparse.relayout: by input column, sparse_decode's layers"),)),
+              relayouts=(("columns", "q4_sparse.relayout: by input column, sparse_decode's layers"),
+                         ("x16", "blocks.group_rows: 16 rows interleaved, the dense host decode's layers"))),
+    BlockType("Q4_1x16", 16, 32, 20, _q4_1, None, _GEMV, gemm="q8_dot.gemm", group=16),
     BlockType("Q5_0", 6, 32, 22, _q5_0, None, _GEMV),
     BlockType("Q5_1", 7, 32, 24, _q5_1, None, _GEMV),
     BlockType("Q8_0", 8, 32, 34, _q8_0, _quantize_q8_0, _GEMV,
@@ -226,10 +269,12 @@ TYPES = {t.code: t for t in (
     BlockType("Q5_K", 13, 256, 176, _q5_k, None, _GEMV),
     BlockType("Q6_K", 14, 256, 210, _q6_k, None, _GEMV),
     BlockType("int8", INT8, 64, 68, None, None, "int8.gemv", gemm="int8.gemm"))}
-GGUF_TYPES = {code: t for code, t in TYPES.items() if t.values is not None}   # the GGUF block types, by ggml number
+GGUF_TYPES = {code: t for code, t in TYPES.items() if t.values is not None and t.group == 1}   # by ggml number
 BY_NAME = {t.name: code for code, t in GGUF_TYPES.items()}
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = (BY_NAME[n] for n in
                                                   ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
+Q4_1X16 = 16   # Q4_1 relaid (group_rows): a code past ggml's, so no file's tensor type names it
+KIND_CODES = 32   # the codes Numba tables indexed by type hold: ggml's (0..15) and Q4_1X16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,8 +289,8 @@ class Format:
 
 AS_STORED = "gguf"   # the format that keeps every matrix in its file's own block type (PowerInfer files run in it)
 FORMATS = {"int8": Format(frozenset({INT8}), INT8, frozenset({INT8})),
-           "q4_1": Format(frozenset({Q4_1}), Q4_1, frozenset({INT8})),
-           AS_STORED: Format(frozenset(GGUF_TYPES), Q8_0, frozenset({INT8, *GGUF_TYPES}))}
+           "q4_1": Format(frozenset({Q4_1, Q4_1X16}), Q4_1, frozenset({INT8})),
+           AS_STORED: Format(frozenset({*GGUF_TYPES, Q4_1X16}), Q8_0, frozenset({INT8, *GGUF_TYPES}))}
 
 
 def block_type(code: int) -> BlockType:

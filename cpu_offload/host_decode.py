@@ -168,6 +168,9 @@ def _matvec(header, layer, slot, rows, x, xr, y, lo, hi):
     gemv_at(code, load_i64(entry), scales, rows, x, xr, y, lo, hi, fmt == F_BLOCKS)
 
 
+ROWS = q8_dot.GROUP_ROWS   # a thread's share of a layer matrix's rows is a multiple of this (a Q4_1x16 group)
+
+
 @njit(**NOJIT)
 def thread_share(rows, tid, n, step):
     """Thread tid's rows [lo, hi) of n equal shares, each a multiple of step."""
@@ -231,7 +234,7 @@ def qkv_share(header, layer, tid, n):
     nq, nk = nh * hd, nkv * hd
     hr = rounded_input(header, h)
     for slot, r0, r1 in ((L_Q, 0, nq), (L_K, nq, nq + nk), (L_V, nq + nk, nq + 2 * nk)):
-        lo, hi = thread_share(r1 - r0, tid, n, 4)
+        lo, hi = thread_share(r1 - r0, tid, n, ROWS)
         _matvec(header, layer, slot, r1 - r0, h, hr, qkv[r0:r1], lo, hi)
 
 
@@ -240,7 +243,7 @@ def o_share(header, layer, tid, n):
     """Thread tid's share of the O stage: o = Wo att, rows split."""
     d = load_i64(header + 8 * H_D)
     h, qkv, att, o, gate, up, down, scores = scratch(header)
-    lo, hi = thread_share(d, tid, n, 4)
+    lo, hi = thread_share(d, tid, n, ROWS)
     _matvec(header, layer, L_O, d, att, rounded_input(header, att), o, lo, hi)
 
 
@@ -257,13 +260,13 @@ def _stage_py(header, tid, n):
     elif stage == ST_O:
         o_share(header, layer, tid, n)
     elif stage == ST_GATE_UP:
-        lo, hi = thread_share(ff, tid, n, 4)
+        lo, hi = thread_share(ff, tid, n, ROWS)
         hr = rounded_input(header, h)
         _matvec(header, layer, L_GATE, ff, h, hr, gate, lo, hi)
         _matvec(header, layer, L_UP, ff, h, hr, up, lo, hi)
         act_span(gate, up, lo, hi, load_i64(header + 8 * H_ACT))
     elif stage == ST_DOWN:
-        lo, hi = thread_share(d, tid, n, 4)
+        lo, hi = thread_share(d, tid, n, ROWS)
         _matvec(header, layer, L_DOWN, d, gate, rounded_input(header, gate), down, lo, hi)
     elif stage == ST_HEAD:
         head_share(header, h, tid, n)

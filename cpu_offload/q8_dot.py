@@ -3,8 +3,17 @@ rounded to two 8-bit parts, and the batched decode's Q4_1 GEMM.
 
 ``gemv(kind, q, x, y, lo, hi)``: y[r] = row r of q (uint8 [rows, row bytes], blocks of ggml type kind, one of KINDS)
 dotted with x^, for r in [lo, hi), where x^ is x rounded by ``quantize_input``. ``quants.gemv`` sends these types
-here. ``gemm(q, x, y, nt, lo, hi)``: the same for nt tokens' inputs against one read of each Q4_1 row; each token's
-result is its gemv's, bit for bit (both emit ``_emit_rows``, whose float operations are strict).
+here. ``gemm(kind, q, x, y, nt, lo, hi)``: the same for nt tokens' inputs against one read of each Q4_1 row; each
+token's result is its gemv's, bit for bit (both emit ``_emit_rows``, or ``_emit_group``, whose float operations are
+strict).
+
+Q4_1x16 (blocks.group_rows: the dense host decode's Q4_1 layers, 16 rows interleaved) is read 16 rows at a time
+(``_emit_group``): each dot4 takes one lane of four inputs, broadcast, against those four elements of all 16 rows,
+so its 16 int32 lanes are the 16 rows' products; the lane's FINE p_codes + p_residues times the lane's dx go into
+one float accumulator per block, which is then scaled by the block's 16 d (one vector) and the m terms added (the
+16 m times the block's two group sums). The same x^ and the same per-lane products as a Q4_1 row's, summed in
+another order: about a third of the vector instructions a weight (no per-run scale vectors, no horizontal sums),
+the same bytes.
 
 Why: converting every weight to float32 (q4.py's and quants.py's form) runs about 9 GB/s a thread even from cache,
 so these files were compute bound at half the bandwidth. llama.cpp multiplies the codes with an 8-bit input in
@@ -43,7 +52,7 @@ from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import blocks, ffi, kernels, vector_ir  # noqa: E402
-from .blocks import GGUF_TYPES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0  # noqa: E402
+from .blocks import GGUF_TYPES, KIND_CODES, Q4_0, Q4_1, Q4_1X16, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0  # noqa: E402
 from .kernels import ahead_into_l2, prefetch_lines  # noqa: E402
 from .vector_ir import F32, I32, I64, V16F, V16I8, V16I32, ZERO16, half_splat, hsum, load, strict  # noqa: E402
 
@@ -61,12 +70,15 @@ PREFETCH_ROWS = 8          # rows a GEMV prefetches ahead, at least; AHEAD_BYTES
 # dot outruns one thread's share of the memory bandwidth (Q8_0, Q6_K, and Q4_K, Q5_K since their scales are unpacked
 # in integers) keep more lines in flight; the others are compute bound, and more rows ahead made Q4_1 slower
 # (docs/performance.md, "Prefetch by the bytes a type streams", "K-quant scales in general-purpose registers")
-AHEAD_BYTES = np.zeros(16, np.int64)
+AHEAD_BYTES = np.zeros(KIND_CODES, np.int64)
 AHEAD_BYTES[[Q8_0, Q6_K, Q4_K, Q5_K]] = 24 * 1024
-# Weights a block by ggml type number for KINDS, 0 for a type not read here: a table Numba code can index.
-BLOCK_OF = np.zeros(16, np.int64)
+# Weights a block by type code for KINDS and Q4_1X16, 0 for a type not read here: a table Numba code can index.
+BLOCK_OF = np.zeros(KIND_CODES, np.int64)
 for _k in KINDS:
     BLOCK_OF[_k] = GGUF_TYPES[_k].block
+BLOCK_OF[Q4_1X16] = blocks.TYPES[Q4_1X16].block
+GROUP_ROWS = blocks.TYPES[Q4_1X16].group   # rows a Q4_1x16 dot reads at once; its row ranges are multiples of it
+assert FINE == 256   # _emit_group scales the codes' products by a shift of 8
 Q4_1_BYTES = GGUF_TYPES[Q4_1].nbytes
 I8, I16 = ir.IntType(8), ir.IntType(16)
 V32I8, V64I8 = ir.VectorType(I8, 32), ir.VectorType(I8, 64)
@@ -392,6 +404,66 @@ def row_dot(typingctx, kind, p, nb, codes, residues, dx4, sums, lane_sums):
     return types.float32(kind, *[types.int64] * 7), codegen
 
 
+def _splat(b, addr, ty):
+    """The 32-bit value at addr (a float32, or four int8 as i32) in 16 lanes: one broadcast load."""
+    one = b.insert_element(ir.Constant(ir.VectorType(ty, 16), ir.Undefined), load(b, addr, ty, 1), I32(0))
+    return b.shuffle_vector(one, one, ir.Constant(V16I32, [0] * 16))
+
+
+def _emit_group(b, p, nb, inputs, outs):
+    """The dots of the 16 rows of the Q4_1x16 group at address p (nb blocks; layout in blocks.py) with each input
+    ((codes, residues, dx4, sums): quantize_input's arrays' addresses), the 16 floats stored at the matching address
+    of outs. Per block: its 16 d and 16 m as vectors; per lane l of four inputs (a chunk's low or high nibbles: lane
+    c or c + 4 of the block), FINE (w . codes) + w . residues for the 16 rows by two dot4 against the lane's inputs
+    broadcast, times the lane's dx, summed over the block's 8 lanes; then acc += m sums_g (the block's two groups)
+    and acc += that sum times d. Each input takes the same operations whatever the others."""
+    fma = vector_ir.vector_intrinsic(b, "llvm.fma", 3)
+    accs = [cgutils.alloca_once_value(b, ZERO16) for _ in inputs]
+    shift = ir.Constant(V16I32, [8] * 16)
+    halves = ir.VectorType(ir.HalfType(), 16)
+    with cgutils.for_range(b, nb) as loop:
+        bp = b.add(p, b.mul(loop.index, I64(320)))
+        e0 = b.mul(loop.index, I64(32))
+        d = b.fpext(load(b, bp, halves, 2), V16F)
+        m = b.fpext(load(b, b.add(bp, I64(32)), halves, 2), V16F)
+        parts = [ZERO16] * len(inputs)
+        for c in range(4):
+            raw = load(b, b.add(bp, I64(64 + 64 * c)), V64I8, 1)
+            for w, lane in ((b.and_(raw, _i8s(15, 64)), c), (b.lshr(raw, _i8s(4, 64)), c + 4)):
+                e = b.add(e0, I64(4 * lane))
+                for t, (codes, residues, dx4, _) in enumerate(inputs):
+                    pc = dot4(b, w, b.bitcast(_splat(b, b.add(codes, e), I32), V64I8))
+                    pr = dot4(b, w, b.bitcast(_splat(b, b.add(residues, e), I32), V64I8), b.shl(pc, shift))
+                    parts[t] = b.call(fma, [b.sitofp(pr, V16F), _splat(b, b.add(dx4, e), F32), parts[t]])
+        for t, (_, _, _, sums) in enumerate(inputs):
+            g = b.add(sums, b.mul(loop.index, I64(8)))     # the block's two sums of 16 inputs
+            acc = b.call(fma, [m, _splat(b, g, F32), b.load(accs[t])])
+            acc = b.call(fma, [m, _splat(b, b.add(g, I64(4)), F32), acc])
+            b.store(b.call(fma, [parts[t], d, acc]), accs[t])
+    for acc, out in zip(accs, outs):
+        b.store(b.load(acc), vector_ir.pointer(b, out, V16F), align=4)
+
+
+@intrinsic
+def _group_dots(typingctx, k, p, nb, codes, residues, dx4, sums, cols, y, y_stride):
+    """An intrinsic: the dots of the Q4_1x16 group at address p (nb blocks) with k (1..GROUP_TOKENS) inputs, token t's
+    arrays at row t of quantize_into's [tokens, ...] arrays for inputs of cols elements (as _q4_1_dots); token t's
+    16 results are stored at y + t y_stride bytes."""
+    if not all(isinstance(a, types.Integer) for a in (k, p, nb, codes, residues, dx4, sums, cols, y, y_stride)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        k, p, nb, codes, residues, dx4, sums, cols, y, y_stride = args
+
+        def emit(n):
+            at = lambda base, t, per=1: builder.add(base, builder.mul(builder.udiv(cols, I64(per)), I64(t)))  # noqa
+            inputs = [(at(codes, t), at(residues, t), at(dx4, t), at(sums, t, 4)) for t in range(n)]
+            _emit_group(builder, p, nb, inputs, [builder.add(y, builder.mul(y_stride, I64(t))) for t in range(n)])
+        vector_ir.by_value(builder, k, range(1, GROUP_TOKENS + 1), emit)
+        return context.get_dummy_value()
+    return types.void(*[types.int64] * 10), codegen
+
+
 @intrinsic
 def _q4_1_dots(typingctx, k, p, nb, codes, residues, dx4, sums, lane_sums, cols, y, y_stride):
     """An intrinsic: the dots of the Q4_1 row of nb blocks at address p with k (1..GROUP_TOKENS) inputs, token t's
@@ -429,8 +501,11 @@ def gemv(kind, q, x, y, lo, hi):
 
 @njit(**JIT)
 def gemv_rounded(kind, q, xr, y, lo, hi):
-    """gemv of an input already rounded: xr = quantize_input(x)."""
+    """gemv of an input already rounded: xr = quantize_input(x). Q4_1X16: lo and hi multiples of GROUP_ROWS."""
     if hi <= lo:
+        return
+    if kind == Q4_1X16:
+        _gemv_groups(q, xr, y, lo, hi)
         return
     codes, residues, dx4, sums, lane_sums = xr
     cols = codes.shape[0]
@@ -448,13 +523,31 @@ def gemv_rounded(kind, q, xr, y, lo, hi):
 
 
 @njit(**JIT)
-def gemm(q, x, y, nt, lo, hi):
-    """The batched decode's Q4_1 GEMM: y[t, r] = gemv's y[r] for input x[t], bit for bit, for t < nt and r in
-    [lo, hi) (q uint8 [rows, row bytes] of Q4_1 blocks; x float32 [>= nt, >= cols]; y float32 [>= nt, >= hi]; rows
-    of x and y contiguous). Each row is read from memory once for up to GROUP_TOKENS tokens; a wider batch re-reads it
-    from L1 for the next group."""
+def _gemv_groups(q, xr, y, lo, hi):
+    """gemv_rounded of Q4_1x16 (lo and hi multiples of GROUP_ROWS), a group of rows a dot, the next group
+    prefetched."""
+    codes, residues, dx4, sums, lane_sums = xr
+    cols = codes.shape[0]
+    nb = cols // BLOCK_OF[Q4_1X16]
+    base = q.ctypes.data
+    into_l2 = ahead_into_l2(3 * cols + sums.nbytes + lane_sums.nbytes, q.shape[1], GROUP_ROWS)
+    for r in range(lo, min(hi, lo + GROUP_ROWS)):
+        prefetch_lines(q, r, into_l2)
+    for r in range(lo, hi, GROUP_ROWS):
+        for a in range(r + GROUP_ROWS, min(hi, r + 2 * GROUP_ROWS)):
+            prefetch_lines(q, a, into_l2)
+        _group_dots(1, base + r * q.strides[0], nb, codes.ctypes.data, residues.ctypes.data, dx4.ctypes.data,
+                    sums.ctypes.data, cols, y.ctypes.data + 4 * r, 0)
+
+
+@njit(**JIT)
+def gemm(kind, q, x, y, nt, lo, hi):
+    """The batched decode's GEMM of Q4_1 or Q4_1X16 (kind): y[t, r] = gemv's y[r] for input x[t], bit for bit, for
+    t < nt and r in [lo, hi) (q uint8 [rows, row bytes] of those blocks; x float32 [>= nt, >= cols]; y float32
+    [>= nt, >= hi]; rows of x and y contiguous; Q4_1X16: lo and hi multiples of GROUP_ROWS). Each row is read from
+    memory once for up to GROUP_TOKENS tokens; a wider batch re-reads it from L1 for the next group."""
     if nt == 1:
-        gemv(Q4_1, q, x[0], y[0], lo, hi)
+        gemv(kind, q, x[0], y[0], lo, hi)
         return
     if hi <= lo:
         return
@@ -466,6 +559,16 @@ def gemm(q, x, y, nt, lo, hi):
     for t in range(nt):
         quantize_into(x[t, :cols], codes[t], residues[t], dx4[t], sums[t], lane_sums[t])
     base = q.ctypes.data
+    if kind == Q4_1X16:
+        into_l2 = ahead_into_l2(min(nt, GROUP_TOKENS) * 4 * cols, q.shape[1], GROUP_ROWS)
+        for r in range(lo, hi, GROUP_ROWS):
+            for a in range(r + GROUP_ROWS, min(hi, r + 2 * GROUP_ROWS)):
+                prefetch_lines(q, a, into_l2)
+            for g in range(0, nt, GROUP_TOKENS):
+                _group_dots(min(GROUP_TOKENS, nt - g), base + r * q.strides[0], nb, codes[g].ctypes.data,
+                            residues[g].ctypes.data, dx4[g].ctypes.data, sums[g].ctypes.data, cols,
+                            y.ctypes.data + g * y.strides[0] + 4 * r, y.strides[0])
+        return
     into_l2 = ahead_into_l2(min(nt, GROUP_TOKENS) * 4 * cols, q.shape[1], PREFETCH_ROWS)
     for r in range(lo, hi):
         if r + PREFETCH_ROWS < hi:

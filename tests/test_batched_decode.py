@@ -8,7 +8,7 @@ import pytest
 
 from cpu_offload import batched_decode as bd
 from cpu_offload import decoder, int8, q8_dot
-from cpu_offload.blocks import Q4_1
+from cpu_offload.blocks import Q4_1, Q4_1X16, TYPES, group_rows, ungroup_rows
 from tests.conftest import (int8_values, q4_1, q4_1_values, q4_dot_tolerance, q8_dot_input, random_weights,
                             tiny_config)
 
@@ -27,29 +27,55 @@ def _bits(a):
 
 
 # ------------------------------------------------------------------------------------------------ kernels
-@pytest.mark.parametrize("rows,cols", [(1, 32), (5, 96), (37, 576), (131, 1536)])
+@pytest.mark.parametrize("kind,rows,cols", [(Q4_1, 1, 32), (Q4_1, 5, 96), (Q4_1, 37, 576), (Q4_1, 131, 1536),
+                                            (Q4_1X16, 16, 32), (Q4_1X16, 32, 96), (Q4_1X16, 48, 576),
+                                            (Q4_1X16, 144, 1536)], ids=str)
 @pytest.mark.parametrize("nt", [1, 3, q8_dot.GROUP_TOKENS, q8_dot.GROUP_TOKENS + 3])
-def test_q4_1_gemm_matches_float64_numpy_and_the_gemv_bit_for_bit(rows, cols, nt):
+def test_q4_1_gemm_matches_float64_numpy_and_the_gemv_bit_for_bit(kind, rows, cols, nt):
     """Each token's row dots against float64 on its rounded input x^ (q8_dot.quantize_input), and equal to its
-    single-token gemv's bit for bit, however many tokens share the pass."""
+    single-token gemv's bit for bit, however many tokens share the pass: Q4_1 as the file stores it, and relaid 16
+    rows together (Q4_1x16, its row ranges in sixteens; odd block counts included)."""
     seed, rng = _fresh_rng()
     w = rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.1, 3, (rows, 1)).astype(np.float32)
     blocks = q4_1(w)
+    stored = blocks if kind == Q4_1 else group_rows(blocks, cols)
     x = rng.standard_normal((nt, cols)).astype(np.float32) * rng.uniform(0.01, 10, (nt, 1)).astype(np.float32)
     xh = np.stack([q8_dot_input(x[t]) for t in range(nt)])
     want = xh @ q4_1_values(blocks, cols).astype(np.float64).T                 # [nt, rows]
     xs = np.full((nt + 2, cols + 7), np.nan, np.float32)                                 # wider rows than needed
     xs[:nt, :cols] = x
-    for lo, hi in [(0, rows), (0, 0), (rows // 2, rows), (1 % rows, max(1 % rows, rows - 1))]:
+    step = 1 if kind == Q4_1 else q8_dot.GROUP_ROWS
+    spans = [(0, rows), (0, 0), (rows // 2 // step * step, rows), (step % rows, max(step % rows, rows - step))]
+    for lo, hi in spans:
         y = np.full((nt + 1, rows), np.nan, np.float32)                                  # poisoned, one row spare
-        q8_dot.gemm(blocks, xs, y, nt, lo, hi)
+        q8_dot.gemm(kind, stored, xs, y, nt, lo, hi)
         err = np.abs(y[:nt, lo:hi] - want[:, lo:hi])
         assert (err <= q4_dot_tolerance(blocks, cols, xh)[:, lo:hi]).all(), f"seed {seed}: {err.max()}"
         assert np.isnan(y[:, :lo]).all() and np.isnan(y[:, hi:]).all() and np.isnan(y[nt]).all(), seed
         for t in range(nt):
             single = np.full(rows, np.nan, np.float32)
-            q8_dot.gemv(Q4_1, blocks, x[t], single, lo, hi)
+            q8_dot.gemv(kind, stored, x[t], single, lo, hi)
             np.testing.assert_array_equal(_bits(y[t, lo:hi]), _bits(single[lo:hi]), err_msg=f"seed {seed}")
+
+
+def test_q4_1_relaid_16_rows_together_is_the_same_matrix():
+    """group_rows keeps every number (ungroup_rows gives the file's bytes back; both dequantize, in numpy and in
+    jax.numpy, to the same float32 values); a row range of it is read in sixteens only by contract, so a 16-row
+    group's dots equal the file layout's to float32 rounding."""
+    seed, rng = _fresh_rng()
+    for rows, cols in [(16, 32), (48, 160), (64, 576)]:
+        blocks = q4_1(rng.standard_normal((rows, cols)).astype(np.float32))
+        grouped = group_rows(blocks, cols)
+        assert grouped.shape == blocks.shape and grouped.ctypes.data % 64 == 0
+        np.testing.assert_array_equal(ungroup_rows(grouped, cols), blocks)
+        want = TYPES[Q4_1].dequantize((blocks,), cols)
+        np.testing.assert_array_equal(TYPES[Q4_1X16].dequantize((grouped,), cols), want)
+        np.testing.assert_array_equal(np.asarray(TYPES[Q4_1X16].dequantize((jnp.asarray(grouped),), cols, jnp)), want)
+        x = rng.standard_normal(cols).astype(np.float32)
+        a, b = np.full(rows, np.nan, np.float32), np.full(rows, np.nan, np.float32)
+        q8_dot.gemv(Q4_1, blocks, x, a, 0, rows)
+        q8_dot.gemv(Q4_1X16, grouped, x, b, 0, rows)
+        np.testing.assert_allclose(b, a, rtol=0, atol=2e-6 * np.abs(a).max(), err_msg=f"seed {seed}")
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 64), (5, 192), (37, 576), (131, 576)])

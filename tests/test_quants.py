@@ -84,12 +84,12 @@ def test_the_table_names_kernels_that_exist():
         module, attr = name.split(":")[0].split(".")
         return getattr(importlib.import_module(f"cpu_offload.{module}"), attr)
 
-    assert set(blocks.TYPES) - set(blocks.GGUF_TYPES) == {blocks.INT8}
+    assert set(blocks.TYPES) - set(blocks.GGUF_TYPES) == {blocks.INT8, blocks.Q4_1X16}
     for t in blocks.TYPES.values():
         assert callable(function(t.gemv)) and (t.gemm is None or callable(function(t.gemm))), t.name
         for into, by in t.relayouts:
             assert t.relayout(into) == by and callable(function(by.split(":")[0])), t.name
-    assert [t.name for t in blocks.TYPES.values() if t.gemm] == ["Q4_1", "int8"]
+    assert [t.name for t in blocks.TYPES.values() if t.gemm] == ["Q4_1", "Q4_1x16", "int8"]
 
 
 @pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)

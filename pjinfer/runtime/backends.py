@@ -69,7 +69,8 @@ class Backend:
     the host decoder (cpu_offload's FFI targets, registered for the CPU only); batched: concurrent requests
     decode in one step; neuron_rows: the file's layout it reads, PowerInfer's (True), llama.cpp's (False) or
     either (None); parallel: split over processes (tensor parallel), one-token steps only; split: the first
-    layers in XLA, the rest on the host decoder (Request.offload_layers)."""
+    layers in XLA, the rest on the host decoder (Request.offload_layers); grouped: its Q4_1 layers are loaded
+    relaid 16 rows together (cpu_offload.blocks.group_rows, q8_dot's fastest Q4_1 form)."""
     name: str
     weights: tuple[str, ...]
     rule: str | None
@@ -79,6 +80,7 @@ class Backend:
     neuron_rows: bool | None = False
     parallel: bool = False
     split: bool = False
+    grouped: bool = False
 
     def runs(self, weights: str, rule: str | None, hot_backend: str, neuron_rows: bool = False,
              parallel: bool = False, split: bool = False) -> bool:
@@ -110,8 +112,8 @@ class Backend:
 
 BACKENDS = (
     Backend("xla", ("float32",), None, ("xla",), host=False, batched=True, neuron_rows=None),
-    Backend("host", ("q4_1", "int8"), None, ("xla",), host=True, batched=True),
-    Backend("host-blocks", ("gguf",), None, ("xla",), host=True, batched=False),
+    Backend("host", ("q4_1", "int8"), None, ("xla",), host=True, batched=True, grouped=True),
+    Backend("host-blocks", ("gguf",), None, ("xla",), host=True, batched=False, grouped=True),
     Backend("host-thresholds", ("q4_1",), THRESHOLDS, ("xla",), host=True, batched=False),
     Backend("xla-thresholds", ("float32",), THRESHOLDS, ("xla",), host=False, batched=False, neuron_rows=None),
     Backend("gathered", ("float32",), THRESHOLDS, PALLAS_BACKENDS, host=False, batched=False, neuron_rows=None),
@@ -120,7 +122,8 @@ BACKENDS = (
     Backend("powerinfer-dense", ("gguf",), None, ("xla",), host=True, batched=False, neuron_rows=True),
     Backend("powerinfer-hybrid", ("gguf",), PREDICTORS, PALLAS_BACKENDS, host=False, batched=False, neuron_rows=True),
     Backend("tensor-parallel", ("q4_1", "gguf"), None, ("xla",), host=True, batched=False, parallel=True),
-    Backend("layer-split", ("q4_1", "int8", "gguf"), None, ("xla",), host=True, batched=True, split=True),
+    Backend("layer-split", ("q4_1", "int8", "gguf"), None, ("xla",), host=True, batched=True, split=True,
+            grouped=True),
 )
 
 

@@ -106,7 +106,8 @@ class Engine:
         else:
             config, tensors, tokenizer = loader.load(model_path, progress=progress,
                                                      keep=plan.weights if plan.backend.host else None,
-                                                     part=tensor_parallel.part if plan.backend.parallel else None)
+                                                     part=tensor_parallel.part if plan.backend.parallel else None,
+                                                     grouped=plan.backend.grouped)
         if r.weights == "auto" and plan.backend.host and not plan.backend.neuron_rows:
             try:
                 check_supported(config, tensors, plan.weights)
