@@ -505,6 +505,8 @@ def gemv_rounded(kind, q, xr, y, lo, hi):
     if hi <= lo:
         return
     if kind == Q4_1X16:
+        if lo % GROUP_ROWS or hi % GROUP_ROWS:
+            raise ValueError("Q4_1x16 rows are read in whole groups of 16")
         _gemv_groups(q, xr, y, lo, hi)
         return
     codes, residues, dx4, sums, lane_sums = xr
@@ -560,6 +562,8 @@ def gemm(kind, q, x, y, nt, lo, hi):
         quantize_into(x[t, :cols], codes[t], residues[t], dx4[t], sums[t], lane_sums[t])
     base = q.ctypes.data
     if kind == Q4_1X16:
+        if lo % GROUP_ROWS or hi % GROUP_ROWS:
+            raise ValueError("Q4_1x16 rows are read in whole groups of 16")
         into_l2 = ahead_into_l2(min(nt, GROUP_TOKENS) * 4 * cols, q.shape[1], GROUP_ROWS)
         for r in range(lo, hi, GROUP_ROWS):
             for a in range(r + GROUP_ROWS, min(hi, r + 2 * GROUP_ROWS)):

@@ -15,8 +15,10 @@ Protocol (all words int64 in one control block that is never freed):
   ``fn(arg, 0, n)`` itself, then waits until every worker has stored the new generation in its done word.
 - worker ``w`` (1..n-1, a daemon Python thread inside a nogil Numba loop): waits for a new generation, takes the
   caller's floating-point environment (MXCSR: denormal flushing), runs ``fn(arg, w, n)``, stores the generation
-  in its done word. It waits by ``sched_yield``, and after YIELDS rounds without work sleeps SLEEP_US between
-  looks, so an idle team costs almost nothing while back-to-back decode steps find it awake.
+  in its done word. It waits by ``sched_yield``, and after YIELDS rounds without work sleeps between looks, SLEEP_US
+  at first, twice as long each time up to SLEEP_MAX_US, so back-to-back decode steps find it awake and an idle team
+  costs almost nothing: at a steady 200 us a look, one idle worker took 10% of a vCPU of this VM (wakeups are
+  dear under a hypervisor), and a peer benchmarked beside an idle engine ran 12-15% slower (docs/performance.md).
 - Tasks split their work by ``tid`` and ``n`` and write disjoint outputs; ``run`` returns once all are done.
 
 The team size is fixed when the team starts (``PJINFER_HOST_THREADS``, default: the CPUs this process may use).
@@ -44,7 +46,8 @@ from numba.extending import intrinsic  # noqa: E402
 C_GEN, C_FN, C_ARG, C_SIZE, C_STOP, C_USLEEP, C_YIELD, C_FPENV = range(8)
 LINE = 8  # int64 words per 64-byte cache line: each worker's done word sits on its own line
 YIELDS = 20000  # sched_yield rounds before sleeping
-SLEEP_US = 200
+SLEEP_US = 200  # the first sleep; each later one twice as long, up to SLEEP_MAX_US
+SLEEP_MAX_US = 6400   # what the first stage after a long idle may wait for a worker to wake
 
 
 @intrinsic
@@ -156,14 +159,14 @@ def _call_usleep(typingctx, fnaddr, us):
 @njit(**NOJIT)
 def _wait_round(rounds, yield_fn, usleep_fn):
     """One round of waiting: yield the core (pause where there is no sched_yield), then, after YIELDS rounds,
-    sleep."""
+    sleep: SLEEP_US, doubled each round after, at most SLEEP_MAX_US."""
     if rounds < YIELDS or usleep_fn == 0:
         if yield_fn != 0:
             call_void0(yield_fn)
         else:
             _pause()
     else:
-        _call_usleep(usleep_fn, SLEEP_US)
+        _call_usleep(usleep_fn, min(SLEEP_MAX_US, SLEEP_US << min(rounds - YIELDS, 5)))
 
 
 @njit(**NOJIT)
@@ -270,7 +273,7 @@ class Team:
             t.start()
 
     def stop(self, timeout: float = 1.0) -> None:
-        """Let the workers return (they wake within SLEEP_US even when asleep). Called for every team at exit:
+        """Let the workers return (they wake within SLEEP_MAX_US even when asleep). Called for every team at exit:
         a worker still reading the control block while the interpreter frees it would crash the process.
 
         An XLA computation may still be running at exit (a decode that Ctrl-C interrupted while the caller waited

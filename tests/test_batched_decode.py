@@ -60,8 +60,8 @@ def test_q4_1_gemm_matches_float64_numpy_and_the_gemv_bit_for_bit(kind, rows, co
 
 def test_q4_1_relaid_16_rows_together_is_the_same_matrix():
     """group_rows keeps every number (ungroup_rows gives the file's bytes back; both dequantize, in numpy and in
-    jax.numpy, to the same float32 values); a row range of it is read in sixteens only by contract, so a 16-row
-    group's dots equal the file layout's to float32 rounding."""
+    jax.numpy, to the same float32 values); its dots equal the file layout's to float32 rounding; a row range that
+    would split a group is refused."""
     seed, rng = _fresh_rng()
     for rows, cols in [(16, 32), (48, 160), (64, 576)]:
         blocks = q4_1(rng.standard_normal((rows, cols)).astype(np.float32))
@@ -76,6 +76,8 @@ def test_q4_1_relaid_16_rows_together_is_the_same_matrix():
         q8_dot.gemv(Q4_1, blocks, x, a, 0, rows)
         q8_dot.gemv(Q4_1X16, grouped, x, b, 0, rows)
         np.testing.assert_allclose(b, a, rtol=0, atol=2e-6 * np.abs(a).max(), err_msg=f"seed {seed}")
+        with pytest.raises(ValueError, match="whole groups of 16"):     # never half a group
+            q8_dot.gemv(Q4_1X16, grouped, x, b, 0, 8)
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 64), (5, 192), (37, 576), (131, 576)])
