@@ -101,14 +101,21 @@ def gemv_table(reps: int, cols: int = 1536, matrix_bytes: int = 4 << 20, matrice
     x = rng.standard_normal(cols, dtype=np.float32)
     print(f"(d) one thread, {cols} columns, {matrix_bytes >> 20} MB a matrix; GB/s from cache | from DRAM "
           f"({matrices} matrices in turn)")
-    rates = {}
+    rates, made = {}, {}
     for t in blocks.TYPES.values():
         if t.values is None:
             continue
-        rows = matrix_bytes // t.row_bytes(cols) // t.group * t.group   # Q4_1x16: whole groups of 16 rows
-        # Bytes below 0x3c: every float16 scale is then finite and under 1 in magnitude, so the outputs are
-        # finite and their MD5 compares the arithmetic (no kernel's speed depends on the values).
-        mats = [rng.integers(0, 0x3C, (rows, t.row_bytes(cols)), dtype=np.uint8) for _ in range(matrices)]
+        if t.group > 1:   # a relaid type (Q4_1x16): its source type's matrices, relaid (no draws from rng)
+            source = next(c for c, src in blocks.TYPES.items() if any(by.startswith("blocks.group_rows")
+                                                                      for _, by in src.relayouts))
+            rows = made[source][0].shape[0] // t.group * t.group
+            mats = [blocks.group_rows(m[:rows], cols) for m in made[source]]
+        else:
+            rows = matrix_bytes // t.row_bytes(cols)
+            # Bytes below 0x3c: every float16 scale is then finite and under 1 in magnitude, so the outputs are
+            # finite and their MD5 compares the arithmetic (no kernel's speed depends on the values).
+            mats = made[t.code] = [rng.integers(0, 0x3C, (rows, t.row_bytes(cols)), dtype=np.uint8)
+                                   for _ in range(matrices)]
         y = np.zeros(rows, np.float32)
         hot = _median_time(lambda: quants.gemv(t.code, mats[0], x, y, 0, rows), reps, 10)
         digest = hashlib.md5(y.tobytes()).hexdigest()[:10]

@@ -222,14 +222,12 @@ def _quantize_q8_0(w):
     return (gguf.quants.quantize(np.ascontiguousarray(w, np.float32), gguf.GGMLQuantizationType.Q8_0),)
 
 
-def group_rows(data: np.ndarray, cols: int) -> np.ndarray:
+def group_rows(data: np.ndarray, cols: int, out: np.ndarray | None = None) -> np.ndarray:
     """Q4_1 blocks (uint8 [rows, row bytes], rows a multiple of 16) -> the same numbers as Q4_1x16 (layout in the
-    module docstring), a new XLA-aligned array of the same shape."""
-    from .qtensor import aligned_empty   # (qtensor imports this module)
-
+    module docstring), written into `out` (an array of data's shape and dtype; default a new one) and returned."""
     rows, nb = data.shape[0], cols // 32
     t = np.asarray(data).reshape(rows // 16, 16, nb, 20).transpose(0, 2, 1, 3)      # [group, block, row, byte]
-    out = aligned_empty(data.shape, np.uint8)
+    out = np.empty(data.shape, np.uint8) if out is None else out
     o = out.reshape(rows // 16, nb, 320)
     o[..., 0:32] = t[..., 0:2].reshape(rows // 16, nb, 32)
     o[..., 32:64] = t[..., 2:4].reshape(rows // 16, nb, 32)

@@ -4,16 +4,9 @@ rounded to two 8-bit parts, and the batched decode's Q4_1 GEMM.
 ``gemv(kind, q, x, y, lo, hi)``: y[r] = row r of q (uint8 [rows, row bytes], blocks of ggml type kind, one of KINDS)
 dotted with x^, for r in [lo, hi), where x^ is x rounded by ``quantize_input``. ``quants.gemv`` sends these types
 here. ``gemm(kind, q, x, y, nt, lo, hi)``: the same for nt tokens' inputs against one read of each Q4_1 row; each
-token's result is its gemv's, bit for bit (both emit ``_emit_rows``, or ``_emit_group``, whose float operations are
-strict).
-
-Q4_1x16 (blocks.group_rows: the dense host decode's Q4_1 layers, 16 rows interleaved) is read 16 rows at a time
-(``_emit_group``): each dot4 takes one lane of four inputs, broadcast, against those four elements of all 16 rows,
-so its 16 int32 lanes are the 16 rows' products; the lane's FINE p_codes + p_residues times the lane's dx go into
-one float accumulator per block, which is then scaled by the block's 16 d (one vector) and the m terms added (the
-16 m times the block's two group sums). The same x^ and the same per-lane products as a Q4_1 row's, summed in
-another order: about a third of the vector instructions a weight (no per-run scale vectors, no horizontal sums),
-the same bytes.
+token's result is its gemv's, bit for bit (both emit ``_emit_rows``, whose float operations are strict). Both send
+Q4_1x16 (blocks.group_rows: the dense host decode's Q4_1 layers, 16 rows interleaved) to q4_groups. The input's
+rounding is q8_input's.
 
 Why: converting every weight to float32 (q4.py's and quants.py's form) runs about 9 GB/s a thread even from cache,
 so these files were compute bound at half the bandwidth. llama.cpp multiplies the codes with an 8-bit input in
@@ -51,12 +44,14 @@ from numba import njit, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from . import blocks, ffi, kernels, vector_ir  # noqa: E402
+from . import blocks, ffi, kernels, q4_groups, q8_input, vector_ir  # noqa: E402
 from .blocks import GGUF_TYPES, KIND_CODES, Q4_0, Q4_1, Q4_1X16, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0  # noqa: E402
 from .kernels import ahead_into_l2, prefetch_lines  # noqa: E402
-from .vector_ir import F32, I32, I64, V16F, V16I8, V16I32, ZERO16, half_splat, hsum, load, strict  # noqa: E402
+from .q8_input import FINE, GROUP, quantize_input, quantize_into  # noqa: E402,F401  (callers read them here too)
+from .vector_ir import (F32, I8, I32, I64, V16F, V16I8, V32I8, V64I8, ZERO16, concat, dot4, half_splat,  # noqa: E402
+                        hsum, i8s, lanes, load, strict)
 
-ffi.purge_stale_cache("q8_dot", kernels, blocks, vector_ir)
+ffi.purge_stale_cache("q8_dot", kernels, blocks, vector_ir, q8_input, q4_groups)
 
 KINDS = (Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0)   # the block types read here
 SMALL = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)   # blocks of 32, read two to a run
@@ -64,8 +59,6 @@ MINUS = {Q4_0: 8, Q5_0: 16}         # w = d (q - MINUS): taken from the lanes' c
 WITH_M = (Q4_1, Q5_1)               # w = d q + m: m times the groups' sums of x^ (_Row.m_terms)
 CODES_AT = {Q4_0: 2, Q4_1: 4, Q5_0: 6, Q5_1: 8, Q8_0: 2}   # where a block of 32's codes start
 GROUP_TOKENS = 4                    # tokens per pass over a row in gemm (8 was slower a token: docs/performance.md)
-GROUP = 16                 # input elements per sum of x^
-FINE = 256                 # a code's step over its residue's: x^ has about 15 bits a lane (quantize_input)
 PREFETCH_ROWS = 8          # rows a GEMV prefetches ahead, at least; AHEAD_BYTES, bytes ahead by type: the types whose
 # dot outruns one thread's share of the memory bandwidth (Q8_0, Q6_K, and Q4_K, Q5_K since their scales are unpacked
 # in integers) keep more lines in flight; the others are compute bound, and more rows ahead made Q4_1 slower
@@ -77,106 +70,13 @@ BLOCK_OF = np.zeros(KIND_CODES, np.int64)
 for _k in KINDS:
     BLOCK_OF[_k] = GGUF_TYPES[_k].block
 BLOCK_OF[Q4_1X16] = blocks.TYPES[Q4_1X16].block
-GROUP_ROWS = blocks.TYPES[Q4_1X16].group   # rows a Q4_1x16 dot reads at once; its row ranges are multiples of it
-assert FINE == 256   # _emit_group scales the codes' products by a shift of 8
+GROUP_ROWS = q4_groups.ROWS   # rows a Q4_1x16 dot reads at once (q4_groups); its row ranges are multiples of it
 Q4_1_BYTES = GGUF_TYPES[Q4_1].nbytes
-I8, I16 = ir.IntType(8), ir.IntType(16)
-V32I8, V64I8 = ir.VectorType(I8, 32), ir.VectorType(I8, 64)
-V2F, V4F, V8I32 = ir.VectorType(F32, 2), ir.VectorType(F32, 4), ir.VectorType(I32, 8)
-VNNI, AVX512BW = vector_ir.cpu_has("avx512vnni"), vector_ir.cpu_has("avx512bw")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The input.
-
-@njit(**JIT)
-def quantize_input(x):
-    """x (float32 [cols], cols a multiple of 16) rounded in lanes of 4 -> (codes, residues, dx4, sums, lane_sums).
-    Lane k (elements 4k..4k+3) has the unit dx4[k] = max|x| / (127 FINE) of the lane (float32 [cols / 4]; 0, and
-    codes 0, for a lane of zeros), and x[i] is rounded to x^_i = dx4[k] (FINE codes[i] + residues[i]) (int8
-    [cols] each, both in [-127, 127]): codes[i] = round(t) for t = 127 x[i] / max|x|, residues[i] = round(FINE
-    (t - codes[i])). lane_sums[k] = the lane's sum of FINE codes + residues (int32 [cols / 4]); sums[g] = the sum of
-    x^ over group g of 16 elements (float32 [cols / 16])."""
-    cols = x.shape[0]
-    codes, residues = np.empty(cols, np.int8), np.empty(cols, np.int8)
-    dx4, lane_sums = np.empty(cols // 4, np.float32), np.empty(cols // 4, np.int32)
-    sums = np.empty(cols // GROUP, np.float32)
-    quantize_into(x, codes, residues, dx4, sums, lane_sums)
-    return codes, residues, dx4, sums, lane_sums
-
-
-@njit(**JIT)
-def quantize_into(x, codes, residues, dx4, sums, lane_sums):
-    """quantize_input's arrays for x, written into the given ones (their shapes as quantize_input's)."""
-    for k in range(x.shape[0] // 4):
-        amax = max(max(abs(x[4 * k]), abs(x[4 * k + 1])), max(abs(x[4 * k + 2]), abs(x[4 * k + 3])))
-        inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-        total = 0
-        for i in range(4 * k, 4 * k + 4):
-            t = x[i] * inv
-            c = np.rint(t)
-            r = min(max(np.int32(np.rint((t - c) * np.float32(FINE))), -127), 127)
-            codes[i], residues[i] = np.int32(c), r
-            total += FINE * np.int32(c) + r
-        dx4[k] = amax / np.float32(127.0 * FINE)
-        lane_sums[k] = total
-    for g in range(x.shape[0] // GROUP):
-        total = np.float32(0.0)
-        for k in range(4 * g, 4 * g + 4):
-            total += dx4[k] * np.float32(lane_sums[k])
-        sums[g] = total
+V2F, V4F = ir.VectorType(F32, 2), ir.VectorType(F32, 4)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # IR.
-
-def _i8s(value: int, n: int):
-    return ir.Constant(ir.VectorType(I8, n), [value] * n)
-
-
-def _concat(b, lo, hi):
-    """Two byte vectors of n lanes as one of 2n."""
-    n = lo.type.count
-    return b.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, 2 * n), list(range(2 * n))))
-
-
-def _lanes(b, v, idx):
-    """The lanes idx of v (a constant shuffle)."""
-    return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, len(idx)), list(idx)))
-
-
-def _call(b, name, ret, args):
-    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(ret, [a.type for a in args]), name)
-    return b.call(fn, args)
-
-
-def dot4(b, w, xc, acc=None):
-    """<n/4 x i32>: acc (or 0) plus, in lane l, the sum over k < 4 of w[4l + k] (unsigned) * xc[4l + k] (signed),
-    both <n x i8>, n 64 or 32. Exact: with w <= 128 and |xc| <= 127 no 16-bit pair sum (the non-VNNI forms: at most
-    2 128 127 = 32512) saturates."""
-    n = w.type.count
-    lanes = ir.VectorType(I32, n // 4)
-    if VNNI:
-        return _call(b, f"llvm.x86.avx512.vpdpbusd.{8 * n}", lanes,
-                     [ir.Constant(lanes, [0] * (n // 4)) if acc is None else acc, w, xc])
-    p = _dot4_pairs(b, w, xc)
-    return p if acc is None else b.add(acc, p)
-
-
-def _dot4_pairs(b, w, xc):
-    """dot4 without VNNI: vpmaddubsw (pairs to 16 bits), then vpmaddwd by ones (pairs of those to 32)."""
-    n = w.type.count
-    if AVX512BW and n == 64:
-        pairs = _call(b, "llvm.x86.avx512.pmaddubs.w.512", ir.VectorType(I16, 32), [w, xc])
-        return _call(b, "llvm.x86.avx512.pmaddw.d.512", V16I32, [pairs, ir.Constant(pairs.type, [1] * 32)])
-    quarters = []
-    for h in range(n // 32):
-        half = range(32 * h, 32 * h + 32)
-        pairs = _call(b, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(I16, 16), [_lanes(b, w, half),
-                                                                                _lanes(b, xc, half)])
-        quarters.append(_call(b, "llvm.x86.avx2.pmadd.wd", V8I32, [pairs, ir.Constant(pairs.type, [1] * 16)]))
-    return quarters[0] if n == 32 else _concat(b, *quarters)
-
 
 class _Row:
     """One row's dot with one input: a 16-lane float32 accumulator for the code products, one for the K-quants'
@@ -198,19 +98,19 @@ class _Row:
         dx."""
         b = self.b
         n = w.type.count
-        lanes = n // 4
+        n_lanes = n // 4
         xc, xr = (load(b, b.add(a, e), ir.VectorType(I8, n), 1) for a in (self.codes, self.residues))
         if signed:    # w x = |w| (sign(w) x): -128 becomes the unsigned 128, and |x| <= 127 stays in range
-            negative = b.icmp_signed("<", w, _i8s(0, n))
-            w, xc, xr = (b.select(negative, b.sub(_i8s(0, n), v), v) for v in (w, xc, xr))
+            negative = b.icmp_signed("<", w, i8s(0, n))
+            w, xc, xr = (b.select(negative, b.sub(i8s(0, n), v), v) for v in (w, xc, xr))
         # FINE (w . codes) + w . residues: below 2^24 (4 128 127 (FINE + 1)), so exact in float32 too
-        p = dot4(b, w, xr, b.mul(dot4(b, w, xc), ir.Constant(ir.VectorType(I32, lanes), [FINE] * lanes)))
+        p = dot4(b, w, xr, b.mul(dot4(b, w, xc), ir.Constant(ir.VectorType(I32, n_lanes), [FINE] * n_lanes)))
         if minus:   # sum (w - minus) x = sum w x - minus sum x, in integers
-            sums = load(b, b.add(self.lane_sums, e), ir.VectorType(I32, lanes), 4)   # byte e is lane e/4
-            p = b.sub(p, b.mul(sums, ir.Constant(sums.type, [minus] * lanes)))
-        s = strict(b.fmul(scales, load(b, b.add(self.dx4, e), ir.VectorType(F32, lanes), 4)))
+            sums = load(b, b.add(self.lane_sums, e), ir.VectorType(I32, n_lanes), 4)   # byte e is lane e/4
+            p = b.sub(p, b.mul(sums, ir.Constant(sums.type, [minus] * n_lanes)))
+        s = strict(b.fmul(scales, load(b, b.add(self.dx4, e), ir.VectorType(F32, n_lanes), 4)))
         acc = self.acc
-        if lanes == 16:
+        if n_lanes == 16:
             b.store(b.call(self.fma, [b.sitofp(p, V16F), s, b.load(acc)]), acc)
             return
         product = strict(b.fmul(b.sitofp(p, s.type), s))  # a half run (a row's last small block): lanes 8.. get 0
@@ -272,7 +172,7 @@ def k45_scales(b, bp):
     v = b.insert_element(v, pair(mask(q0, 0x3F3F3F3F), sc_hi), I32(0))
     v = b.insert_element(v, pair(mask(q1, 0x3F3F3F3F), m_hi), I32(1))
     dm = b.fmul(b.fpext(_two_halves(b, bp), V2F), ir.Constant(V2F, [1.0, -1.0]))        # (d, -dmin)
-    return b.fmul(b.uitofp(b.bitcast(v, V16I8), V16F), _lanes(b, dm, [0] * 8 + [1] * 8))
+    return b.fmul(b.uitofp(b.bitcast(v, V16I8), V16F), lanes(b, dm, [0] * 8 + [1] * 8))
 
 
 def _emit_k45(rows, kind, bp, e):
@@ -285,14 +185,14 @@ def _emit_k45(rows, kind, bp, e):
     qh = load(b, b.add(bp, I64(16)), V32I8, 1) if kind == Q5_K else None
     for c in range(4):
         nib = load(b, b.add(bp, I64(qs + 32 * c)), V32I8, 1)
-        w = _concat(b, b.and_(nib, _i8s(15, 32)), b.lshr(nib, _i8s(4, 32)))
+        w = concat(b, b.and_(nib, i8s(15, 32)), b.lshr(nib, i8s(4, 32)))
         if qh is not None:
-            fifth = _concat(b, b.lshr(qh, _i8s(2 * c, 32)), b.lshr(qh, _i8s(2 * c + 1, 32)))
-            w = b.or_(w, b.shl(b.and_(fifth, _i8s(1, 64)), _i8s(4, 64)))
+            fifth = concat(b, b.lshr(qh, i8s(2 * c, 32)), b.lshr(qh, i8s(2 * c + 1, 32)))
+            w = b.or_(w, b.shl(b.and_(fifth, i8s(1, 64)), i8s(4, 64)))
         for row in rows:
-            row.run(w, b.add(e, I64(64 * c)), _lanes(b, scales, [2 * c] * 8 + [2 * c + 1] * 8))
+            row.run(w, b.add(e, I64(64 * c)), lanes(b, scales, [2 * c] * 8 + [2 * c + 1] * 8))
     for row in rows:
-        row.offsets(e, _lanes(b, scales, [8 + j // 2 for j in range(16)]))     # w = d sc q - dmin m
+        row.offsets(e, lanes(b, scales, [8 + j // 2 for j in range(16)]))     # w = d sc q - dmin m
 
 
 def _emit_q6_k(rows, bp, e):
@@ -305,12 +205,12 @@ def _emit_q6_k(rows, bp, e):
         ql = load(b, b.add(bp, I64(64 * n)), V64I8, 1)
         qh = load(b, b.add(bp, I64(128 + 32 * n)), V32I8, 1)
         for a in range(2):
-            low = b.and_(b.lshr(ql, _i8s(4 * a, 64)), _i8s(15, 64))
-            high = _concat(b, b.lshr(qh, _i8s(4 * a, 32)), b.lshr(qh, _i8s(4 * a + 2, 32)))
-            w = b.or_(low, b.shl(b.and_(high, _i8s(3, 64)), _i8s(4, 64)))
+            low = b.and_(b.lshr(ql, i8s(4 * a, 64)), i8s(15, 64))
+            high = concat(b, b.lshr(qh, i8s(4 * a, 32)), b.lshr(qh, i8s(4 * a + 2, 32)))
+            w = b.or_(low, b.shl(b.and_(high, i8s(3, 64)), i8s(4, 64)))
             for row in rows:
                 row.run(w, b.add(e, I64(128 * n + 64 * a)),
-                        _lanes(b, scales, [8 * n + 4 * a + l // 4 for l in range(16)]))
+                        lanes(b, scales, [8 * n + 4 * a + l // 4 for l in range(16)]))
     for row in rows:
         row.offsets(e, b.fmul(scales, ir.Constant(V16F, [-32.0] * 16)))          # w = d sc (q - 32)
 
@@ -320,9 +220,9 @@ def _nibbles(b, addrs):
     nibbles (elements 0..15), then the high ones (16..31). Two blocks' bytes are split in one 32-byte vector and put
     in order by one shuffle (a split and an insert per block took three more instructions a run)."""
     nib = [load(b, a, V16I8, 1) for a in addrs]
-    nib = nib[0] if len(addrs) == 1 else _concat(b, *nib)
+    nib = nib[0] if len(addrs) == 1 else concat(b, *nib)
     n = nib.type.count
-    low, high = b.and_(nib, _i8s(15, n)), b.lshr(nib, _i8s(4, n))
+    low, high = b.and_(nib, i8s(15, n)), b.lshr(nib, i8s(4, n))
     order = [j for i in range(0, n, 16) for j in [*range(i, i + 16), *range(n + i, n + i + 16)]]
     return b.shuffle_vector(low, high, ir.Constant(ir.VectorType(I32, 2 * n), order))
 
@@ -339,9 +239,9 @@ def _small_codes(b, kind, bps):
     else:   # Q5_0, Q5_1 block by block: both blocks' nibbles in one shuffle ran 5x slower in the AVX2 code
         fifth = ir.VectorType(ir.IntType(1), 32)
         codes = [b.or_(_nibbles(b, [b.add(bp, I64(at))]),
-                       b.select(b.bitcast(load(b, b.add(bp, I64(at - 4)), I32, 1), fifth), _i8s(16, 32), _i8s(0, 32)))
+                       b.select(b.bitcast(load(b, b.add(bp, I64(at - 4)), I32, 1), fifth), i8s(16, 32), i8s(0, 32)))
                  for bp in bps]
-    return codes[0] if len(bps) == 1 else _concat(b, *codes)
+    return codes[0] if len(bps) == 1 else concat(b, *codes)
 
 
 def _two_halves(b, addr):
@@ -360,10 +260,10 @@ def _emit_small(rows, kind, bp, e, blocks_in_run):
     q = _small_codes(b, kind, bps)
     dm = _two_halves(b, bp)                 # (d, m) of WITH_M; d and the next two bytes of the others
     if blocks_in_run == 2:
-        dm = _concat(b, dm, _two_halves(b, bps[1]))
+        dm = concat(b, dm, _two_halves(b, bps[1]))
     dm = b.fpext(dm, ir.VectorType(F32, dm.type.count))
-    d = _lanes(b, dm, [0] * 8 + [2] * 8 if blocks_in_run == 2 else [0] * 8)
-    m = _lanes(b, dm, [1, 1, 3, 3] if blocks_in_run == 2 else [1, 1]) if kind in WITH_M else None
+    d = lanes(b, dm, [0] * 8 + [2] * 8 if blocks_in_run == 2 else [0] * 8)
+    m = lanes(b, dm, [1, 1, 3, 3] if blocks_in_run == 2 else [1, 1]) if kind in WITH_M else None
     for row in rows:
         row.run(q, e, d, minus=MINUS.get(kind, 0), signed=kind == Q8_0)
         if m is not None:
@@ -404,66 +304,6 @@ def row_dot(typingctx, kind, p, nb, codes, residues, dx4, sums, lane_sums):
     return types.float32(kind, *[types.int64] * 7), codegen
 
 
-def _splat(b, addr, ty):
-    """The 32-bit value at addr (a float32, or four int8 as i32) in 16 lanes: one broadcast load."""
-    one = b.insert_element(ir.Constant(ir.VectorType(ty, 16), ir.Undefined), load(b, addr, ty, 1), I32(0))
-    return b.shuffle_vector(one, one, ir.Constant(V16I32, [0] * 16))
-
-
-def _emit_group(b, p, nb, inputs, outs):
-    """The dots of the 16 rows of the Q4_1x16 group at address p (nb blocks; layout in blocks.py) with each input
-    ((codes, residues, dx4, sums): quantize_input's arrays' addresses), the 16 floats stored at the matching address
-    of outs. Per block: its 16 d and 16 m as vectors; per lane l of four inputs (a chunk's low or high nibbles: lane
-    c or c + 4 of the block), FINE (w . codes) + w . residues for the 16 rows by two dot4 against the lane's inputs
-    broadcast, times the lane's dx, summed over the block's 8 lanes; then acc += m sums_g (the block's two groups)
-    and acc += that sum times d. Each input takes the same operations whatever the others."""
-    fma = vector_ir.vector_intrinsic(b, "llvm.fma", 3)
-    accs = [cgutils.alloca_once_value(b, ZERO16) for _ in inputs]
-    shift = ir.Constant(V16I32, [8] * 16)
-    halves = ir.VectorType(ir.HalfType(), 16)
-    with cgutils.for_range(b, nb) as loop:
-        bp = b.add(p, b.mul(loop.index, I64(320)))
-        e0 = b.mul(loop.index, I64(32))
-        d = b.fpext(load(b, bp, halves, 2), V16F)
-        m = b.fpext(load(b, b.add(bp, I64(32)), halves, 2), V16F)
-        parts = [ZERO16] * len(inputs)
-        for c in range(4):
-            raw = load(b, b.add(bp, I64(64 + 64 * c)), V64I8, 1)
-            for w, lane in ((b.and_(raw, _i8s(15, 64)), c), (b.lshr(raw, _i8s(4, 64)), c + 4)):
-                e = b.add(e0, I64(4 * lane))
-                for t, (codes, residues, dx4, _) in enumerate(inputs):
-                    pc = dot4(b, w, b.bitcast(_splat(b, b.add(codes, e), I32), V64I8))
-                    pr = dot4(b, w, b.bitcast(_splat(b, b.add(residues, e), I32), V64I8), b.shl(pc, shift))
-                    parts[t] = b.call(fma, [b.sitofp(pr, V16F), _splat(b, b.add(dx4, e), F32), parts[t]])
-        for t, (_, _, _, sums) in enumerate(inputs):
-            g = b.add(sums, b.mul(loop.index, I64(8)))     # the block's two sums of 16 inputs
-            acc = b.call(fma, [m, _splat(b, g, F32), b.load(accs[t])])
-            acc = b.call(fma, [m, _splat(b, b.add(g, I64(4)), F32), acc])
-            b.store(b.call(fma, [parts[t], d, acc]), accs[t])
-    for acc, out in zip(accs, outs):
-        b.store(b.load(acc), vector_ir.pointer(b, out, V16F), align=4)
-
-
-@intrinsic
-def _group_dots(typingctx, k, p, nb, codes, residues, dx4, sums, cols, y, y_stride):
-    """An intrinsic: the dots of the Q4_1x16 group at address p (nb blocks) with k (1..GROUP_TOKENS) inputs, token t's
-    arrays at row t of quantize_into's [tokens, ...] arrays for inputs of cols elements (as _q4_1_dots); token t's
-    16 results are stored at y + t y_stride bytes."""
-    if not all(isinstance(a, types.Integer) for a in (k, p, nb, codes, residues, dx4, sums, cols, y, y_stride)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        k, p, nb, codes, residues, dx4, sums, cols, y, y_stride = args
-
-        def emit(n):
-            at = lambda base, t, per=1: builder.add(base, builder.mul(builder.udiv(cols, I64(per)), I64(t)))  # noqa
-            inputs = [(at(codes, t), at(residues, t), at(dx4, t), at(sums, t, 4)) for t in range(n)]
-            _emit_group(builder, p, nb, inputs, [builder.add(y, builder.mul(y_stride, I64(t))) for t in range(n)])
-        vector_ir.by_value(builder, k, range(1, GROUP_TOKENS + 1), emit)
-        return context.get_dummy_value()
-    return types.void(*[types.int64] * 10), codegen
-
-
 @intrinsic
 def _q4_1_dots(typingctx, k, p, nb, codes, residues, dx4, sums, lane_sums, cols, y, y_stride):
     """An intrinsic: the dots of the Q4_1 row of nb blocks at address p with k (1..GROUP_TOKENS) inputs, token t's
@@ -501,13 +341,12 @@ def gemv(kind, q, x, y, lo, hi):
 
 @njit(**JIT)
 def gemv_rounded(kind, q, xr, y, lo, hi):
-    """gemv of an input already rounded: xr = quantize_input(x). Q4_1X16: lo and hi multiples of GROUP_ROWS."""
+    """gemv of an input already rounded: xr = quantize_input(x). Q4_1X16 (q4_groups): lo and hi multiples of
+    GROUP_ROWS."""
     if hi <= lo:
         return
     if kind == Q4_1X16:
-        if lo % GROUP_ROWS or hi % GROUP_ROWS:
-            raise ValueError("Q4_1x16 rows are read in whole groups of 16")
-        _gemv_groups(q, xr, y, lo, hi)
+        q4_groups.gemv(q, xr, y, lo, hi)
         return
     codes, residues, dx4, sums, lane_sums = xr
     cols = codes.shape[0]
@@ -522,24 +361,6 @@ def gemv_rounded(kind, q, xr, y, lo, hi):
             prefetch_lines(q, r + ahead, into_l2)
         y[r] = row_dot(kind, base + r * q.strides[0], nb, codes.ctypes.data, residues.ctypes.data, dx4.ctypes.data,
                        sums.ctypes.data, lane_sums.ctypes.data)
-
-
-@njit(**JIT)
-def _gemv_groups(q, xr, y, lo, hi):
-    """gemv_rounded of Q4_1x16 (lo and hi multiples of GROUP_ROWS), a group of rows a dot, the next group
-    prefetched."""
-    codes, residues, dx4, sums, lane_sums = xr
-    cols = codes.shape[0]
-    nb = cols // BLOCK_OF[Q4_1X16]
-    base = q.ctypes.data
-    into_l2 = ahead_into_l2(3 * cols + sums.nbytes + lane_sums.nbytes, q.shape[1], GROUP_ROWS)
-    for r in range(lo, min(hi, lo + GROUP_ROWS)):
-        prefetch_lines(q, r, into_l2)
-    for r in range(lo, hi, GROUP_ROWS):
-        for a in range(r + GROUP_ROWS, min(hi, r + 2 * GROUP_ROWS)):
-            prefetch_lines(q, a, into_l2)
-        _group_dots(1, base + r * q.strides[0], nb, codes.ctypes.data, residues.ctypes.data, dx4.ctypes.data,
-                    sums.ctypes.data, cols, y.ctypes.data + 4 * r, 0)
 
 
 @njit(**JIT)
@@ -562,16 +383,7 @@ def gemm(kind, q, x, y, nt, lo, hi):
         quantize_into(x[t, :cols], codes[t], residues[t], dx4[t], sums[t], lane_sums[t])
     base = q.ctypes.data
     if kind == Q4_1X16:
-        if lo % GROUP_ROWS or hi % GROUP_ROWS:
-            raise ValueError("Q4_1x16 rows are read in whole groups of 16")
-        into_l2 = ahead_into_l2(min(nt, GROUP_TOKENS) * 4 * cols, q.shape[1], GROUP_ROWS)
-        for r in range(lo, hi, GROUP_ROWS):
-            for a in range(r + GROUP_ROWS, min(hi, r + 2 * GROUP_ROWS)):
-                prefetch_lines(q, a, into_l2)
-            for g in range(0, nt, GROUP_TOKENS):
-                _group_dots(min(GROUP_TOKENS, nt - g), base + r * q.strides[0], nb, codes[g].ctypes.data,
-                            residues[g].ctypes.data, dx4[g].ctypes.data, sums[g].ctypes.data, cols,
-                            y.ctypes.data + g * y.strides[0] + 4 * r, y.strides[0])
+        q4_groups.gemm(q, codes, residues, dx4, sums, y, nt, lo, hi)
         return
     into_l2 = ahead_into_l2(min(nt, GROUP_TOKENS) * 4 * cols, q.shape[1], PREFETCH_ROWS)
     for r in range(lo, hi):

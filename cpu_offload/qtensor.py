@@ -101,6 +101,14 @@ class QTensor:
         """The same matrix with f applied to each array (e.g. moved into XLA's memory)."""
         return QTensor(self.code, tuple(f(a) for a in self.arrays), self.cols)
 
+    def grouped(self) -> "QTensor":
+        """A Q4_1 matrix relaid as Q4_1x16 (blocks.group_rows), in a new aligned array."""
+        if self.code != blocks.Q4_1:
+            raise ConfigError(f"only Q4_1 relays into Q4_1x16, not {self.type.name}")
+        data = np.asarray(self.data)
+        return QTensor(blocks.Q4_1X16, (blocks.group_rows(data, self.cols, aligned_empty(data.shape, np.uint8)),),
+                       self.cols)
+
     def rows(self, lo: int, hi: int, total: int | None = None) -> "QTensor":
         """Rows [lo, hi): views of these arrays, or with `total` rows a new matrix whose rows past hi - lo are
         zero (all-zero bytes are zero weights in every block type)."""

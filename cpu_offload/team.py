@@ -17,8 +17,9 @@ Protocol (all words int64 in one control block that is never freed):
   caller's floating-point environment (MXCSR: denormal flushing), runs ``fn(arg, w, n)``, stores the generation
   in its done word. It waits by ``sched_yield``, and after YIELDS rounds without work sleeps between looks, SLEEP_US
   at first, twice as long each time up to SLEEP_MAX_US, so back-to-back decode steps find it awake and an idle team
-  costs almost nothing: at a steady 200 us a look, one idle worker took 10% of a vCPU of this VM (wakeups are
-  dear under a hypervisor), and a peer benchmarked beside an idle engine ran 12-15% slower (docs/performance.md).
+  costs almost nothing. Wakeups are dear under a hypervisor: with a short sleep that never grew, an idle worker
+  took enough of a vCPU to slow a peer benchmarked beside an idle engine (docs/performance.md, "An idle engine
+  slowed the peers").
 - Tasks split their work by ``tid`` and ``n`` and write disjoint outputs; ``run`` returns once all are done.
 
 The team size is fixed when the team starts (``PJINFER_HOST_THREADS``, default: the CPUs this process may use).

@@ -1,4 +1,4 @@
-"""Small LLVM IR helpers for the host kernels written as vector IR (``q4.py``, ``int8.py``).
+"""Small LLVM IR helpers for the host kernels written as vector IR (``q4.py``, ``int8.py``, ``q8_dot.py``).
 
 Why IR with explicit flags: Numba's fastmath gives every float operation that carries no flags all the fast-math
 flags, and with reassociation and contraction allowed LLVM may order a sum differently depending on the function
@@ -13,7 +13,9 @@ from numba.core import cgutils, config
 from numba.core.codegen import get_host_cpu_features
 
 F32, I32, I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+I8, I16 = ir.IntType(8), ir.IntType(16)
 V16F = ir.VectorType(F32, 16)
+V32I8, V64I8, V8I32 = ir.VectorType(I8, 32), ir.VectorType(I8, 64), ir.VectorType(I32, 8)
 V16I8 = ir.VectorType(ir.IntType(8), 16)
 V16I32 = ir.VectorType(I32, 16)
 ZERO16 = ir.Constant(V16F, [0.0] * 16)
@@ -113,3 +115,57 @@ def hsum(builder, v):
                   for k in (0, width)]
         v = strict(builder.fadd(*halves))
     return builder.extract_element(v, I32(0))
+
+
+# Integer dots: the 8-bit products the q8_dot kernels sum (VNNI where the CPU has it).
+VNNI, AVX512BW = cpu_has("avx512vnni"), cpu_has("avx512bw")
+
+
+def i8s(value: int, n: int):
+    """An i8 constant in n lanes."""
+    return ir.Constant(ir.VectorType(I8, n), [value] * n)
+
+
+def concat(b, lo, hi):
+    """Two byte vectors of n lanes as one of 2n."""
+    n = lo.type.count
+    return b.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, 2 * n), list(range(2 * n))))
+
+
+def lanes(b, v, idx):
+    """The lanes idx of v (a constant shuffle)."""
+    return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, len(idx)), list(idx)))
+
+
+def call(b, name, ret, args):
+    """A call of the function (an LLVM intrinsic) `name` of these args' types returning ret."""
+    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return b.call(fn, args)
+
+
+def dot4(b, w, xc, acc=None):
+    """<n/4 x i32>: acc (or 0) plus, in lane l, the sum over k < 4 of w[4l + k] (unsigned) * xc[4l + k] (signed),
+    both <n x i8>, n 64 or 32. Exact: with w <= 128 and |xc| <= 127 no 16-bit pair sum (the non-VNNI forms: at most
+    2 128 127 = 32512) saturates."""
+    n = w.type.count
+    out = ir.VectorType(I32, n // 4)
+    if VNNI:
+        return call(b, f"llvm.x86.avx512.vpdpbusd.{8 * n}", out,
+                    [ir.Constant(out, [0] * (n // 4)) if acc is None else acc, w, xc])
+    p = _dot4_pairs(b, w, xc)
+    return p if acc is None else b.add(acc, p)
+
+
+def _dot4_pairs(b, w, xc):
+    """dot4 without VNNI: vpmaddubsw (pairs to 16 bits), then vpmaddwd by ones (pairs of those to 32)."""
+    n = w.type.count
+    if AVX512BW and n == 64:
+        pairs = call(b, "llvm.x86.avx512.pmaddubs.w.512", ir.VectorType(I16, 32), [w, xc])
+        return call(b, "llvm.x86.avx512.pmaddw.d.512", V16I32, [pairs, ir.Constant(pairs.type, [1] * 32)])
+    quarters = []
+    for h in range(n // 32):
+        half = range(32 * h, 32 * h + 32)
+        pairs = call(b, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(I16, 16), [lanes(b, w, half),
+                                                                                lanes(b, xc, half)])
+        quarters.append(call(b, "llvm.x86.avx2.pmadd.wd", V8I32, [pairs, ir.Constant(pairs.type, [1] * 16)]))
+    return quarters[0] if n == 32 else concat(b, *quarters)

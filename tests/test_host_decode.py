@@ -102,6 +102,37 @@ def test_team_runs_every_share_exactly_once():
         assert words[8:8 + size].tolist() == [size] * size
 
 
+def test_an_idle_team_costs_almost_no_cpu():
+    """A worker with no task sleeps longer the longer it waits (team.SLEEP_MAX_US): a benchmark of a peer beside an
+    idle engine must get the cores. Its thread's CPU time over a second, once idle, is well under 3% of a core (a
+    sleep that never grew took several times that on a VM)."""
+    import os
+    import time
+
+    from numba import cfunc, types
+
+    @cfunc(types.void(types.int64, types.int64, types.int64))
+    def task(arg, tid, n):
+        pass
+
+    crew = team.Team(2)
+    team.run(crew.address, task.address, 0)
+    time.sleep(0.5)                                    # past the yields and the first, short sleeps
+
+    def cpu_seconds(tid):
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    if not os.path.exists("/proc/self/task"):
+        pytest.skip("no /proc")
+    tid = crew.threads[0].native_id
+    before, start = cpu_seconds(tid), time.monotonic()
+    time.sleep(1.0)
+    assert cpu_seconds(tid) - before < 0.03 * (time.monotonic() - start)
+    crew.stop()
+
+
 def test_team_workers_run_any_number_of_tasks_in_a_fixed_stack():
     """A worker loops for the life of the process, so nothing it does per task may take stack that is only freed
     when it returns (an alloca in the loop: taking the caller's MXCSR took 16 bytes a task, and a server's worker

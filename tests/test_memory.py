@@ -137,6 +137,32 @@ def test_q4_1_layers_stay_the_files_blocks(tmp_path):
     assert GGUFFile(path).mmap.size == path.stat().st_size
 
 
+def test_the_dense_host_decode_loads_q4_1_layers_relaid_16_rows_together(tmp_path):
+    """grouped (the host rows' Backend.grouped): every Q4_1 layer matrix becomes Q4_1x16 with the same values, in a
+    new aligned array, and the file's pages are let go; a model with a layer matrix of rows not in sixteens keeps
+    the file's blocks; the engine's host decode reads the relaid ones."""
+    from cpu_offload.blocks import Q4_1X16
+    from pjinfer.runtime.engine import Engine
+
+    config = tiny_config(d_model=64, head_dim=16, d_ff=128, tie_embeddings=False)
+    path = tmp_path / "q.gguf"
+    write_tiny_gguf(path, config, random_weights(config, seed=5), layer_type=gguf.GGMLQuantizationType.Q4_1)
+    _, kept, _ = loader.load(path, keep="q4_1")
+    _, grouped, _ = loader.load(path, keep="q4_1", grouped=True)
+    for name, w in kept.items():
+        if isinstance(w, QTensor) and w.code == Q4_1:
+            g = grouped[name]
+            assert g.code == Q4_1X16 and g.data.shape == w.data.shape and g.data.ctypes.data % XLA_ALIGNMENT == 0
+            np.testing.assert_array_equal(g.float32(), w.float32(), err_msg=name)
+    engine = Engine.load(path, weights="q4_1")
+    assert {w.code for w in engine.host._quantized.values()} == {Q4_1X16}   # its layer matrices
+    odd = tiny_config(d_model=64, head_dim=8, n_heads=4, n_kv_heads=1, d_ff=128, tie_embeddings=False)   # k, v: 8 rows
+    path = tmp_path / "odd.gguf"
+    write_tiny_gguf(path, odd, random_weights(odd, seed=6), layer_type=gguf.GGMLQuantizationType.Q4_1)
+    _, kept, _ = loader.load(path, keep="q4_1", grouped=True)
+    assert {w.code for n, w in kept.items() if n.startswith("layers.") and isinstance(w, QTensor)} == {Q4_1}
+
+
 # Aliasing is the CPU client's: on an accelerator device_put copies the weights into its memory by design.
 on_cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA aliases host arrays on the CPU only")
 

@@ -17,7 +17,7 @@ import gguf
 import numpy as np
 from safetensors.flax import load_file  # via jax: reads bf16 checkpoints too
 
-from cpu_offload.blocks import FORMATS, GGUF_TYPES, Q4_1, Q4_1X16, TYPES, group_rows
+from cpu_offload.blocks import FORMATS, GGUF_TYPES, Q4_1, Q4_1X16, TYPES
 from cpu_offload.int8 import from_blocks
 from cpu_offload.qtensor import QTensor, aligned, aligned_empty, is_quantized
 from pjinfer.config import ConfigError, ModelConfig
@@ -105,9 +105,7 @@ def load(path: str | os.PathLike | None = None, *, progress=None, keep: str | No
     loader never makes a float32 copy of those. A layer matrix of another type is dequantized, with one line
     saying so. part(config, name, tensor) -> tensor (GGUF only): this process's share of each tensor, taken before
     anything is copied (pjinfer.runtime.tensor_parallel.part); the file's pages of a share that was copied are
-    released. grouped (with keep, without part): the layers' Q4_1 matrices are relaid as Q4_1x16 (blocks.group_rows:
-    the dense host decode's layout, the same numbers, a copy in place of the file's pages), where every layer
-    matrix of the model has a multiple of 16 rows."""
+    released. grouped (keep, no part): Q4_1 layers as Q4_1x16 (blocks.group_rows) if all layer rows are sixteens."""
     path = default_model_path() if path is None else Path(path)
     if not path.exists():
         raise ConfigError(f"model not found: {path}")
@@ -246,12 +244,11 @@ def gguf_header(path: Path):
 
 
 def load_gguf(path: Path, *, progress=None, keep: str | None = None, neuron_rows=False, part=None, grouped=False):
-    """load for a GGUF file; neuron_rows: a PowerInfer file, whose F16/F32 FFN matrices stay as stored too; part,
-    grouped: load's."""
+    """load for a GGUF file; neuron_rows: a PowerInfer file, whose F16/F32 FFN matrices stay as stored too."""
     kept = FORMATS[keep].layers & GGUF_TYPES.keys() if keep else frozenset()  # kept as stored (int8 keeps none)
     reader, config = gguf_header(path)
-    rows = (config.d_model, config.d_ff, config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim)
-    grouped = grouped and bool(keep) and part is None and not neuron_rows and all(r % 16 == 0 for r in rows)
+    grouped = grouped and bool(keep) and part is None and not neuron_rows and not any(r % 16 for r in (
+        config.d_model, config.d_ff, config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim))
     arch = reader.fields.get("general.architecture")
     check_tensors(reader, config, arch, path, beside=PREDICTOR_TENSORS + PLACEMENT_TENSORS)
     check_tokenizer_fields(reader, path)
@@ -288,7 +285,9 @@ def load_gguf(path: Path, *, progress=None, keep: str | None = None, neuron_rows
             t = part(config, name, t)
         keep_rows = neuron_rows and t.type in (GGML_F32, GGML_F16) and name.endswith(("w_gate", "w_up", "w_down_t"))
         weights[name] = aligned(t.data) if keep_rows else _gguf_weight(t, name, config, path, permuted=arch in (
-            "llama", "bamboo"), kept=kept, dequantized=dequantized, grouped=grouped)
+            "llama", "bamboo"), kept=kept, dequantized=dequantized)
+        if grouped and name.startswith("layers.") and is_quantized(weights[name]) and weights[name].code == Q4_1:
+            weights[name] = weights[name].grouped()
         if not _aliases(weights[name], stored.data):
             reader.release(stored)   # a copy was made: the file's pages of it need not stay resident
         if progress:
@@ -306,20 +305,16 @@ def _aliases(weight, data: np.ndarray) -> bool:
     return any(isinstance(a, np.ndarray) and np.may_share_memory(a, data) for a in arrays)
 
 
-def _gguf_weight(t, name: str, config: ModelConfig, path: Path, *, permuted: bool, kept: set, dequantized: set,
-                 grouped: bool = False):
-    """Tensor t as the canonical weight `name`: the file's blocks where its type is in kept (no copy; with grouped, a
-    layer's Q4_1 matrix relaid as Q4_1x16), an int8 output head where blocks are kept and its type relays into
-    int8, else float32. permuted: llama.cpp's converter interleaved Llama's q/k rows for its rotary layout (Qwen2's,
-    NEOX rope, are as in HF). Adds the type of a layer matrix made float32 to `dequantized`."""
+def _gguf_weight(t, name: str, config: ModelConfig, path: Path, *, permuted: bool, kept: set, dequantized: set):
+    """Tensor t as the canonical weight `name`: the file's blocks where its type is in kept (no copy), an int8
+    output head where blocks are kept and its type relays into int8, else float32. permuted: llama.cpp's converter
+    interleaved Llama's q/k rows for its rotary layout (Qwen2's, NEOX rope, are as in HF). Adds the type of a layer
+    matrix made float32 to `dequantized`."""
     heads = t.shape[0] // config.head_dim   # of q or k: the file's, or a process's share (load's part)
     rope_rows = permuted and (name.endswith(".wq") or name.endswith(".wk"))
     if t.type in kept and len(t.shape) == 2:
         # uint8 [rows, row bytes]; w_down_t stays [d, d_ff], the file's layout
-        data = _unpermute_rope(t.data, heads) if rope_rows else aligned(t.data)
-        if grouped and t.type == Q4_1 and name.startswith("layers."):
-            return QTensor(Q4_1X16, (group_rows(data, t.shape[1]),), t.shape[1])
-        return QTensor(t.type, (data,), t.shape[1])
+        return QTensor(t.type, (_unpermute_rope(t.data, heads) if rope_rows else aligned(t.data),), t.shape[1])
     if (kept and name == ("embed" if config.tie_embeddings else "lm_head")
             and t.type in GGUF_TYPES and GGUF_TYPES[t.type].relayout("int8")):
         # The output head: int8 on the host decode path, converted block by block without a float32 copy.

@@ -122,8 +122,7 @@ class QMatrix(nnx.Module):
         if slices <= 1:
             return jnp.einsum(spec, x, self[...])
         summed = (contract == 0) != self.transposed     # the stored rows are the axis summed over
-        group = blocks.TYPES[self.code].group            # rows whose blocks are interleaved (Q4_1x16)
-        step = -(-rows // slices // group) * group
+        step = -(-rows // slices // blocks.TYPES[self.code].group) * blocks.TYPES[self.code].group   # whole groups
         out = []
         for lo in range(0, rows, step):
             hi = min(rows, lo + step)
@@ -134,8 +133,7 @@ class QMatrix(nnx.Module):
         return out[-1] if summed else jnp.concatenate(out, axis=-1)
 
     def rows(self, ids):
-        """float32 rows ids [...] -> [..., cols] of the (untransposed) matrix (a type whose rows are not interleaved:
-        the embedding's)."""
+        """float32 rows ids [...] -> [..., cols] of the (untransposed) matrix; not of interleaved rows."""
         if blocks.TYPES[self.code].group > 1:
             raise ConfigError(f"{blocks.TYPES[self.code].name} rows are read 16 at a time, not gathered one by one")
         flat = ids.reshape(-1)
