@@ -75,7 +75,7 @@ def _emit_group(b, p, nb, inputs, outs):
 @intrinsic
 def _group_dots(typingctx, k, p, nb, codes, residues, dx4, sums, cols, y, y_stride):
     """An intrinsic: the dots of the Q4_1x16 group at address p (nb blocks) with k (1..TOKENS) inputs, token t's
-    arrays at row t of quantize_into's [tokens, ...] arrays for inputs of cols elements (as _q4_1_dots); token t's
+    arrays at row t of quantize_into's [tokens, ...] arrays for inputs of cols elements (as q8_dot.gemm's); token t's
     16 results are stored at y + t y_stride bytes."""
     if not all(isinstance(a, types.Integer) for a in (k, p, nb, codes, residues, dx4, sums, cols, y, y_stride)):
         return None

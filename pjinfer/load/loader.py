@@ -105,7 +105,7 @@ def load(path: str | os.PathLike | None = None, *, progress=None, keep: str | No
     loader never makes a float32 copy of those. A layer matrix of another type is dequantized, with one line
     saying so. part(config, name, tensor) -> tensor (GGUF only): this process's share of each tensor, taken before
     anything is copied (pjinfer.runtime.tensor_parallel.part); the file's pages of a share that was copied are
-    released. grouped (keep, no part): Q4_1 layers as Q4_1x16 (blocks.group_rows) if all layer rows are sixteens."""
+    released. grouped (with keep): Q4_1 layers as Q4_1x16 (blocks.group_rows) where all layer rows are sixteens."""
     path = default_model_path() if path is None else Path(path)
     if not path.exists():
         raise ConfigError(f"model not found: {path}")
@@ -247,8 +247,8 @@ def load_gguf(path: Path, *, progress=None, keep: str | None = None, neuron_rows
     """load for a GGUF file; neuron_rows: a PowerInfer file, whose F16/F32 FFN matrices stay as stored too."""
     kept = FORMATS[keep].layers & GGUF_TYPES.keys() if keep else frozenset()  # kept as stored (int8 keeps none)
     reader, config = gguf_header(path)
-    grouped = grouped and bool(keep) and part is None and not neuron_rows and not any(r % 16 for r in (
-        config.d_model, config.d_ff, config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim))
+    grouped = grouped and bool(keep) and not neuron_rows and (part is not None or not any(r % 16 for r in (
+        config.d_model, config.d_ff, config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim)))
     arch = reader.fields.get("general.architecture")
     check_tensors(reader, config, arch, path, beside=PREDICTOR_TENSORS + PLACEMENT_TENSORS)
     check_tokenizer_fields(reader, path)
@@ -286,8 +286,9 @@ def load_gguf(path: Path, *, progress=None, keep: str | None = None, neuron_rows
         keep_rows = neuron_rows and t.type in (GGML_F32, GGML_F16) and name.endswith(("w_gate", "w_up", "w_down_t"))
         weights[name] = aligned(t.data) if keep_rows else _gguf_weight(t, name, config, path, permuted=arch in (
             "llama", "bamboo"), kept=kept, dequantized=dequantized)
-        if grouped and name.startswith("layers.") and is_quantized(weights[name]) and weights[name].code == Q4_1:
-            weights[name] = weights[name].grouped()
+        w = weights[name]
+        if grouped and name.startswith("layers.") and is_quantized(w) and w.code == Q4_1 and w.shape[0] % 16 == 0:
+            weights[name] = w.grouped()   # (a process's share: its own rows)
         if not _aliases(weights[name], stored.data):
             reader.release(stored)   # a copy was made: the file's pages of it need not stay resident
         if progress:

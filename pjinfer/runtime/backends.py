@@ -70,7 +70,7 @@ class Backend:
     decode in one step; neuron_rows: the file's layout it reads, PowerInfer's (True), llama.cpp's (False) or
     either (None); parallel: split over processes (tensor parallel), one-token steps only; split: the first
     layers in XLA, the rest on the host decoder (Request.offload_layers); grouped: its Q4_1 layers are loaded
-    relaid 16 rows together (cpu_offload.blocks.group_rows, q8_dot's fastest Q4_1 form)."""
+    relaid 16 rows together (cpu_offload.blocks.group_rows, q4_groups' Q4_1 form)."""
     name: str
     weights: tuple[str, ...]
     rule: str | None
@@ -121,7 +121,8 @@ BACKENDS = (
     Backend("powerinfer", ("gguf",), PREDICTORS, ("xla",), host=True, batched=False, neuron_rows=True),
     Backend("powerinfer-dense", ("gguf",), None, ("xla",), host=True, batched=False, neuron_rows=True),
     Backend("powerinfer-hybrid", ("gguf",), PREDICTORS, PALLAS_BACKENDS, host=False, batched=False, neuron_rows=True),
-    Backend("tensor-parallel", ("q4_1", "gguf"), None, ("xla",), host=True, batched=False, parallel=True),
+    Backend("tensor-parallel", ("q4_1", "gguf"), None, ("xla",), host=True, batched=False, parallel=True,
+            grouped=True),
     Backend("layer-split", ("q4_1", "int8", "gguf"), None, ("xla",), host=True, batched=True, split=True,
             grouped=True),
 )
