@@ -25,10 +25,12 @@ A matrix of these is one uint8 array [rows, row_bytes(cols)]. ``Q4_1x16`` is Q4_
 decode (``group_rows``): rows in groups of 16, each group's bytes (its 16 rows' worth, in the same array shape)
 block by block: the 16 rows' d (f16 x 16), their m (f16 x 16), then 256 bytes in four chunks c of 64, byte 4 r + t
 of chunk c holding row r's code of element 4 c + t (low nibble) and of element 16 + 4 c + t (high nibble). A
-dot of 16 rows with an input then takes four inputs at a time for all 16 rows (``q8_dot``), and their scales are
-one vector. The same numbers in the same bytes, one matrix in memory. pjinfer's own int8 (code -1, no ggml type) is two
-arrays: int8 [rows, cols] and a float32 scale per block of 64 inputs [rows, cols / 64] (``int8.quantize``; every
-matrix with ``--weights int8``, and the host decode's output head).
+dot of 16 rows with an input then takes four inputs at a time for all 16 rows (``q4_groups``), and their scales
+are one vector. The same numbers in the same bytes, one matrix in memory.
+
+pjinfer's own int8 (code -1, no ggml type) is two arrays: int8 [rows, cols] and a float32 scale per block of 64
+inputs [rows, cols / 64] (``int8.quantize``; every matrix with ``--weights int8``, and the host decode's output
+head).
 
 ``BlockType.dequantize(arrays, cols, xp)`` computes the float32 values from a matrix's arrays; for the GGUF types
 with the same float32 operations, in the same order, as the gguf package's numpy dequantizer
