@@ -106,8 +106,7 @@ def gemv_table(reps: int, cols: int = 1536, matrix_bytes: int = 4 << 20, matrice
         if t.values is None:
             continue
         if t.group > 1:   # a relaid type (Q4_1x16): its source type's matrices, relaid (no draws from rng)
-            source = next(c for c, src in blocks.TYPES.items() if any(by.startswith("blocks.group_rows")
-                                                                      for _, by in src.relayouts))
+            source = next(c for c, src in blocks.TYPES.items() if src.relayout("x16"))
             rows = made[source][0].shape[0] // t.group * t.group
             mats = [blocks.group_rows(m[:rows], cols) for m in made[source]]
         else:

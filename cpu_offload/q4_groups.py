@@ -22,7 +22,7 @@ from . import blocks, ffi, kernels, q8_input, vector_ir  # noqa: E402
 from .blocks import Q4_1X16  # noqa: E402
 from .contract import ConfigError  # noqa: E402
 from .kernels import ahead_into_l2, prefetch_lines  # noqa: E402
-from .vector_ir import F32, I32, I64, V16F, V16I32, V64I8, ZERO16, dot4, i8s, load  # noqa: E402
+from .vector_ir import F32, I32, I64, V16F, V64I8, ZERO16, dot4, i8s, ints, load, splat  # noqa: E402
 
 ffi.purge_stale_cache("q4_groups", kernels, blocks, vector_ir, q8_input)
 
@@ -32,10 +32,9 @@ TOKENS = 4                           # tokens a pass of gemm reads a group for
 assert q8_input.FINE == 256          # _emit_group scales the codes' products by a shift of 8
 
 
-def _splat(b, addr, ty):
-    """The 32-bit value at addr (a float32, or four int8 as i32) in 16 lanes: one broadcast load."""
-    one = b.insert_element(ir.Constant(ir.VectorType(ty, 16), ir.Undefined), load(b, addr, ty, 1), I32(0))
-    return b.shuffle_vector(one, one, ir.Constant(V16I32, [0] * 16))
+def _at(b, addr, ty):
+    """The 32-bit value at addr (a float32, or four int8 as an i32) in 16 lanes: one broadcast load."""
+    return splat(b, load(b, addr, ty, 1))
 
 
 def _emit_group(b, p, nb, inputs, outs):
@@ -47,7 +46,7 @@ def _emit_group(b, p, nb, inputs, outs):
     and acc += that sum times d. Each input takes the same operations whatever the others."""
     fma = vector_ir.vector_intrinsic(b, "llvm.fma", 3)
     accs = [cgutils.alloca_once_value(b, ZERO16) for _ in inputs]
-    shift = ir.Constant(V16I32, [8] * 16)
+    shift = ints(8)   # FINE = 2^8
     halves = ir.VectorType(ir.HalfType(), 16)
     with cgutils.for_range(b, nb) as loop:
         bp = b.add(p, b.mul(loop.index, I64(320)))
@@ -60,13 +59,13 @@ def _emit_group(b, p, nb, inputs, outs):
             for w, lane in ((b.and_(raw, i8s(15, 64)), c), (b.lshr(raw, i8s(4, 64)), c + 4)):
                 e = b.add(e0, I64(4 * lane))
                 for t, (codes, residues, dx4, _) in enumerate(inputs):
-                    pc = dot4(b, w, b.bitcast(_splat(b, b.add(codes, e), I32), V64I8))
-                    pr = dot4(b, w, b.bitcast(_splat(b, b.add(residues, e), I32), V64I8), b.shl(pc, shift))
-                    parts[t] = b.call(fma, [b.sitofp(pr, V16F), _splat(b, b.add(dx4, e), F32), parts[t]])
+                    pc = dot4(b, w, b.bitcast(_at(b, b.add(codes, e), I32), V64I8))
+                    pr = dot4(b, w, b.bitcast(_at(b, b.add(residues, e), I32), V64I8), b.shl(pc, shift))
+                    parts[t] = b.call(fma, [b.sitofp(pr, V16F), _at(b, b.add(dx4, e), F32), parts[t]])
         for t, (_, _, _, sums) in enumerate(inputs):
             g = b.add(sums, b.mul(loop.index, I64(8)))     # the block's two sums of 16 inputs
-            acc = b.call(fma, [m, _splat(b, g, F32), b.load(accs[t])])
-            acc = b.call(fma, [m, _splat(b, b.add(g, I64(4)), F32), acc])
+            acc = b.call(fma, [m, _at(b, g, F32), b.load(accs[t])])
+            acc = b.call(fma, [m, _at(b, b.add(g, I64(4)), F32), acc])
             b.store(b.call(fma, [parts[t], d, acc]), accs[t])
     for acc, out in zip(accs, outs):
         b.store(b.load(acc), vector_ir.pointer(b, out, V16F), align=4)

@@ -32,7 +32,7 @@ from numba.extending import intrinsic  # noqa: E402
 
 from . import ffi, kernels, q4, q8_dot, vector_ir  # noqa: E402
 from . import blocks  # noqa: E402
-from .blocks import GGUF_TYPES, KIND_CODES, Q4_0, Q4_1, Q4_1X16, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, TYPES  # noqa: E402
+from .blocks import GGUF_TYPES, KIND_CODES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, TYPES  # noqa: E402
 from .kernels import ahead_into_l2, prefetch_lines  # noqa: E402
 from .vector_ir import F32, I32, I64, V16F, V16I32, V16I8, ints, load, splat  # noqa: E402
 
@@ -43,7 +43,7 @@ _F0 = np.float32(0.0)
 # Block bytes by type code, as a table Numba code can index (0: not a block type here).
 _BLOCK_BYTES = np.zeros(KIND_CODES, np.int64)
 _BLOCK = np.zeros(KIND_CODES, np.int64)
-for _k, _t in [*GGUF_TYPES.items(), (Q4_1X16, TYPES[Q4_1X16])]:
+for _k, _t in ((k, t) for k, t in TYPES.items() if t.values is not None):   # the GGUF types and Q4_1x16
     _BLOCK_BYTES[_k], _BLOCK[_k] = _t.nbytes, _t.block
 
 
