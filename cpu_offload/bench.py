@@ -6,8 +6,9 @@
     (30 distinct layers in turn, 318 MB);
 (c) 30 such layers through the bridge in one jitted function (fori_loop over layers): ms per token;
 (d) ``--gemv`` (alone): each block type's host GEMV (quants.gemv) on one thread over rows of 1536 columns, GB/s of
-    matrix bytes from cache (one 4 MB matrix again and again) and from DRAM (16 such matrices in turn), with the
-    ratio to Q4_1's and an MD5 of the output (equal across trees when the arithmetic is). Random bytes: speed only;
+    matrix bytes from cache (one 4 MB matrix again and again) and from memory (4 MB matrices in turn, twice the
+    last-level cache or 64 MB), as a share of the rate one thread reads those bytes at, with the ratio to Q4_1's
+    and an MD5 of the output (equal across trees when the arithmetic is). Random bytes: speed only;
 (e) ``--attention`` (alone): the host decode's attention (attention.attend_share) for one token on one thread, a
     SmolLM2 layer's shape (9 query heads, 3 KV heads, head_dim 64, float16 caches of 1024 positions), at several
     cache lengths: us a layer from L2 (one layer again and again) and from the last-level cache or DRAM (30 layers in
@@ -29,7 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
-from . import attention, blocks, bridge, cold_handler, kernels, quants  # noqa: E402
+from . import attention, blocks, bridge, cold_handler, cpu_caches, kernels, quants  # noqa: E402
 
 
 def _median_time(fn, repeats: int, inner: int = 1) -> float:
@@ -95,35 +96,51 @@ def attention_table(reps: int, lengths=(16, 128, 576, 1024), layers: int = 30) -
               f"{turn * 1e6:7.1f} us ({cache_bytes / turn / 1e9:5.1f} GB/s)")
 
 
-def gemv_table(reps: int, cols: int = 1536, matrix_bytes: int = 4 << 20, matrices: int = 16) -> None:
-    """(d) See the module docstring."""
+def gemv_table(reps: int, cols: int = 1536, matrix_bytes: int = 4 << 20, memory_bytes: int | None = None) -> None:
+    """(d) See the module docstring; `memory_bytes` (default: twice the last-level cache, at least 64 MB) the bytes
+    read in turn."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal(cols, dtype=np.float32)
-    print(f"(d) one thread, {cols} columns, {matrix_bytes >> 20} MB a matrix; GB/s from cache | from DRAM "
-          f"({matrices} matrices in turn)")
-    rates, made = {}, {}
+    matrices = -(-(memory_bytes or cpu_caches.beyond_caches(64 << 20)) // matrix_bytes)
+    print(f"(d) one thread, {cols} columns, {matrix_bytes >> 20} MB a matrix; GB/s from cache | from memory "
+          f"({matrices} matrices in turn, twice the last-level cache) | share of one thread's read rate")
+    rates, source_mats, read = {}, None, None
     for t in blocks.TYPES.values():
         if t.values is None:
             continue
         if t.group > 1:   # a relaid type (Q4_1x16): its source type's matrices, relaid (no draws from rng)
-            source = next(c for c, src in blocks.TYPES.items() if src.relayout("x16"))
-            rows = made[source][0].shape[0] // t.group * t.group
-            mats = [blocks.group_rows(m[:rows], cols) for m in made[source]]
+            rows = source_mats[0].shape[0] // t.group * t.group
+            mats = [blocks.group_rows(m[:rows], cols) for m in source_mats]
         else:
             rows = matrix_bytes // t.row_bytes(cols)
             # Bytes below 0x3c: every float16 scale is then finite and under 1 in magnitude, so the outputs are
-            # finite and their MD5 compares the arithmetic (no kernel's speed depends on the values).
-            mats = made[t.code] = [rng.integers(0, 0x3C, (rows, t.row_bytes(cols)), dtype=np.uint8)
-                                   for _ in range(matrices)]
+            # finite and their MD5 compares the arithmetic (no kernel's speed depends on the values). One draw,
+            # copied: distinct memory to read, the same values.
+            first = rng.integers(0, 0x3C, (rows, t.row_bytes(cols)), dtype=np.uint8)
+            mats = [first] + [first.copy() for _ in range(matrices - 1)]
+            if t.relayout("x16"):
+                source_mats = mats
         y = np.zeros(rows, np.float32)
         hot = _median_time(lambda: quants.gemv(t.code, mats[0], x, y, 0, rows), reps, 10)
         digest = hashlib.md5(y.tobytes()).hexdigest()[:10]
         dram = _median_time(lambda: [quants.gemv(t.code, m, x, y, 0, rows) for m in mats], reps) / matrices
+        if read is None:
+            read = sum(m.nbytes for m in mats) / _median_time(lambda: [_read_all(m.reshape(-1).view(np.uint64))
+                                                                       for m in mats], reps) / 1e9
+            print(f"    one thread reads {read:.2f} GB/s from memory (a sum of the same matrices' words)")
         rates[t.name] = (mats[0].nbytes / hot / 1e9, mats[0].nbytes / dram / 1e9, digest)
     hot_q4_1, dram_q4_1, _ = rates["Q4_1"]
     for name, (hot, dram, digest) in rates.items():
-        print(f"    {name:7} {hot:6.2f} | {dram:6.2f} GB/s | {hot / hot_q4_1:.2f}x, {dram / dram_q4_1:.2f}x Q4_1's "
-              f"| md5 {digest}")
+        print(f"    {name:7} {hot:6.2f} | {dram:6.2f} GB/s | {100 * dram / read:3.0f}% | {hot / hot_q4_1:.2f}x, "
+              f"{dram / dram_q4_1:.2f}x Q4_1's | md5 {digest}")
+
+
+@numba.njit(nogil=True, cache=True)
+def _read_all(words):
+    total = np.uint64(0)
+    for i in range(words.shape[0]):
+        total += words[i]
+    return total
 
 
 def call_overhead(setup, reps: int) -> None:

@@ -3,6 +3,8 @@ each GEMV against float64 numpy on gguf's own dequantized values, the jnp dequan
 quantizer against gguf's dequantizer, and a real decode step from a GGUF file in every type and in a mix."""
 from __future__ import annotations
 
+import re
+
 import gguf
 import numpy as np
 import pytest
@@ -251,3 +253,18 @@ def test_decode_step_in_the_files_own_blocks_equals_float32_on_gguf_values(tmp_p
     np.testing.assert_allclose(score(Transformer(config, stored)), score(Transformer(config, values)),
                                rtol=1e-4, atol=1e-4 * np.abs(want).max())
     np.testing.assert_allclose(score(Transformer(config, values)), want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+
+
+def test_the_gemv_benchmark_reports_every_block_type_from_cache_and_from_memory(capsys):
+    """`python -m cpu_offload.bench --gemv`'s table (docs/performance.md): the matrices read in turn span the bytes
+    asked for, and each block type with values has a row with both rates, their share of one thread's read rate,
+    and its output's MD5."""
+    from cpu_offload import bench
+
+    bench.gemv_table(1, cols=256, matrix_bytes=64 << 10, memory_bytes=200 << 10)
+    lines = capsys.readouterr().out.splitlines()
+    assert "(4 matrices in turn" in lines[0] and "one thread reads" in lines[1]
+    names = [t.name for t in blocks.TYPES.values() if t.values is not None]
+    assert [r.split()[0] for r in lines[2:]] == names and "Q4_1x16" in names
+    for r in lines[2:]:
+        assert re.search(r"[\d.]+ \| +[\d.]+ GB/s \| +\d+% \| [\d.]+x, [\d.]+x Q4_1's \| md5 [0-9a-f]{10}$", r), r

@@ -266,7 +266,7 @@ def read_bandwidth(megabytes: int | None = None, repeats: int = 5) -> float:
     caches (default: 512 MB, or twice the last-level cache where that is larger), on every core (a decode step has
     all of them)."""
     if megabytes is None:
-        megabytes = max(512, 2 * (machine.last_level_cache_bytes() or 0) >> 20)
+        megabytes = machine.beyond_caches(512 << 20) >> 20
     @njit(parallel=True, fastmath=True, nogil=True)
     def total(a):
         s = 0.0

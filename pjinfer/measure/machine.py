@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 
+from cpu_offload.cpu_caches import beyond_caches, last_level_cache_bytes  # noqa: F401  (bench's, tests')
+
 BUSY_WARNING = 0.10     # a share of steal or of other work above this makes the figures a busy machine's
 
 
@@ -51,20 +53,3 @@ def describe(share: dict | None) -> str | None:
     if max(share.values()) > BUSY_WARNING:
         line += f"; over {100 * BUSY_WARNING:.0f}%, so these figures are a busy machine's: compare only within this run"
     return line
-
-
-def last_level_cache_bytes() -> int | None:
-    """The size of the largest CPU cache that cpu0 sees (Linux sysfs; None elsewhere or when unreadable). A VM reports
-    the host's cache, which other guests share: what fits in it may, not must, be read from it."""
-    sizes = []
-    root = "/sys/devices/system/cpu/cpu0/cache"
-    try:
-        for index in os.listdir(root):
-            if index.startswith("index"):
-                with open(f"{root}/{index}/size") as f:
-                    text = f.read().strip()
-                unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-                sizes.append(int(text.rstrip("KMG")) * unit)
-    except (OSError, ValueError):
-        return None
-    return max(sizes) if sizes else None
