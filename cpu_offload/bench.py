@@ -103,7 +103,7 @@ def gemv_table(reps: int, cols: int = 1536, matrix_bytes: int = 4 << 20, memory_
     x = rng.standard_normal(cols, dtype=np.float32)
     matrices = -(-(memory_bytes or cpu_caches.beyond_caches(64 << 20)) // matrix_bytes)
     print(f"(d) one thread, {cols} columns, {matrix_bytes >> 20} MB a matrix; GB/s from cache | from memory "
-          f"({matrices} matrices in turn, twice the last-level cache) | share of one thread's read rate")
+          f"({matrices} matrices in turn, {matrices * matrix_bytes >> 20} MB) | share of one thread's read rate")
     rates, source_mats, read = {}, None, None
     for t in blocks.TYPES.values():
         if t.values is None:

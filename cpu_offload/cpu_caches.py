@@ -1,4 +1,4 @@
-"""The CPU's cache sizes as Linux reports them (numpy only, no Numba): what a measurement must exceed to read
+"""The CPU's cache sizes as Linux reports them (the standard library only): what a measurement must exceed to read
 from memory rather than from a cache."""
 from __future__ import annotations
 

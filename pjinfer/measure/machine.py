@@ -7,10 +7,11 @@ these shares beside its figures and warns when they are large.
     before = machine.sample()
     ...                                    # the measurement
     shares = machine.shares(before, machine.sample())    # {"steal": 0.31, "others": 0.12} or None
+
+The cache sizes a measurement must exceed to read memory (`last_level_cache_bytes`, `beyond_caches`) live in
+cpu_offload.cpu_caches, where the kernels' own benchmark reads them too, and are named here for the app's.
 """
 from __future__ import annotations
-
-import os
 
 from cpu_offload.cpu_caches import beyond_caches, last_level_cache_bytes  # noqa: F401  (bench's, tests')
 
