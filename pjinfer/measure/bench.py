@@ -77,8 +77,8 @@ def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: i
     kept): a decode rate that reads more than it from memory raises BenchError, where what a step reads from memory
     is at least its bytes less the CPU's last-level cache (machine.last_level_cache_bytes), which may hold that
     many of them from step to step (a model larger than the cache keeps part of itself there). Bytes per token
-    within the cache are no bound at all (the engine's "fits_in_cache"). sampling: how the engines choose each token (default greedy); a peer chooses
-    its own way (llama-bench samples nothing)."""
+    within the cache are no bound at all (the engine's "fits_in_cache"). sampling: how the engines choose each
+    token (default greedy); a peer chooses its own way (llama-bench samples nothing)."""
     first = next(iter(engines.values()))
     prompt = bench_prompt(first, prompt_len)
     _, cache_len = first.plan(prompt_len, 1 + new_tokens)
