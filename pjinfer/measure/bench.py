@@ -119,14 +119,9 @@ def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: i
             results[name]["bytes_per_token"] = gguf_bytes_per_token(first, prompt_len + new_tokens // 2, share)
         step_bytes = results[name]["bytes_per_token"]
         results[name]["fits_in_cache"] = cache is not None and step_bytes <= cache
-        from_memory = max(0.0, step_bytes - (cache or 0)) * decode
-        if from_memory > bandwidth and probe:   # the probe may have run beside other work: the best of two probes
-            bandwidth, probe = max(bandwidth, read_bandwidth()), False
-        if from_memory > bandwidth:
-            held = f" beyond the {cache / 1e6:.0f} MB the last-level cache holds" if cache else ""
-            raise BenchError(f"{name} decoded at {decode:.1f} tok/s, which reads {from_memory / 1e9:.1f} GB/s{held}, "
-                             f"above the measured bandwidth of {bandwidth / 1e9:.1f} GB/s: the timing is wrong, not "
-                             "the engine")
+        if from_memory(step_bytes, cache, decode) > bandwidth and probe:   # the probe may have run beside other
+            bandwidth, probe = max(bandwidth, read_bandwidth()), False          # work: the best of two probes
+        refuse_above_bandwidth(name, decode, step_bytes, cache, bandwidth)
     for name in results:  # median over runs of the pair's ratio: both ran back to back in each run
         results[name]["decode_over"] = {other: statistics.median(a / b for a, b in zip(decode_runs[name],
                                                                                        decode_runs[other]))
@@ -141,6 +136,23 @@ def run(engines: dict[str, Engine], *, prompt_len: int, new_tokens: int, runs: i
             "read_bandwidth_gb_s": bandwidth / 1e9, "last_level_cache_mb": None if cache is None else cache / 1e6,
             "machine": busy, "peer": peer_info,
             "sampling": dataclasses.asdict(sampling)}
+
+
+def from_memory(step_bytes: float, cache: int | None, decode: float) -> float:
+    """The fewest bytes a second a decode at `decode` tok/s reads from memory: each step's bytes less what the
+    last-level cache (`cache` bytes, None where unknown) may hold of them from step to step."""
+    return max(0.0, step_bytes - (cache or 0)) * decode
+
+
+def refuse_above_bandwidth(name: str, decode: float, step_bytes: float, cache: int | None, bandwidth: float):
+    """Raise BenchError where a decode at `decode` tok/s would read more from memory (from_memory) than `bandwidth`
+    bytes a second: the timing is wrong, not the engine."""
+    rate = from_memory(step_bytes, cache, decode)
+    if rate > bandwidth:
+        held = f" beyond the {cache / 1e6:.0f} MB the last-level cache holds" if cache else ""
+        raise BenchError(f"{name} decoded at {decode:.1f} tok/s, which reads {rate / 1e9:.1f} GB/s{held}, "
+                         f"above the measured bandwidth of {bandwidth / 1e9:.1f} GB/s: the timing is wrong, not "
+                         "the engine")
 
 
 # The peer's row name in bench's results, by --peer.
