@@ -305,7 +305,7 @@ def row_dot(typingctx, kind, p, nb, codes, residues, dx4, sums, lane_sums):
 
 
 @intrinsic
-def _q4_1_dots(typingctx, k, p, nb, codes, residues, dx4, sums, lane_sums, cols, y, y_stride):
+def _row_dots(typingctx, k, p, nb, codes, residues, dx4, sums, lane_sums, cols, y, y_stride):
     """An intrinsic: the dots of the Q4_1 row of nb blocks at address p with k (1..GROUP_TOKENS) inputs, token t's
     arrays at row t of quantize_into's [tokens, ...] arrays for inputs of cols elements (codes and residues + t
     cols, dx4 + t cols, sums + t cols / 4, lane_sums + t cols bytes); token t's result is stored at y + t y_stride
@@ -390,6 +390,6 @@ def gemm(kind, q, x, y, nt, lo, hi):
         if r + PREFETCH_ROWS < hi:
             prefetch_lines(q, r + PREFETCH_ROWS, into_l2)
         for g in range(0, nt, GROUP_TOKENS):
-            _q4_1_dots(min(GROUP_TOKENS, nt - g), base + r * q.strides[0], nb, codes[g].ctypes.data,
+            _row_dots(min(GROUP_TOKENS, nt - g), base + r * q.strides[0], nb, codes[g].ctypes.data,
                        residues[g].ctypes.data, dx4[g].ctypes.data, sums[g].ctypes.data, lane_sums[g].ctypes.data, cols,
                        y.ctypes.data + g * y.strides[0] + 4 * r, y.strides[0])

@@ -74,7 +74,7 @@ def worker(model: str, coordinator: str, n: int, index: int, tokens: int, runs: 
 
     jax.numpy.zeros(1).block_until_ready()
     floor = _rss_mb("VmRSS")   # the code imported and JAX started: what a process holds without a model
-    engine = Engine.load(model, weights="q4_1", parallel=n > 0)
+    engine = Engine.load(model, weights="auto", parallel=n > 0)   # the file's own blocks
     prompt = bench_prompt(engine, 16)
     _, cache_len = engine.plan(len(prompt), tokens)
     rates = []

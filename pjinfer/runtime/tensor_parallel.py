@@ -268,7 +268,7 @@ def part(config, name: str, t):
         return t
     if t.type not in TYPES or len(t.shape) != 2:
         raise ConfigError(f"tensor parallel slices a file's quantized blocks; {t.name} is not in a block type "
-                          "(--weights q4_1 runs a Q4_1 file, --weights gguf one of llama.cpp's block types)")
+                          "the host decode runs (a file quantized by llama.cpp: --weights auto runs its own blocks)")
     try:
         shard = getattr(QTensor(t.type, (t.data,), t.shape[1]), how[0])(*how[1])
     except ConfigError:   # QTensor.columns: the cut falls inside a block
