@@ -391,5 +391,5 @@ def gemm(kind, q, x, y, nt, lo, hi):
             prefetch_lines(q, r + PREFETCH_ROWS, into_l2)
         for g in range(0, nt, GROUP_TOKENS):
             _row_dots(min(GROUP_TOKENS, nt - g), base + r * q.strides[0], nb, codes[g].ctypes.data,
-                       residues[g].ctypes.data, dx4[g].ctypes.data, sums[g].ctypes.data, lane_sums[g].ctypes.data, cols,
-                       y.ctypes.data + g * y.strides[0] + 4 * r, y.strides[0])
+                      residues[g].ctypes.data, dx4[g].ctypes.data, sums[g].ctypes.data, lane_sums[g].ctypes.data, cols,
+                      y.ctypes.data + g * y.strides[0] + 4 * r, y.strides[0])

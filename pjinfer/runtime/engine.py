@@ -48,10 +48,11 @@ class Engine:
         `weights` are a PowerInfer file's as the loader keeps them with neuron_rows (the weights_format of
         backends.BACKENDS' powerinfer rows), run on the host with the file's `predictors`
         (pjinfer.load.powerinfer.Predictors), or dense without them. parallel: split over the processes
-        jax.distributed joined (pjinfer.runtime.tensor_parallel; the formats of backends.BACKENDS' tensor-parallel row). layers: a layer
-        split (--offload-layers; backends.Plan.layers): (k, n_layers), the first k layers in XLA on the stored
-        blocks, the rest and the head on the host decode (none of them when k is n_layers). placement: a PowerInfer
-        file's hot neurons (bool [n_layers, d_ff]) with a Pallas hot_backend: the powerinfer-hybrid row."""
+        jax.distributed joined (pjinfer.runtime.tensor_parallel; the formats of backends.BACKENDS' tensor-parallel
+        row). layers: a layer split (--offload-layers; backends.Plan.layers): (k, n_layers), the first k layers in
+        XLA on the stored blocks, the rest and the head on the host decode (none of them when k is n_layers).
+        placement: a PowerInfer file's hot neurons (bool [n_layers, d_ff]) with a Pallas hot_backend: the
+        powerinfer-hybrid row."""
         rule = THRESHOLDS if thresholds is not None else backends.PREDICTORS if predictors is not None else None
         self.backend = backends.select(weights_format, rule, hot_backend, neuron_rows=neuron_rows, parallel=parallel,
                                        split=layers is not None)
